@@ -1,0 +1,287 @@
+//! The vocabulary every other module speaks: GPUs and MIG instances, the pairwise
+//! topology, and what a reservation asks for.
+//!
+//! Depends on std and serde only. Nothing here does I/O; the `gpu` module fills these
+//! types from NVML, `placement` reasons about them, `store` persists them.
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+/// How two GPUs are connected over PCIe, as NVML's `nvmlGpuTopologyLevel_t` names it.
+///
+/// Ordered from closest to farthest, so `a < b` means `a` is the better connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PcieLevel {
+    /// Same board (e.g. the two GPUs of a dual-GPU card). NVML `INTERNAL`.
+    Board,
+    /// Behind a single PCIe switch. NVML `SINGLE`, `nvidia-smi topo -m` `PIX`.
+    SingleSwitch,
+    /// Behind several PCIe switches, not crossing a host bridge. NVML `MULTIPLE`, `PXB`.
+    MultipleSwitches,
+    /// Behind the same PCIe host bridge. NVML `HOSTBRIDGE`, `PHB`.
+    HostBridge,
+    /// Same NUMA node, different host bridges. NVML `NODE`.
+    NumaNode,
+    /// Across CPU sockets (SMP interconnect). NVML `SYSTEM`, `SYS`.
+    System,
+}
+
+impl PcieLevel {
+    /// Every level, closest first.
+    pub const ALL: [PcieLevel; 6] = [
+        PcieLevel::Board,
+        PcieLevel::SingleSwitch,
+        PcieLevel::MultipleSwitches,
+        PcieLevel::HostBridge,
+        PcieLevel::NumaNode,
+        PcieLevel::System,
+    ];
+
+    /// The pair score DESIGN.md assigns to this PCIe distance.
+    pub fn score(self) -> u32 {
+        match self {
+            PcieLevel::Board => 60,
+            PcieLevel::SingleSwitch => 50,
+            PcieLevel::MultipleSwitches => 40,
+            PcieLevel::HostBridge => 30,
+            PcieLevel::NumaNode => 20,
+            PcieLevel::System => 10,
+        }
+    }
+
+    /// The abbreviation `nvidia-smi topo -m` prints for this level.
+    pub fn abbreviation(self) -> &'static str {
+        match self {
+            PcieLevel::Board => "PSB",
+            PcieLevel::SingleSwitch => "PIX",
+            PcieLevel::MultipleSwitches => "PXB",
+            PcieLevel::HostBridge => "PHB",
+            PcieLevel::NumaNode => "NODE",
+            PcieLevel::System => "SYS",
+        }
+    }
+
+    /// Parses the `nvidia-smi topo -m` abbreviation back (`PIX`, `SYS`, ...).
+    pub fn from_abbreviation(s: &str) -> Option<PcieLevel> {
+        PcieLevel::ALL.into_iter().find(|l| l.abbreviation() == s)
+    }
+}
+
+/// The connection between two distinct GPUs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Link {
+    /// PCIe distance (reported for NVLinked pairs too).
+    pub pcie: PcieLevel,
+    /// Number of active NVLinks joining the two GPUs (0 when none).
+    pub nvlinks: u32,
+}
+
+impl Link {
+    /// Score bonus for each NVLink between a pair, per DESIGN.md.
+    pub const NVLINK_SCORE: u32 = 100;
+
+    /// The pair score used by placement: PCIe score plus 100 per NVLink.
+    pub fn score(self) -> u32 {
+        self.pcie.score() + self.nvlinks * Self::NVLINK_SCORE
+    }
+}
+
+impl fmt::Display for Link {
+    /// `nvidia-smi topo -m` notation: `NV#` when NVLinked, else the PCIe abbreviation.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.nvlinks > 0 {
+            write!(f, "NV{}", self.nvlinks)
+        } else {
+            f.write_str(self.pcie.abbreviation())
+        }
+    }
+}
+
+/// The symmetric pairwise link matrix between the physical GPUs, indexed by GPU index.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Topology {
+    size: usize,
+    /// Row-major `size × size`; the diagonal holds a placeholder never read.
+    links: Vec<Link>,
+}
+
+impl Topology {
+    /// A topology where every pair is connected by `link`.
+    pub fn uniform(size: usize, link: Link) -> Topology {
+        Topology {
+            size,
+            links: vec![link; size * size],
+        }
+    }
+
+    /// Number of GPUs the matrix covers.
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    /// The link between GPUs `a` and `b` (`a != b`), or `None` when out of range.
+    pub fn link(&self, a: usize, b: usize) -> Option<Link> {
+        if a >= self.size || b >= self.size || a == b {
+            return None;
+        }
+        self.links.get(a * self.size + b).copied()
+    }
+
+    /// Sets the link between `a` and `b` in both directions. Out-of-range indices are ignored.
+    pub fn set_link(&mut self, a: usize, b: usize, link: Link) {
+        if a >= self.size || b >= self.size {
+            return;
+        }
+        self.links[a * self.size + b] = link;
+        self.links[b * self.size + a] = link;
+    }
+
+    /// Pair score of `a` and `b` (0 for the same GPU or out of range).
+    pub fn score(&self, a: usize, b: usize) -> u32 {
+        self.link(a, b).map_or(0, Link::score)
+    }
+}
+
+/// A MIG (multi-instance GPU) slice: a separately allocatable unit with hard memory isolation.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MigInstance {
+    /// `MIG-…` UUID, what `CUDA_VISIBLE_DEVICES` names.
+    pub uuid: String,
+    /// Index of the physical GPU that holds it.
+    pub parent_index: u32,
+    /// Position among the parent's MIG devices (NVML's MIG device index).
+    pub mig_index: u32,
+    /// NVML GPU instance id.
+    pub gpu_instance_id: u32,
+    /// NVML compute instance id.
+    pub compute_instance_id: u32,
+    /// Device name as NVML reports it (e.g. `NVIDIA A100-SXM4-80GB MIG 3g.40gb`).
+    pub name: String,
+    /// Memory of the instance.
+    pub memory_total_bytes: u64,
+}
+
+/// One physical GPU as discovered at start.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Gpu {
+    /// NVML index.
+    pub index: u32,
+    /// `GPU-…` UUID.
+    pub uuid: String,
+    /// Product name.
+    pub name: String,
+    /// PCI bus id as NVML prints it (`00000000:07:00.0`).
+    pub pci_bus_id: String,
+    /// Minor number: the `N` in `/dev/nvidiaN`.
+    pub minor_number: Option<u32>,
+    /// Total framebuffer memory.
+    pub memory_total_bytes: u64,
+    /// NUMA node closest to the GPU, when known.
+    pub numa_node: Option<u32>,
+    /// CPUs closest to the GPU (ideal affinity), ascending.
+    pub cpu_affinity: Vec<u32>,
+    /// MIG instances when the GPU is in MIG mode; empty otherwise.
+    pub mig_instances: Vec<MigInstance>,
+    /// Whether the GPU is in MIG mode (then only its instances are allocatable).
+    pub mig_enabled: bool,
+    /// Whether the GPU answered NVML at discovery.
+    pub healthy: bool,
+}
+
+/// Everything gpud knows about the machine's GPUs, read once at start.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GpuInventory {
+    /// Driver version string, when the library reports one.
+    pub driver_version: Option<String>,
+    /// CUDA driver API version (`12040` style), when reported.
+    pub cuda_driver_version: Option<i32>,
+    /// The GPUs, in NVML index order (`gpus[i].index == i`).
+    pub gpus: Vec<Gpu>,
+    /// Pairwise links between the GPUs.
+    pub topology: Topology,
+}
+
+/// Something that can be handed to one workload: a whole GPU or one MIG instance.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Unit {
+    /// `GPU-…` or `MIG-…`; what the workload's `CUDA_VISIBLE_DEVICES` will name.
+    pub uuid: String,
+    /// Physical GPU index (the parent's index for a MIG instance); indexes the topology.
+    pub gpu_index: u32,
+    /// For a MIG instance, its index among the parent's MIG devices.
+    pub mig_index: Option<u32>,
+    /// Memory of the unit.
+    pub memory_total_bytes: u64,
+}
+
+impl Unit {
+    /// Whether this unit is a MIG instance (allocated whole, hard memory isolation).
+    pub fn is_mig(&self) -> bool {
+        self.mig_index.is_some()
+    }
+}
+
+impl GpuInventory {
+    /// The allocatable units: every GPU not in MIG mode, and every MIG instance, ordered by
+    /// GPU index then MIG index. A GPU in MIG mode with no instances offers nothing.
+    pub fn units(&self) -> Vec<Unit> {
+        let mut units = Vec::new();
+        for gpu in &self.gpus {
+            if gpu.mig_enabled {
+                units.extend(gpu.mig_instances.iter().map(|m| Unit {
+                    uuid: m.uuid.clone(),
+                    gpu_index: gpu.index,
+                    mig_index: Some(m.mig_index),
+                    memory_total_bytes: m.memory_total_bytes,
+                }));
+            } else {
+                units.push(Unit {
+                    uuid: gpu.uuid.clone(),
+                    gpu_index: gpu.index,
+                    mig_index: None,
+                    memory_total_bytes: gpu.memory_total_bytes,
+                });
+            }
+        }
+        units
+    }
+}
+
+/// How much of each GPU a request wants.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MemoryAsk {
+    /// This many bytes on each chosen GPU; others may share the GPU.
+    Bytes(u64),
+    /// A fraction of each chosen GPU's total memory, in basis points (2500 = 25 %).
+    BasisPoints(u32),
+    /// Whole GPUs: no other reservation and no foreign process may share them.
+    Exclusive,
+}
+
+impl MemoryAsk {
+    /// Bytes this ask needs on a unit with `total` bytes (the whole unit when exclusive).
+    pub fn bytes_on(self, total: u64) -> u64 {
+        match self {
+            MemoryAsk::Bytes(b) => b,
+            MemoryAsk::BasisPoints(bp) => {
+                let wide = u128::from(total) * u128::from(bp) / 10_000;
+                u64::try_from(wide).unwrap_or(u64::MAX)
+            }
+            MemoryAsk::Exclusive => total,
+        }
+    }
+}
+
+/// Which feasible choice placement prefers.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Policy {
+    /// Best fit: leave the least free memory, keep whole GPUs whole. The default.
+    #[default]
+    Binpack,
+    /// Most free memory first.
+    Spread,
+}
