@@ -1,7 +1,21 @@
 //! gpud: the node-local GPU broker.
 //!
-//! Modules, dependencies pointing one way (DESIGN.md): `model` ← `placement`, `gpu`;
-//! `main.rs` is a thin shell over [`cli`].
+//! Modules, dependencies pointing one way (see DESIGN.md): `model` is the vocabulary;
+//! `placement` (pure), `gpu` (NVML), `store` (SQLite) and `holder` (process liveness) use
+//! only `model`; `broker` is the application on top of them; `api` serves it over HTTP;
+//! `server` wires everything together for `main.rs`.
 
+pub mod api;
+pub mod broker;
+pub mod clock;
+pub mod config;
+pub mod gpu;
+pub mod holder;
+pub mod logging;
+pub mod metrics;
 pub mod model;
 pub mod placement;
+pub mod probe;
+pub mod server;
+pub mod store;
+pub mod workload_env;

@@ -1,1 +1,80 @@
-fn main() {}
+//! The `gpud` binary: parse flags, load the config, hand over to the library.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+use gpud::config::{Config, DEFAULT_CONFIG};
+
+/// Node-local GPU broker: workloads reserve GPU memory or whole GPUs over a Unix socket.
+#[derive(Debug, Parser)]
+#[command(name = "gpud", version)]
+struct Cli {
+    /// Config file (TOML). Missing is fine unless named here explicitly.
+    #[arg(long, global = true, value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// NVML library to load instead of the system's libnvidia-ml.so.1.
+    #[arg(long, global = true, value_name = "PATH")]
+    nvml_lib: Option<PathBuf>,
+    /// Unix socket to serve on [default: /run/gpud/gpud.sock].
+    #[arg(long, global = true, value_name = "PATH")]
+    socket: Option<PathBuf>,
+    /// Directory for the state database [default: /var/lib/gpud].
+    #[arg(long, global = true, value_name = "DIR")]
+    state_dir: Option<PathBuf>,
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Serve reservations (the default when no command is given).
+    Run,
+    /// Print what gpud sees: GPUs, memory, MIG instances and the link matrix.
+    Probe {
+        /// Machine-readable JSON instead of the table.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    gpud::logging::init();
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("gpud: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> anyhow::Result<()> {
+    let required = cli.config.is_some();
+    let path = cli.config.unwrap_or_else(|| PathBuf::from(DEFAULT_CONFIG));
+    let mut config = Config::load(&path, required)?;
+    if let Some(lib) = cli.nvml_lib {
+        config.nvml_lib = Some(lib);
+    }
+    if let Some(socket) = cli.socket {
+        config.socket = socket;
+    }
+    if let Some(dir) = cli.state_dir {
+        config.state_dir = dir;
+    }
+    match cli.command.unwrap_or(Command::Run) {
+        Command::Probe { json } => {
+            let nvml = gpud::gpu::Nvml::open(config.nvml_lib.as_deref())?;
+            let inventory = nvml.discover()?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&inventory)?);
+            } else {
+                print!("{}", gpud::probe::render(&inventory));
+            }
+            Ok(())
+        }
+        Command::Run => gpud::server::run(config, Some(path)),
+    }
+}

@@ -285,3 +285,98 @@ pub enum Policy {
     /// Most free memory first.
     Spread,
 }
+
+/// Milliseconds since the Unix epoch. Passed in as a parameter wherever time matters, so
+/// lease and wait logic can be tested without sleeping.
+pub type Millis = u64;
+
+/// Lifecycle state of a reservation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ReservationState {
+    /// Holding GPU memory.
+    Active,
+    /// Released by a person or because its holder exited.
+    Released,
+    /// Its TTL lease ran out.
+    Expired,
+}
+
+impl ReservationState {
+    /// The name stored in the database and sent on the wire.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ReservationState::Active => "active",
+            ReservationState::Released => "released",
+            ReservationState::Expired => "expired",
+        }
+    }
+
+    /// Parses [`ReservationState::as_str`]'s output.
+    pub fn parse(s: &str) -> Option<ReservationState> {
+        [
+            ReservationState::Active,
+            ReservationState::Released,
+            ReservationState::Expired,
+        ]
+        .into_iter()
+        .find(|st| st.as_str() == s)
+    }
+}
+
+/// The process whose life holds a reservation. The start time (field 22 of
+/// `/proc/<pid>/stat`, in clock ticks since boot) tells a reused pid from the original, and
+/// the boot id tells a reboot apart.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Holder {
+    /// Process id in gpud's pid namespace.
+    pub pid: u32,
+    /// Start time in clock ticks since boot.
+    pub start_time: u64,
+    /// `/proc/sys/kernel/random/boot_id` when the holder was recorded.
+    pub boot_id: String,
+}
+
+/// One unit of a reservation.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct ReservedUnit {
+    /// `GPU-…` or `MIG-…`.
+    pub uuid: String,
+    /// Physical GPU index.
+    pub gpu_index: u32,
+    /// Memory reserved on it.
+    pub memory_bytes: u64,
+}
+
+/// A reservation as gpud keeps it (in memory and in SQLite).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Reservation {
+    /// Opaque unique id.
+    pub id: String,
+    /// Lifecycle state.
+    pub state: ReservationState,
+    /// Uid of the caller that made it.
+    pub owner_uid: u32,
+    /// Primary gid of that caller.
+    pub owner_gid: u32,
+    /// The process whose exit releases it, if any.
+    pub holder: Option<Holder>,
+    /// Whole units, nothing else may share them.
+    pub exclusive: bool,
+    /// The units and memory held, ordered by GPU index.
+    pub units: Vec<ReservedUnit>,
+    /// Lease length, if it is a lease.
+    pub ttl_seconds: Option<u64>,
+    /// Lease end.
+    pub expires_at: Option<Millis>,
+    /// Creation time.
+    pub created_at: Millis,
+    /// When it stopped being active.
+    pub ended_at: Option<Millis>,
+    /// Why it stopped being active.
+    pub end_reason: Option<String>,
+    /// Labels given at creation.
+    pub labels: std::collections::BTreeMap<String, String>,
+    /// Environment handed to the workload.
+    pub env: std::collections::BTreeMap<String, String>,
+}

@@ -1,1 +1,281 @@
-//! gpud's wire contract: the request and response types both gpud and gpuctl use.
+//! gpud's wire contract: the request and response types that gpud and gpuctl both use.
+//!
+//! This crate is the single definition of what travels over `/run/gpud/gpud.sock`. The
+//! OpenAPI document `schema/openapi.json` is generated from these types by [`openapi`] and a
+//! test fails when the checked-in file differs. SQL migrations live in `schema/migrations/`.
+
+use std::collections::BTreeMap;
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+pub mod openapi;
+pub mod size;
+
+pub use size::{MemoryAmount, SizeError, format_bytes, parse_memory};
+
+/// The default socket path, also the value gpuctl uses unless `--socket` or `GPUD_SOCKET`.
+pub const DEFAULT_SOCKET: &str = "/run/gpud/gpud.sock";
+
+/// Memory per GPU: an integer number of bytes, or a size string (`"4GiB"`, `"4G"`, `"25%"`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(untagged)]
+pub enum MemorySpec {
+    /// Bytes.
+    Bytes(u64),
+    /// Size string; binary units (`G` means GiB), or a percentage of each chosen GPU.
+    Text(String),
+}
+
+/// Placement policy.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum PolicyName {
+    /// Best fit, keeping whole GPUs whole (default).
+    #[default]
+    Binpack,
+    /// Most free memory first.
+    Spread,
+}
+
+/// `POST /v1/reservations` body.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ReservationRequest {
+    /// Number of GPUs (default 1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpus: Option<u32>,
+    /// Memory per GPU. Required unless `exclusive`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory: Option<MemorySpec>,
+    /// Whole GPUs: nothing else may share them.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub exclusive: bool,
+    /// Wait up to this long for capacity (long-poll) instead of failing at once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wait_seconds: Option<u64>,
+    /// Lease: released unless renewed within this many seconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttl_seconds: Option<u64>,
+    /// Process that holds the reservation: released when it exits. Must belong to the caller.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub holder_pid: Option<u32>,
+    /// Free-form `key=value` labels (pod, container, job names).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub labels: BTreeMap<String, String>,
+    /// Placement policy.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub policy: Option<PolicyName>,
+}
+
+/// `POST /v1/reservations/{id}/renew` body (may be empty).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RenewRequest {
+    /// New lease length from now; default: the reservation's own TTL.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttl_seconds: Option<u64>,
+}
+
+/// Lifecycle state of a reservation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum ReservationState {
+    /// Holding GPU memory.
+    Active,
+    /// Released by its owner, an admin, or because its holder process exited.
+    Released,
+    /// Its TTL lease ran out.
+    Expired,
+}
+
+impl ReservationState {
+    /// The wire name (`active`, `released`, `expired`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ReservationState::Active => "active",
+            ReservationState::Released => "released",
+            ReservationState::Expired => "expired",
+        }
+    }
+
+    /// Parses the wire name.
+    pub fn parse(s: &str) -> Option<ReservationState> {
+        [
+            ReservationState::Active,
+            ReservationState::Released,
+            ReservationState::Expired,
+        ]
+        .into_iter()
+        .find(|st| st.as_str() == s)
+    }
+}
+
+/// One GPU (or MIG instance) of a reservation.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct ReservedGpu {
+    /// Physical GPU index (the parent's, for a MIG instance).
+    pub index: u32,
+    /// `GPU-…`, or `MIG-…` for a MIG instance: what `CUDA_VISIBLE_DEVICES` names.
+    pub uuid: String,
+    /// Memory reserved on it.
+    pub memory_bytes: u64,
+}
+
+/// A reservation as the API returns it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct Reservation {
+    /// Opaque id.
+    pub id: String,
+    /// Lifecycle state.
+    pub state: ReservationState,
+    /// Uid that made it (from the kernel, not the request).
+    pub owner_uid: u32,
+    /// Primary gid of the caller that made it.
+    pub owner_gid: u32,
+    /// Process whose exit releases it.
+    pub holder_pid: Option<u32>,
+    /// Whether the GPUs are held whole.
+    pub exclusive: bool,
+    /// The GPUs, ordered by index.
+    pub gpus: Vec<ReservedGpu>,
+    /// Environment for the workload (`CUDA_VISIBLE_DEVICES` and friends).
+    pub env: BTreeMap<String, String>,
+    /// Creation time, RFC 3339 UTC.
+    pub created_at: String,
+    /// Lease end, RFC 3339 UTC, when it has a TTL.
+    pub expires_at: Option<String>,
+    /// Lease length in seconds, when it has a TTL.
+    pub ttl_seconds: Option<u64>,
+    /// When it stopped being active.
+    pub ended_at: Option<String>,
+    /// Why it stopped being active (`released by uid 1000`, `holder 4242 exited`, `ttl expired`).
+    pub end_reason: Option<String>,
+    /// Labels given at creation.
+    pub labels: BTreeMap<String, String>,
+}
+
+/// `GET /v1/reservations` response.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct ReservationList {
+    /// Matching reservations, oldest first.
+    pub reservations: Vec<Reservation>,
+}
+
+/// One MIG instance in `GET /v1/gpus`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct MigStatus {
+    /// `MIG-…` UUID.
+    pub uuid: String,
+    /// Profile name as NVML reports it.
+    pub name: String,
+    /// Memory of the instance.
+    pub memory_total_bytes: u64,
+    /// Memory reserved on it (all of it while a reservation holds it).
+    pub memory_reserved_bytes: u64,
+    /// Memory its processes use.
+    pub memory_used_bytes: u64,
+    /// Active reservations on it (0 or 1).
+    pub reservations: u32,
+}
+
+/// One GPU in `GET /v1/gpus`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct GpuStatus {
+    /// NVML index.
+    pub index: u32,
+    /// `GPU-…` UUID.
+    pub uuid: String,
+    /// Product name.
+    pub name: String,
+    /// PCI bus id.
+    pub pci_bus_id: String,
+    /// Nearest NUMA node.
+    pub numa_node: Option<u32>,
+    /// Total memory.
+    pub memory_total_bytes: u64,
+    /// Memory held by active reservations.
+    pub memory_reserved_bytes: u64,
+    /// Memory used by processes, as last measured.
+    pub memory_used_bytes: u64,
+    /// Memory used by processes that no reservation accounts for.
+    pub memory_unaccounted_bytes: u64,
+    /// Active reservations on it (or its MIG instances).
+    pub reservations: u32,
+    /// Whether it may receive new placements.
+    pub healthy: bool,
+    /// MIG instances (empty when not in MIG mode).
+    pub mig_instances: Vec<MigStatus>,
+    /// This GPU's row of the link matrix in `nvidia-smi topo -m` notation (`X` for itself).
+    pub links: Vec<String>,
+}
+
+/// `GET /v1/gpus` response.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct GpuList {
+    /// Driver version.
+    pub driver_version: Option<String>,
+    /// The GPUs by index.
+    pub gpus: Vec<GpuStatus>,
+}
+
+/// `GET /v1/health` response.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct Health {
+    /// `ok` when every GPU is healthy, `degraded` otherwise.
+    pub status: String,
+    /// gpud's version.
+    pub version: String,
+    /// GPUs discovered.
+    pub gpus: u32,
+    /// GPUs currently healthy.
+    pub healthy_gpus: u32,
+    /// Active reservations.
+    pub active_reservations: u64,
+    /// Requests waiting for capacity.
+    pub waiting: u64,
+}
+
+/// Error response: `{"error": {"code": "...", "message": "..."}}`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct ErrorBody {
+    /// The error.
+    pub error: ErrorDetail,
+}
+
+/// A stable machine-readable code and a message a person can act on.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct ErrorDetail {
+    /// Stable code, e.g. `no_capacity`, `not_found`, `forbidden`, `invalid_request`.
+    pub code: String,
+    /// What happened and what to do about it.
+    pub message: String,
+}
+
+/// Stable error codes (the `code` field of [`ErrorDetail`]).
+pub mod codes {
+    /// The request is malformed or its values are out of range (400).
+    pub const INVALID_REQUEST: &str = "invalid_request";
+    /// The request can never be satisfied on this machine (422).
+    pub const UNSATISFIABLE: &str = "unsatisfiable";
+    /// Not enough free capacity now (409).
+    pub const NO_CAPACITY: &str = "no_capacity";
+    /// Waited `wait_seconds` and capacity did not free up (408).
+    pub const WAIT_TIMEOUT: &str = "wait_timeout";
+    /// The caller may not do this (403).
+    pub const FORBIDDEN: &str = "forbidden";
+    /// A quota would be exceeded (403).
+    pub const QUOTA_EXCEEDED: &str = "quota_exceeded";
+    /// No such reservation or route (404).
+    pub const NOT_FOUND: &str = "not_found";
+    /// The reservation is no longer active (409).
+    pub const NOT_ACTIVE: &str = "not_active";
+    /// Wrong method on an existing route (405).
+    pub const METHOD_NOT_ALLOWED: &str = "method_not_allowed";
+    /// Body larger than the limit (413).
+    pub const PAYLOAD_TOO_LARGE: &str = "payload_too_large";
+    /// State cannot be written (disk full, read-only) (503).
+    pub const STORAGE_UNAVAILABLE: &str = "storage_unavailable";
+    /// A bug or an unexpected failure (500).
+    pub const INTERNAL: &str = "internal";
+}

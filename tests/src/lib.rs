@@ -1,1 +1,339 @@
-//! Helpers for the integration tests: locating the built binaries and fixtures.
+//! Helpers for the integration tests: the real `gpud` and `gpuctl` binaries on the fake
+//! NVML library, each daemon in its own temporary directory with its own copy of a fixture.
+//!
+//! The binaries are the ones `cargo test --workspace` builds into `target/debug` before any
+//! test runs (gpud's and gpuctl's own integration tests make cargo build them; the fake NVML
+//! is a workspace member). Running `cargo test -p gpud-tests` alone uses whatever is there.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, missing_docs)]
+
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+/// `target/debug` (or whichever profile dir holds this test binary).
+pub fn target_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("current exe");
+    // target/debug/deps/<test>-<hash>
+    exe.parent()
+        .and_then(Path::parent)
+        .expect("target dir")
+        .to_path_buf()
+}
+
+fn built(name: &str) -> PathBuf {
+    let path = target_dir().join(name);
+    assert!(
+        path.exists(),
+        "{} is missing: run `cargo build --workspace` (or `cargo test --workspace`, which builds it)",
+        path.display()
+    );
+    path
+}
+
+/// The gpud binary.
+pub fn gpud_bin() -> PathBuf {
+    built("gpud")
+}
+
+/// The gpuctl binary.
+pub fn gpuctl_bin() -> PathBuf {
+    built("gpuctl")
+}
+
+/// The fake NVML library.
+pub fn fake_nvml() -> PathBuf {
+    built("libfake_nvml.so")
+}
+
+/// The repository root.
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_path_buf()
+}
+
+/// `tests/fixtures/<name>.json`.
+pub fn fixture(name: &str) -> PathBuf {
+    repo_root()
+        .join("tests/fixtures")
+        .join(format!("{name}.json"))
+}
+
+/// Replaces a fixture file atomically (write a temp file, rename over), as the fake NVML
+/// expects when it re-reads a changed fixture.
+pub fn write_fixture(path: &Path, value: &Value) {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, serde_json::to_vec_pretty(value).unwrap()).unwrap();
+    std::fs::rename(&tmp, path).unwrap();
+}
+
+/// A response: status and parsed JSON body (`Value::Null` when the body is not JSON).
+#[derive(Debug, Clone)]
+pub struct Reply {
+    pub status: u16,
+    pub body: Value,
+    pub text: String,
+}
+
+/// One HTTP/1.1 request over the Unix socket, `Connection: close`.
+pub fn http(socket: &Path, method: &str, path: &str, body: Option<&str>) -> Reply {
+    try_http(socket, method, path, body).unwrap_or_else(|e| panic!("{method} {path}: {e}"))
+}
+
+/// Like [`http`], but returns connection errors instead of panicking.
+pub fn try_http(
+    socket: &Path,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+) -> std::io::Result<Reply> {
+    let mut stream = UnixStream::connect(socket)?;
+    stream.set_read_timeout(Some(Duration::from_secs(60)))?;
+    let body = body.unwrap_or("");
+    let request = format!(
+        "{method} {path} HTTP/1.1\r\nHost: gpud\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    stream.write_all(request.as_bytes())?;
+    let mut raw = Vec::new();
+    stream.read_to_end(&mut raw)?;
+    parse_response(&raw)
+}
+
+/// Parses a whole HTTP/1.1 response (as read until the server closed).
+pub fn parse_response(raw: &[u8]) -> std::io::Result<Reply> {
+    let text = String::from_utf8_lossy(raw).to_string();
+    let (head, body) = text
+        .split_once("\r\n\r\n")
+        .ok_or_else(|| std::io::Error::other(format!("no header end in {text:?}")))?;
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| std::io::Error::other(format!("no status in {head:?}")))?;
+    let chunked = head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked");
+    let body = if chunked {
+        dechunk(body)
+    } else {
+        body.to_owned()
+    };
+    Ok(Reply {
+        status,
+        body: serde_json::from_str(&body).unwrap_or(Value::Null),
+        text: body,
+    })
+}
+
+fn dechunk(mut s: &str) -> String {
+    let mut out = String::new();
+    while let Some((size, rest)) = s.split_once("\r\n") {
+        let Ok(n) = usize::from_str_radix(size.trim(), 16) else {
+            break;
+        };
+        if n == 0 || rest.len() < n {
+            break;
+        }
+        out.push_str(&rest[..n]);
+        s = rest[n..].trim_start_matches("\r\n");
+    }
+    out
+}
+
+/// A gpud running on a copy of a fixture, in its own temporary directory.
+#[derive(Debug)]
+pub struct Daemon {
+    pub dir: tempfile::TempDir,
+    pub socket: PathBuf,
+    pub state_dir: PathBuf,
+    pub config: PathBuf,
+    pub fixture: PathBuf,
+    pub child: Option<Child>,
+}
+
+impl Daemon {
+    /// Starts gpud on fixture `name` with extra TOML appended to a minimal config.
+    pub fn start(name: &str, config: &str) -> Daemon {
+        let dir = tempfile::Builder::new()
+            .prefix("gpud-test")
+            .tempdir()
+            .unwrap();
+        // Other uids (tests that switch user) must reach the socket inside.
+        std::fs::set_permissions(
+            dir.path(),
+            std::os::unix::fs::PermissionsExt::from_mode(0o755),
+        )
+        .unwrap();
+        let fixture_copy = dir.path().join("fixture.json");
+        std::fs::copy(fixture(name), &fixture_copy).unwrap();
+        let config_path = dir.path().join("gpud.toml");
+        std::fs::write(
+            &config_path,
+            format!("[audit]\ninterval = \"200ms\"\n{config}"),
+        )
+        .unwrap();
+        let mut d = Daemon {
+            socket: dir.path().join("gpud.sock"),
+            state_dir: dir.path().join("state"),
+            config: config_path,
+            fixture: fixture_copy,
+            dir,
+            child: None,
+        };
+        d.spawn();
+        d
+    }
+
+    /// The command line that starts this daemon (without spawning it).
+    pub fn command(&self) -> Command {
+        let mut cmd = Command::new(gpud_bin());
+        cmd.arg("--config")
+            .arg(&self.config)
+            .arg("--nvml-lib")
+            .arg(fake_nvml())
+            .arg("--socket")
+            .arg(&self.socket)
+            .arg("--state-dir")
+            .arg(&self.state_dir)
+            .env("FAKE_NVML_CONFIG", &self.fixture)
+            .env("GPUD_LOG", "warn")
+            .stdin(Stdio::null());
+        cmd
+    }
+
+    /// (Re)starts the process and waits until it answers.
+    pub fn spawn(&mut self) {
+        let child = self.command().spawn().unwrap();
+        self.child = Some(child);
+        self.wait_ready();
+    }
+
+    fn wait_ready(&mut self) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Ok(r) = try_http(&self.socket, "GET", "/v1/health", None)
+                && r.status == 200
+            {
+                return;
+            }
+            if let Some(status) = self.child.as_mut().and_then(|c| c.try_wait().unwrap()) {
+                panic!("gpud exited during start: {status}");
+            }
+            assert!(Instant::now() < deadline, "gpud did not answer within 20 s");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// SIGKILLs the daemon (a crash) and reaps it.
+    pub fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// SIGTERMs the daemon and waits for it to exit; returns its exit status.
+    pub fn stop(&mut self) -> std::process::ExitStatus {
+        let mut c = self.child.take().expect("running");
+        signal(c.id(), SIGTERM);
+        c.wait().unwrap()
+    }
+
+    /// pid of the running daemon.
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("running").id()
+    }
+
+    pub fn get(&self, path: &str) -> Reply {
+        http(&self.socket, "GET", path, None)
+    }
+
+    pub fn post(&self, path: &str, body: &str) -> Reply {
+        http(&self.socket, "POST", path, Some(body))
+    }
+
+    pub fn delete(&self, path: &str) -> Reply {
+        http(&self.socket, "DELETE", path, None)
+    }
+
+    /// Active reservations.
+    pub fn active(&self) -> Vec<Value> {
+        self.get("/v1/reservations").body["reservations"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    /// Reads the fixture copy this daemon's fake NVML uses.
+    pub fn read_fixture(&self) -> Value {
+        serde_json::from_slice(&std::fs::read(&self.fixture).unwrap()).unwrap()
+    }
+
+    /// Replaces the fixture copy (the fake NVML picks the change up).
+    pub fn write_fixture(&self, value: &Value) {
+        write_fixture(&self.fixture, value);
+    }
+
+    /// A gpuctl command pointed at this daemon.
+    pub fn gpuctl(&self) -> Command {
+        let mut cmd = Command::new(gpuctl_bin());
+        cmd.env("GPUD_SOCKET", &self.socket).stdin(Stdio::null());
+        cmd
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+/// Signal numbers (Linux).
+pub const SIGTERM: i32 = 15;
+/// SIGKILL.
+pub const SIGKILL: i32 = 9;
+
+/// Sends signal `sig` to `pid` with kill(1) (no libc dependency in tests).
+pub fn signal(pid: u32, sig: i32) {
+    let status = Command::new("kill")
+        .arg(format!("-{sig}"))
+        .arg(pid.to_string())
+        .status()
+        .unwrap();
+    assert!(status.success(), "kill -{sig} {pid}");
+}
+
+/// Polls `f` every 10 ms until it returns `Some`, for at most `limit`.
+pub fn wait_for<T>(limit: Duration, mut f: impl FnMut() -> Option<T>) -> Option<T> {
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(v) = f() {
+            return Some(v);
+        }
+        if Instant::now() >= deadline {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Whether the tests run as root (needed to act as several uids).
+pub fn is_root() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("Uid:"))
+                .and_then(|r| r.split_whitespace().next().map(|u| u == "0"))
+        })
+        .unwrap_or(false)
+}
+
+/// GiB in bytes.
+pub const GIB: u64 = 1 << 30;

@@ -1,0 +1,629 @@
+//! HTTP routes: parse a request into a typed broker call, run it, encode the result.
+//!
+//! Depends on `broker` and the `gpud-schema` wire types; never on SQLite or NVML. The
+//! caller's identity comes from the connection (SO_PEERCRED), passed in by `server`.
+//! [`status_for`] is the one mapping from domain errors to HTTP statuses.
+
+use std::collections::BTreeMap;
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::{Bytes, Incoming};
+use hyper::header::{CONTENT_TYPE, HeaderValue};
+use hyper::{Method, Request, Response, StatusCode};
+use serde::Serialize;
+
+use gpud_schema::{self as schema, MemoryAmount, MemorySpec, codes};
+
+use crate::broker::{Broker, BrokerError, Caller, ReserveOutcome, ReserveRequest};
+use crate::clock::{now_millis, rfc3339};
+use crate::metrics::Metrics;
+use crate::model::{self, MemoryAsk, Policy, ReservationState};
+use crate::probe::link_cell;
+
+/// Longest reservation id accepted in a path or request.
+const MAX_ID_LEN: usize = 128;
+/// Most labels on one reservation, and their sizes.
+const MAX_LABELS: usize = 64;
+const MAX_LABEL_KEY: usize = 128;
+const MAX_LABEL_VALUE: usize = 1024;
+
+/// What every request handler shares.
+#[derive(Debug)]
+pub struct Api {
+    /// The application.
+    pub broker: Arc<Broker>,
+    /// Largest accepted body.
+    pub max_body_bytes: usize,
+    /// Prometheus metrics.
+    pub metrics: Arc<Metrics>,
+}
+
+/// An error on its way to becoming a JSON response.
+#[derive(Debug)]
+pub struct ApiError {
+    status: StatusCode,
+    code: &'static str,
+    message: String,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> ApiError {
+        ApiError {
+            status,
+            code,
+            message: message.into(),
+        }
+    }
+
+    fn invalid(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::BAD_REQUEST, codes::INVALID_REQUEST, message)
+    }
+}
+
+/// The HTTP status and stable code for a broker error.
+pub fn status_for(e: &BrokerError) -> (StatusCode, &'static str) {
+    match e {
+        BrokerError::Invalid(_) => (StatusCode::BAD_REQUEST, codes::INVALID_REQUEST),
+        BrokerError::Unsatisfiable(_) => (StatusCode::UNPROCESSABLE_ENTITY, codes::UNSATISFIABLE),
+        BrokerError::NoCapacity(_) => (StatusCode::CONFLICT, codes::NO_CAPACITY),
+        BrokerError::WaitTimeout(_) => (StatusCode::REQUEST_TIMEOUT, codes::WAIT_TIMEOUT),
+        BrokerError::Forbidden(_) => (StatusCode::FORBIDDEN, codes::FORBIDDEN),
+        BrokerError::QuotaExceeded(_) => (StatusCode::FORBIDDEN, codes::QUOTA_EXCEEDED),
+        BrokerError::NotFound(_) => (StatusCode::NOT_FOUND, codes::NOT_FOUND),
+        BrokerError::NotActive { .. } => (StatusCode::CONFLICT, codes::NOT_ACTIVE),
+        BrokerError::Storage(s) if s.is_storage_unavailable() => {
+            (StatusCode::SERVICE_UNAVAILABLE, codes::STORAGE_UNAVAILABLE)
+        }
+        BrokerError::Storage(_) => (StatusCode::INTERNAL_SERVER_ERROR, codes::INTERNAL),
+        BrokerError::ShuttingDown => (StatusCode::SERVICE_UNAVAILABLE, codes::STORAGE_UNAVAILABLE),
+    }
+}
+
+impl From<BrokerError> for ApiError {
+    fn from(e: BrokerError) -> ApiError {
+        let (status, code) = status_for(&e);
+        if status.is_server_error() {
+            tracing::error!(error = %e, "request failed");
+        }
+        ApiError::new(status, code, e.to_string())
+    }
+}
+
+type Reply = Response<Full<Bytes>>;
+
+fn json<T: Serialize>(status: StatusCode, body: &T) -> Reply {
+    let bytes = serde_json::to_vec(body).unwrap_or_else(|_| b"{}".to_vec());
+    let mut resp = Response::new(Full::new(Bytes::from(bytes)));
+    *resp.status_mut() = status;
+    resp.headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    resp
+}
+
+fn error_reply(e: &ApiError) -> Reply {
+    json(
+        e.status,
+        &schema::ErrorBody {
+            error: schema::ErrorDetail {
+                code: e.code.to_owned(),
+                message: e.message.clone(),
+            },
+        },
+    )
+}
+
+impl Api {
+    /// Serves one request from `caller`. Never fails: errors become JSON error responses.
+    pub async fn handle(
+        self: Arc<Self>,
+        caller: Caller,
+        req: Request<Incoming>,
+    ) -> Result<Reply, Infallible> {
+        let started = Instant::now();
+        let method = req.method().clone();
+        let route = route_name(req.uri().path());
+        let reply = match self.route(caller, req).await {
+            Ok(reply) => reply,
+            Err(e) => error_reply(&e),
+        };
+        self.metrics
+            .observe_request(&method, route, reply.status().as_u16(), started.elapsed());
+        Ok(reply)
+    }
+
+    async fn route(&self, caller: Caller, req: Request<Incoming>) -> Result<Reply, ApiError> {
+        let path = req.uri().path().to_owned();
+        let query = req.uri().query().unwrap_or("").to_owned();
+        let segments: Vec<&str> = path.trim_end_matches('/').split('/').skip(1).collect();
+        let method = req.method().clone();
+        match (segments.as_slice(), &method) {
+            (["v1", "health"], &Method::GET) => Ok(self.health()),
+            (["v1", "gpus"], &Method::GET) => Ok(self.gpus()),
+            (["v1", "reservations"], &Method::GET) => self.list(&query).await,
+            (["v1", "reservations"], &Method::POST) => {
+                let body = self.body(req).await?;
+                self.create(caller, &body).await
+            }
+            (["v1", "reservations", id], &Method::GET) => {
+                let id = valid_id(id)?;
+                let broker = self.broker.clone();
+                let r = blocking(move || broker.get(&id)).await?;
+                Ok(json(StatusCode::OK, &to_wire(&r)))
+            }
+            (["v1", "reservations", id], &Method::DELETE) => {
+                let id = valid_id(id)?;
+                let broker = self.broker.clone();
+                let r = blocking(move || broker.release(&caller, &id, now_millis())).await?;
+                Ok(json(StatusCode::OK, &to_wire(&r)))
+            }
+            (["v1", "reservations", id, "renew"], &Method::POST) => {
+                let id = valid_id(id)?;
+                let body = self.body(req).await?;
+                let renew: schema::RenewRequest = if body.iter().all(u8::is_ascii_whitespace) {
+                    schema::RenewRequest::default()
+                } else {
+                    parse_json(&body)?
+                };
+                let broker = self.broker.clone();
+                let r =
+                    blocking(move || broker.renew(&caller, &id, renew.ttl_seconds, now_millis()))
+                        .await?;
+                Ok(json(StatusCode::OK, &to_wire(&r)))
+            }
+            (["metrics"], &Method::GET) => Ok(self.metrics_reply()),
+            (["v1", "health"] | ["v1", "gpus"] | ["metrics"], _)
+            | (["v1", "reservations"], _)
+            | (["v1", "reservations", _], _)
+            | (["v1", "reservations", _, "renew"], _) => Err(ApiError::new(
+                StatusCode::METHOD_NOT_ALLOWED,
+                codes::METHOD_NOT_ALLOWED,
+                format!("{method} is not allowed on {path}"),
+            )),
+            _ => Err(ApiError::new(
+                StatusCode::NOT_FOUND,
+                codes::NOT_FOUND,
+                format!(
+                    "no route {path}; see the API in gpud's README (GET /v1/gpus, POST /v1/reservations, ...)"
+                ),
+            )),
+        }
+    }
+
+    async fn body(&self, req: Request<Incoming>) -> Result<Bytes, ApiError> {
+        let limit = self.max_body_bytes;
+        match Limited::new(req.into_body(), limit).collect().await {
+            Ok(collected) => Ok(collected.to_bytes()),
+            Err(e)
+                if e.downcast_ref::<http_body_util::LengthLimitError>()
+                    .is_some() =>
+            {
+                Err(ApiError::new(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    codes::PAYLOAD_TOO_LARGE,
+                    format!("request body is larger than {limit} bytes"),
+                ))
+            }
+            Err(e) => Err(ApiError::invalid(format!(
+                "could not read the request body: {e}"
+            ))),
+        }
+    }
+
+    fn health(&self) -> Reply {
+        let snap = self.broker.snapshot();
+        let healthy = snap.gpus.iter().filter(|g| g.healthy).count();
+        json(
+            StatusCode::OK,
+            &schema::Health {
+                status: if healthy == snap.gpus.len() {
+                    "ok"
+                } else {
+                    "degraded"
+                }
+                .to_owned(),
+                version: env!("CARGO_PKG_VERSION").to_owned(),
+                gpus: count_u32(snap.gpus.len()),
+                healthy_gpus: count_u32(healthy),
+                active_reservations: snap.active as u64,
+                waiting: snap.waiting as u64,
+            },
+        )
+    }
+
+    fn gpus(&self) -> Reply {
+        json(StatusCode::OK, &gpu_list(&self.broker))
+    }
+
+    fn metrics_reply(&self) -> Reply {
+        let text = self.metrics.render(&self.broker.snapshot());
+        let mut resp = Response::new(Full::new(Bytes::from(text)));
+        resp.headers_mut().insert(
+            CONTENT_TYPE,
+            HeaderValue::from_static("application/openmetrics-text; version=1.0.0; charset=utf-8"),
+        );
+        resp
+    }
+
+    async fn list(&self, query: &str) -> Result<Reply, ApiError> {
+        let mut state = Some(ReservationState::Active);
+        let mut owner = None;
+        for pair in query.split('&').filter(|p| !p.is_empty()) {
+            let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
+            match key {
+                "state" if value == "all" => state = None,
+                "state" => {
+                    state = Some(ReservationState::parse(value).ok_or_else(|| {
+                        ApiError::invalid(format!(
+                            "state must be active, released, expired or all; got {value:?}"
+                        ))
+                    })?);
+                }
+                "owner" => {
+                    owner = Some(value.parse::<u32>().map_err(|_| {
+                        ApiError::invalid(format!("owner must be a numeric uid; got {value:?}"))
+                    })?);
+                }
+                _ => {
+                    return Err(ApiError::invalid(format!(
+                        "unknown query parameter {key:?}; use state or owner"
+                    )));
+                }
+            }
+        }
+        let broker = self.broker.clone();
+        let rows = blocking(move || broker.list(state, owner)).await?;
+        Ok(json(
+            StatusCode::OK,
+            &schema::ReservationList {
+                reservations: rows.iter().map(to_wire).collect(),
+            },
+        ))
+    }
+
+    async fn create(&self, caller: Caller, body: &[u8]) -> Result<Reply, ApiError> {
+        let wire: schema::ReservationRequest = parse_json(body)?;
+        let request = to_request(wire)?;
+        let broker = self.broker.clone();
+        let outcome = blocking(move || broker.reserve(caller, request, now_millis())).await?;
+        let r = match outcome {
+            ReserveOutcome::Reserved(r) => r,
+            ReserveOutcome::Queued(ticket) => ticket.wait().await?,
+        };
+        Ok(json(StatusCode::CREATED, &to_wire(&r)))
+    }
+}
+
+/// A low-cardinality name for the metrics label (ids replaced by `{id}`).
+fn route_name(path: &str) -> &'static str {
+    let segments: Vec<&str> = path.trim_end_matches('/').split('/').skip(1).collect();
+    match segments.as_slice() {
+        ["v1", "health"] => "/v1/health",
+        ["v1", "gpus"] => "/v1/gpus",
+        ["v1", "reservations"] => "/v1/reservations",
+        ["v1", "reservations", _] => "/v1/reservations/{id}",
+        ["v1", "reservations", _, "renew"] => "/v1/reservations/{id}/renew",
+        ["metrics"] => "/metrics",
+        _ => "other",
+    }
+}
+
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, BrokerError> + Send + 'static,
+) -> Result<T, ApiError> {
+    match tokio::task::spawn_blocking(f).await {
+        Ok(result) => result.map_err(ApiError::from),
+        Err(e) => Err(ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            codes::INTERNAL,
+            format!("internal error: {e}"),
+        )),
+    }
+}
+
+fn parse_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    serde_json::from_slice(body).map_err(|e| ApiError::invalid(format!("invalid JSON body: {e}")))
+}
+
+fn valid_id(id: &str) -> Result<String, ApiError> {
+    let ok = !id.is_empty()
+        && id.len() <= MAX_ID_LEN
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.')
+        && id != "."
+        && id != "..";
+    if ok {
+        Ok(id.to_owned())
+    } else {
+        Err(ApiError::invalid(format!(
+            "{id:?} is not a reservation id (letters, digits, '-', '_' and '.', at most {MAX_ID_LEN})"
+        )))
+    }
+}
+
+/// Checks and converts the wire request into the broker's.
+pub fn to_request(wire: schema::ReservationRequest) -> Result<ReserveRequest, ApiError> {
+    let gpus = wire.gpus.unwrap_or(1);
+    if gpus == 0 {
+        return Err(ApiError::invalid("gpus must be at least 1"));
+    }
+    let memory = match (wire.memory, wire.exclusive) {
+        (Some(_), true) => {
+            return Err(ApiError::invalid(
+                "give either memory (shared GPUs) or exclusive: true (whole GPUs), not both",
+            ));
+        }
+        (None, true) => MemoryAsk::Exclusive,
+        (None, false) => {
+            return Err(ApiError::invalid(
+                "say how much memory per GPU (\"memory\": \"4GiB\") or ask for whole GPUs (\"exclusive\": true)",
+            ));
+        }
+        (Some(MemorySpec::Bytes(0)), false) => {
+            return Err(ApiError::invalid("memory must be at least 1 byte"));
+        }
+        (Some(MemorySpec::Bytes(b)), false) => MemoryAsk::Bytes(b),
+        (Some(MemorySpec::Text(t)), false) => match gpud_schema::parse_memory(&t) {
+            Ok(MemoryAmount::Bytes(b)) => MemoryAsk::Bytes(b),
+            Ok(MemoryAmount::BasisPoints(bp)) => MemoryAsk::BasisPoints(bp),
+            Err(e) => return Err(ApiError::invalid(e.to_string())),
+        },
+    };
+    if wire.labels.len() > MAX_LABELS {
+        return Err(ApiError::invalid(format!("at most {MAX_LABELS} labels")));
+    }
+    for (k, v) in &wire.labels {
+        if k.is_empty() || k.len() > MAX_LABEL_KEY || v.len() > MAX_LABEL_VALUE || k.contains('=') {
+            return Err(ApiError::invalid(format!(
+                "label {k:?}: keys are 1-{MAX_LABEL_KEY} characters without '=', values at most {MAX_LABEL_VALUE}"
+            )));
+        }
+    }
+    if wire.holder_pid == Some(0) {
+        return Err(ApiError::invalid("holder_pid must be a process id, not 0"));
+    }
+    Ok(ReserveRequest {
+        gpus,
+        memory,
+        policy: wire.policy.map(|p| match p {
+            schema::PolicyName::Binpack => Policy::Binpack,
+            schema::PolicyName::Spread => Policy::Spread,
+        }),
+        wait: wire.wait_seconds.map(Duration::from_secs),
+        ttl_seconds: wire.ttl_seconds,
+        holder_pid: wire.holder_pid,
+        labels: wire.labels,
+        id: None,
+    })
+}
+
+/// The wire form of a reservation.
+pub fn to_wire(r: &model::Reservation) -> schema::Reservation {
+    schema::Reservation {
+        id: r.id.clone(),
+        state: match r.state {
+            ReservationState::Active => schema::ReservationState::Active,
+            ReservationState::Released => schema::ReservationState::Released,
+            ReservationState::Expired => schema::ReservationState::Expired,
+        },
+        owner_uid: r.owner_uid,
+        owner_gid: r.owner_gid,
+        holder_pid: r.holder.as_ref().map(|h| h.pid),
+        exclusive: r.exclusive,
+        gpus: r
+            .units
+            .iter()
+            .map(|u| schema::ReservedGpu {
+                index: u.gpu_index,
+                uuid: u.uuid.clone(),
+                memory_bytes: u.memory_bytes,
+            })
+            .collect(),
+        env: r.env.clone(),
+        created_at: rfc3339(r.created_at),
+        expires_at: r.expires_at.map(rfc3339),
+        ttl_seconds: r.ttl_seconds,
+        ended_at: r.ended_at.map(rfc3339),
+        end_reason: r.end_reason.clone(),
+        labels: r.labels.clone(),
+    }
+}
+
+/// `GET /v1/gpus` from the broker's snapshot.
+pub fn gpu_list(broker: &Broker) -> schema::GpuList {
+    let snap = broker.snapshot();
+    let inventory = model::GpuInventory {
+        driver_version: None,
+        cuda_driver_version: None,
+        gpus: snap.gpus.clone(),
+        topology: snap.topology.clone(),
+    };
+    let mut per_gpu: BTreeMap<u32, (u64, u64, u64, u32)> = BTreeMap::new();
+    let mut migs: BTreeMap<u32, Vec<schema::MigStatus>> = BTreeMap::new();
+    for ((unit, load), used) in snap.units.iter().zip(&snap.loads).zip(&snap.used) {
+        let entry = per_gpu.entry(unit.gpu_index).or_default();
+        entry.0 += load.reserved_bytes;
+        entry.1 += used;
+        entry.2 += load.unaccounted_bytes;
+        entry.3 += load.reservations;
+        if unit.is_mig() {
+            let name = snap
+                .gpus
+                .get(usize::try_from(unit.gpu_index).unwrap_or(usize::MAX))
+                .and_then(|g| g.mig_instances.iter().find(|m| m.uuid == unit.uuid))
+                .map_or_else(String::new, |m| m.name.clone());
+            migs.entry(unit.gpu_index)
+                .or_default()
+                .push(schema::MigStatus {
+                    uuid: unit.uuid.clone(),
+                    name,
+                    memory_total_bytes: unit.memory_total_bytes,
+                    memory_reserved_bytes: load.reserved_bytes,
+                    memory_used_bytes: *used,
+                    reservations: load.reservations,
+                });
+        }
+    }
+    let n = snap.gpus.len();
+    schema::GpuList {
+        driver_version: None,
+        gpus: snap
+            .gpus
+            .iter()
+            .enumerate()
+            .map(|(i, g)| {
+                let (reserved, used, unaccounted, reservations) =
+                    per_gpu.get(&g.index).copied().unwrap_or_default();
+                schema::GpuStatus {
+                    index: g.index,
+                    uuid: g.uuid.clone(),
+                    name: g.name.clone(),
+                    pci_bus_id: g.pci_bus_id.clone(),
+                    numa_node: g.numa_node,
+                    memory_total_bytes: g.memory_total_bytes,
+                    memory_reserved_bytes: reserved,
+                    memory_used_bytes: used,
+                    memory_unaccounted_bytes: unaccounted,
+                    reservations,
+                    healthy: g.healthy,
+                    mig_instances: migs.remove(&g.index).unwrap_or_default(),
+                    links: (0..n)
+                        .map(|j| link_cell(&inventory, i, j).trim().to_owned())
+                        .collect(),
+                }
+            })
+            .collect(),
+    }
+}
+
+fn count_u32(n: usize) -> u32 {
+    u32::try_from(n).unwrap_or(u32::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::StoreError;
+
+    #[test]
+    fn every_broker_error_has_its_status() {
+        let sqlite_full = rusqlite::Error::SqliteFailure(
+            rusqlite::ffi::Error::new(rusqlite::ffi::SQLITE_FULL),
+            Some("database or disk is full".into()),
+        );
+        let sqlite_bug = rusqlite::Error::InvalidColumnIndex(99);
+        let table: Vec<(BrokerError, u16, &str)> = vec![
+            (
+                BrokerError::Invalid("x".into()),
+                400,
+                codes::INVALID_REQUEST,
+            ),
+            (
+                BrokerError::Unsatisfiable("x".into()),
+                422,
+                codes::UNSATISFIABLE,
+            ),
+            (BrokerError::NoCapacity("x".into()), 409, codes::NO_CAPACITY),
+            (
+                BrokerError::WaitTimeout("x".into()),
+                408,
+                codes::WAIT_TIMEOUT,
+            ),
+            (BrokerError::Forbidden("x".into()), 403, codes::FORBIDDEN),
+            (
+                BrokerError::QuotaExceeded("x".into()),
+                403,
+                codes::QUOTA_EXCEEDED,
+            ),
+            (BrokerError::NotFound("x".into()), 404, codes::NOT_FOUND),
+            (
+                BrokerError::NotActive {
+                    id: "x".into(),
+                    state: "released",
+                    reason: "r".into(),
+                },
+                409,
+                codes::NOT_ACTIVE,
+            ),
+            (
+                BrokerError::Storage(StoreError::Sqlite {
+                    op: "insert",
+                    path: "db".into(),
+                    source: sqlite_full,
+                }),
+                503,
+                codes::STORAGE_UNAVAILABLE,
+            ),
+            (
+                BrokerError::Storage(StoreError::Sqlite {
+                    op: "insert",
+                    path: "db".into(),
+                    source: sqlite_bug,
+                }),
+                500,
+                codes::INTERNAL,
+            ),
+            (BrokerError::ShuttingDown, 503, codes::STORAGE_UNAVAILABLE),
+        ];
+        for (e, status, code) in table {
+            let (s, c) = status_for(&e);
+            assert_eq!((s.as_u16(), c), (status, code), "{e:?}");
+        }
+    }
+
+    fn wire(json: &str) -> Result<ReserveRequest, String> {
+        let w: schema::ReservationRequest =
+            serde_json::from_str(json).map_err(|e| e.to_string())?;
+        to_request(w).map_err(|e| e.message)
+    }
+
+    #[test]
+    fn requests_are_checked_before_they_reach_the_broker() {
+        let r = wire(r#"{"memory": "4G", "ttl_seconds": 60}"#).unwrap();
+        assert_eq!((r.gpus, r.memory), (1, MemoryAsk::Bytes(4 << 30)));
+        let r = wire(r#"{"gpus": 2, "memory": 1024, "holder_pid": 1}"#).unwrap();
+        assert_eq!((r.gpus, r.memory), (2, MemoryAsk::Bytes(1024)));
+        assert_eq!(
+            wire(r#"{"memory": "25%"}"#).unwrap().memory,
+            MemoryAsk::BasisPoints(2500)
+        );
+        assert_eq!(
+            wire(r#"{"exclusive": true}"#).unwrap().memory,
+            MemoryAsk::Exclusive
+        );
+        for (body, needle) in [
+            (r#"{"gpus": 0, "exclusive": true}"#, "at least 1"),
+            (r#"{}"#, "how much memory"),
+            (r#"{"memory": "4G", "exclusive": true}"#, "not both"),
+            (r#"{"memory": 0}"#, "at least 1 byte"),
+            (r#"{"memory": "1e99GiB"}"#, "invalid memory size"),
+            (r#"{"memory": "-4G"}"#, "invalid memory size"),
+            (
+                r#"{"memory": "4G", "colour": "red"}"#,
+                "unknown field `colour`",
+            ),
+            (r#"{"memory": "4G", "gpus": -1}"#, "invalid value"),
+            (r#"{"memory": "4G", "gpus": "two"}"#, "invalid type"),
+            (
+                r#"{"memory": 18446744073709551616}"#,
+                "did not match any variant",
+            ),
+            (r#"{"memory": "4G", "holder_pid": 0}"#, "not 0"),
+            (r#"{"memory": "4G", "labels": {"": "x"}}"#, "label"),
+        ] {
+            let e = wire(body).unwrap_err();
+            assert!(e.contains(needle), "{body}: {e}");
+        }
+    }
+
+    #[test]
+    fn ids_in_paths_are_plain() {
+        assert!(valid_id("3f2a9c0d1e2b4a5c").is_ok());
+        for bad in ["", "..", "a/b", "a%2Fb", &"x".repeat(200), "a b"] {
+            assert!(valid_id(bad).is_err(), "{bad}");
+        }
+    }
+}

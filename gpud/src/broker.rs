@@ -1,0 +1,1074 @@
+//! The application: reserve, release, renew, expire, the wait queue and quotas.
+//!
+//! Depends on `model`, `placement`, `store`, `holder`, `workload_env`, `config`. Every
+//! change happens under one lock, in this order: decide (placement, quota, permission),
+//! commit to SQLite, then update memory. If the commit fails, memory is untouched and the
+//! caller gets the error, so what is in memory is always what is on disk. Methods block
+//! (SQLite): async callers run them in `spawn_blocking`.
+//!
+//! In memory the broker keeps what every request needs in O(GPUs): the load of each unit
+//! (reserved bytes, count, exclusivity), usage per uid and gid for quotas, and the lease
+//! deadlines in order. Nothing on the request path scans all reservations.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::Duration;
+
+use tokio::sync::oneshot;
+
+use gpud_schema::format_bytes;
+
+use crate::config::Config;
+use crate::holder::{PinnedProcess, process_info};
+use crate::model::{
+    Gpu, GpuInventory, MemoryAsk, Millis, Policy, Reservation, ReservationState, ReservedUnit,
+    Topology, Unit,
+};
+use crate::placement::{self, PlacementError, PlacementRequest, PlacementState, UnitLoad};
+use crate::store::{Store, StoreError};
+use crate::workload_env::workload_env;
+
+/// Who is asking, as the kernel reports it (SO_PEERCRED).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Caller {
+    /// Effective uid.
+    pub uid: u32,
+    /// Effective gid.
+    pub gid: u32,
+    /// Pid in gpud's pid namespace.
+    pub pid: Option<u32>,
+}
+
+/// A validated reservation request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReserveRequest {
+    /// Units wanted.
+    pub gpus: u32,
+    /// Memory per unit, or exclusive.
+    pub memory: MemoryAsk,
+    /// Policy (the configured default when the request named none).
+    pub policy: Option<Policy>,
+    /// How long to wait for capacity; `None` fails at once.
+    pub wait: Option<Duration>,
+    /// Lease length.
+    pub ttl_seconds: Option<u64>,
+    /// Process whose exit releases it.
+    pub holder_pid: Option<u32>,
+    /// Labels.
+    pub labels: BTreeMap<String, String>,
+    /// Explicit id (the kubelet integration names its reservations); random otherwise.
+    pub id: Option<String>,
+}
+
+/// Why a broker operation failed. Each variant maps to one HTTP status in `api`.
+#[derive(Debug, thiserror::Error)]
+pub enum BrokerError {
+    /// The request is malformed or inconsistent.
+    #[error("{0}")]
+    Invalid(String),
+    /// It can never fit on this machine.
+    #[error("{0}")]
+    Unsatisfiable(String),
+    /// Not enough capacity now.
+    #[error("{0}")]
+    NoCapacity(String),
+    /// Waited and capacity did not free up.
+    #[error("{0}")]
+    WaitTimeout(String),
+    /// The caller may not do this.
+    #[error("{0}")]
+    Forbidden(String),
+    /// A quota would be exceeded.
+    #[error("{0}")]
+    QuotaExceeded(String),
+    /// No such reservation.
+    #[error("no reservation with id {0:?}")]
+    NotFound(String),
+    /// The reservation is no longer active.
+    #[error("reservation {id} is {state} ({reason})")]
+    NotActive {
+        /// The id.
+        id: String,
+        /// Its state.
+        state: &'static str,
+        /// Why it ended.
+        reason: String,
+    },
+    /// The database failed.
+    #[error("state could not be written, nothing was changed: {0}")]
+    Storage(#[from] StoreError),
+    /// gpud is stopping.
+    #[error("gpud is shutting down; try again when it is back")]
+    ShuttingDown,
+}
+
+/// What `reserve` did: placed at once, or queued the request.
+#[derive(Debug)]
+pub enum ReserveOutcome {
+    /// Placed and committed.
+    Reserved(Reservation),
+    /// Queued; await the ticket.
+    Queued(WaitTicket),
+}
+
+/// Operational settings the broker needs from the config.
+#[derive(Debug, Clone)]
+pub struct BrokerSettings {
+    /// Gids whose members are admins.
+    pub admin_gids: Vec<u32>,
+    /// The config (quotas, wait, env, placement defaults).
+    pub config: Config,
+}
+
+/// The broker. Share it as `Arc<Broker>`.
+#[derive(Debug)]
+pub struct Broker {
+    inner: Mutex<Inner>,
+    settings: Mutex<BrokerSettings>,
+    this: Weak<Broker>,
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+struct Usage {
+    units: u64,
+    memory: u64,
+    reservations: u64,
+}
+
+impl Usage {
+    fn add(&mut self, r: &Reservation) {
+        self.units += r.units.len() as u64;
+        self.memory += r.units.iter().map(|u| u.memory_bytes).sum::<u64>();
+        self.reservations += 1;
+    }
+
+    fn remove(&mut self, r: &Reservation) {
+        self.units = self.units.saturating_sub(r.units.len() as u64);
+        self.memory = self
+            .memory
+            .saturating_sub(r.units.iter().map(|u| u.memory_bytes).sum::<u64>());
+        self.reservations = self.reservations.saturating_sub(1);
+    }
+}
+
+struct Waiter {
+    ticket: u64,
+    caller: Caller,
+    request: ReserveRequest,
+    holder: Option<PinnedProcess>,
+    since: Millis,
+    reply: oneshot::Sender<Result<Reservation, BrokerError>>,
+}
+
+impl std::fmt::Debug for Waiter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Waiter")
+            .field("ticket", &self.ticket)
+            .field("since", &self.since)
+            .finish()
+    }
+}
+
+#[derive(Debug)]
+struct Inner {
+    store: Store,
+    gpus: Vec<Gpu>,
+    topology: Topology,
+    units: Vec<Unit>,
+    unit_by_uuid: HashMap<String, usize>,
+    loads: Vec<UnitLoad>,
+    /// Memory used per unit, as last measured (all processes).
+    used: Vec<u64>,
+    active: HashMap<String, Reservation>,
+    by_uid: HashMap<u32, Usage>,
+    by_gid: HashMap<u32, Usage>,
+    expiries: BTreeSet<(Millis, String)>,
+    waiters: VecDeque<Waiter>,
+    next_ticket: u64,
+    shutting_down: bool,
+}
+
+/// Pinned holders of the reservations loaded at start, to be watched.
+pub type HolderWatches = Vec<(String, PinnedProcess)>;
+
+impl Broker {
+    /// Builds the broker from the database and the inventory, and reaps what died while
+    /// gpud was down: reservations whose holder is gone, whose lease ran out, or whose GPU
+    /// is no longer present. Returns the live holders to watch.
+    pub fn open(
+        store: Store,
+        inventory: &GpuInventory,
+        settings: BrokerSettings,
+        now: Millis,
+    ) -> Result<(Arc<Broker>, HolderWatches), BrokerError> {
+        let units = inventory.units();
+        let unit_by_uuid = units
+            .iter()
+            .enumerate()
+            .map(|(i, u)| (u.uuid.clone(), i))
+            .collect();
+        let loads = units
+            .iter()
+            .map(|u| UnitLoad {
+                healthy: inventory
+                    .gpus
+                    .get(usize::try_from(u.gpu_index).unwrap_or(usize::MAX))
+                    .is_some_and(|g| g.healthy),
+                ..UnitLoad::default()
+            })
+            .collect();
+        let used = vec![0; units.len()];
+        let loaded = store.active()?;
+        let mut inner = Inner {
+            store,
+            gpus: inventory.gpus.clone(),
+            topology: inventory.topology.clone(),
+            units,
+            unit_by_uuid,
+            loads,
+            used,
+            active: HashMap::new(),
+            by_uid: HashMap::new(),
+            by_gid: HashMap::new(),
+            expiries: BTreeSet::new(),
+            waiters: VecDeque::new(),
+            next_ticket: 0,
+            shutting_down: false,
+        };
+        let mut dead = Vec::new();
+        let mut watches = Vec::new();
+        for r in loaded {
+            if let Some(missing) = r
+                .units
+                .iter()
+                .find(|u| !inner.unit_by_uuid.contains_key(&u.uuid))
+            {
+                dead.push((
+                    r.id.clone(),
+                    ReservationState::Released,
+                    format!("{} is no longer present", missing.uuid),
+                ));
+                continue;
+            }
+            if let Some(expires_at) = r.expires_at
+                && expires_at <= now
+            {
+                dead.push((
+                    r.id.clone(),
+                    ReservationState::Expired,
+                    "ttl expired while gpud was down".into(),
+                ));
+                continue;
+            }
+            if let Some(holder) = &r.holder {
+                match PinnedProcess::repin(holder) {
+                    Some(pinned) => watches.push((r.id.clone(), pinned)),
+                    None => {
+                        dead.push((
+                            r.id.clone(),
+                            ReservationState::Released,
+                            format!("holder process {} exited while gpud was down", holder.pid),
+                        ));
+                        continue;
+                    }
+                }
+            }
+            inner.add_active(r);
+        }
+        if !dead.is_empty() {
+            inner.store.finish(&dead, now)?;
+            for (id, _, reason) in &dead {
+                tracing::info!(reservation = %id, %reason, "reaped at start");
+            }
+        }
+        let broker = Arc::new_cyclic(|this| Broker {
+            inner: Mutex::new(inner),
+            settings: Mutex::new(settings),
+            this: this.clone(),
+        });
+        Ok((broker, watches))
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        // A panic while holding the lock cannot leave memory and disk out of step (memory
+        // is updated only after the commit), so a poisoned lock is still consistent.
+        self.inner
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn settings(&self) -> BrokerSettings {
+        self.settings
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Replaces the settings (config reload). Applies to requests from now on.
+    pub fn set_settings(&self, settings: BrokerSettings) {
+        *self
+            .settings
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = settings;
+    }
+
+    /// Whether `caller` may act on every reservation (root or an admin group member).
+    pub fn is_admin(&self, caller: &Caller) -> bool {
+        if caller.uid == 0 {
+            return true;
+        }
+        let admin_gids = self.settings().admin_gids;
+        if admin_gids.is_empty() {
+            return false;
+        }
+        if admin_gids.contains(&caller.gid) {
+            return true;
+        }
+        caller
+            .pid
+            .and_then(|pid| process_info(pid).ok())
+            .is_some_and(|info| info.groups.iter().any(|g| admin_gids.contains(g)))
+    }
+
+    /// Reserves, or queues the request when it asks to wait and nothing fits now.
+    pub fn reserve(
+        &self,
+        caller: Caller,
+        request: ReserveRequest,
+        now: Millis,
+    ) -> Result<ReserveOutcome, BrokerError> {
+        let settings = self.settings();
+        if let Some(wait) = request.wait
+            && wait.as_secs() > settings.config.wait.max_wait_seconds
+        {
+            return Err(BrokerError::Invalid(format!(
+                "wait_seconds {} is longer than this gpud allows ({}); ask for less",
+                wait.as_secs(),
+                settings.config.wait.max_wait_seconds
+            )));
+        }
+        if request.holder_pid.is_none() && request.ttl_seconds.is_none() && request.id.is_none() {
+            return Err(BrokerError::Invalid(
+                "a reservation needs a lifetime: give holder_pid (released when that process exits) \
+                 or ttl_seconds (released unless renewed), or both"
+                    .to_owned(),
+            ));
+        }
+        if request.ttl_seconds == Some(0) {
+            return Err(BrokerError::Invalid(
+                "ttl_seconds must be at least 1".to_owned(),
+            ));
+        }
+        let holder = match request.holder_pid {
+            Some(pid) => Some(self.pin_holder(&caller, pid)?),
+            None => None,
+        };
+        let mut inner = self.lock();
+        if inner.shutting_down {
+            return Err(BrokerError::ShuttingDown);
+        }
+        if let Some(id) = &request.id
+            && (inner.active.contains_key(id) || inner.store.get(id)?.is_some())
+        {
+            return Err(BrokerError::Invalid(format!(
+                "reservation id {id:?} is already taken"
+            )));
+        }
+        // Waiters come first: a request may go ahead of them (backfill) only while the
+        // oldest has not waited past the starvation guard.
+        let blocked = inner.head_is_starved(now, settings.config.wait.starvation_after);
+        let attempt = if blocked {
+            Err(BrokerError::NoCapacity(format!(
+                "capacity is being held for a request that has waited more than {}; \
+                 wait for it to be served",
+                humantime::format_duration(settings.config.wait.starvation_after)
+            )))
+        } else {
+            inner.try_reserve(&caller, &request, holder.as_ref(), now, &settings)
+        };
+        match attempt {
+            Ok(r) => {
+                drop(inner);
+                if let Some(pinned) = holder {
+                    self.watch_holder(r.id.clone(), pinned);
+                }
+                Ok(ReserveOutcome::Reserved(r))
+            }
+            Err(BrokerError::NoCapacity(why)) if request.wait.is_some_and(|w| !w.is_zero()) => {
+                let (reply, rx) = oneshot::channel();
+                inner.next_ticket += 1;
+                let ticket = inner.next_ticket;
+                let wait = request.wait.unwrap_or_default();
+                inner.waiters.push_back(Waiter {
+                    ticket,
+                    caller,
+                    request,
+                    holder,
+                    since: now,
+                    reply,
+                });
+                tracing::debug!(ticket, %why, "request queued");
+                Ok(ReserveOutcome::Queued(WaitTicket {
+                    ticket,
+                    rx: Some(rx),
+                    broker: self.this.clone(),
+                    wait,
+                    why,
+                }))
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    fn pin_holder(&self, caller: &Caller, pid: u32) -> Result<PinnedProcess, BrokerError> {
+        let pinned = PinnedProcess::pin(pid).map_err(|e| {
+            BrokerError::Invalid(format!("holder_pid {pid} cannot hold a reservation: {e}"))
+        })?;
+        if caller.uid != 0 && pinned.info.uid != caller.uid {
+            return Err(BrokerError::Forbidden(format!(
+                "holder_pid {pid} belongs to uid {}, not to you (uid {}); name one of your own processes",
+                pinned.info.uid, caller.uid
+            )));
+        }
+        Ok(pinned)
+    }
+
+    fn watch_holder(&self, id: String, pinned: PinnedProcess) {
+        let Some(broker) = self.this.upgrade() else {
+            return;
+        };
+        let Ok(handle) = tokio::runtime::Handle::try_current() else {
+            tracing::warn!(reservation = %id, "no runtime to watch the holder on");
+            return;
+        };
+        handle.spawn(async move {
+            let pid = pinned.holder.pid;
+            pinned.wait_exit().await;
+            let task = tokio::task::spawn_blocking(move || {
+                broker.holder_exited(&id, pid, crate::clock::now_millis())
+            });
+            if let Ok(Err(e)) = task.await {
+                tracing::error!(error = %e, "could not release a reservation whose holder exited");
+            }
+        });
+    }
+
+    /// Starts watching the holders returned by [`Broker::open`]. Call on the runtime.
+    pub fn watch_holders(&self, watches: HolderWatches) {
+        for (id, pinned) in watches {
+            self.watch_holder(id, pinned);
+        }
+    }
+
+    /// Releases `id` because its holder `pid` exited.
+    pub fn holder_exited(&self, id: &str, pid: u32, now: Millis) -> Result<(), BrokerError> {
+        let mut inner = self.lock();
+        if !inner.active.contains_key(id) {
+            return Ok(());
+        }
+        let reason = format!("holder process {pid} exited");
+        inner.end(
+            &[(id.to_owned(), ReservationState::Released, reason.clone())],
+            now,
+        )?;
+        tracing::info!(reservation = %id, %reason, "released");
+        self.serve_waiters(&mut inner, now);
+        Ok(())
+    }
+
+    /// Releases `id` on behalf of `caller` (its owner, root or an admin).
+    pub fn release(
+        &self,
+        caller: &Caller,
+        id: &str,
+        now: Millis,
+    ) -> Result<Reservation, BrokerError> {
+        let admin = self.is_admin(caller);
+        let mut inner = self.lock();
+        let r = inner.find_active(id)?;
+        authorize(caller, admin, r, "release")?;
+        let reason = if caller.uid == r.owner_uid {
+            "released by its owner".to_owned()
+        } else {
+            format!("released by uid {}", caller.uid)
+        };
+        let ended = inner.end(
+            &[(id.to_owned(), ReservationState::Released, reason.clone())],
+            now,
+        )?;
+        tracing::info!(reservation = %id, %reason, "released");
+        self.serve_waiters(&mut inner, now);
+        ended
+            .into_iter()
+            .next()
+            .ok_or_else(|| BrokerError::NotFound(id.to_owned()))
+    }
+
+    /// Extends the lease of `id` by `ttl_seconds` from now (default: its own TTL).
+    pub fn renew(
+        &self,
+        caller: &Caller,
+        id: &str,
+        ttl_seconds: Option<u64>,
+        now: Millis,
+    ) -> Result<Reservation, BrokerError> {
+        let admin = self.is_admin(caller);
+        let mut inner = self.lock();
+        let r = inner.find_active(id)?;
+        authorize(caller, admin, r, "renew")?;
+        let ttl = match (ttl_seconds, r.ttl_seconds) {
+            (Some(0), _) => {
+                return Err(BrokerError::Invalid(
+                    "ttl_seconds must be at least 1".to_owned(),
+                ));
+            }
+            (Some(t), _) | (None, Some(t)) => t,
+            (None, None) => {
+                return Err(BrokerError::Invalid(format!(
+                    "reservation {id} has no lease to renew (it is held by a process); \
+                     give ttl_seconds to add one"
+                )));
+            }
+        };
+        let expires_at = now.saturating_add(ttl.saturating_mul(1000));
+        let old = r.expires_at;
+        inner.store.renew(id, ttl, expires_at)?;
+        if let Some(old) = old {
+            inner.expiries.remove(&(old, id.to_owned()));
+        }
+        inner.expiries.insert((expires_at, id.to_owned()));
+        let r = inner
+            .active
+            .get_mut(id)
+            .ok_or_else(|| BrokerError::NotFound(id.to_owned()))?;
+        r.ttl_seconds = Some(ttl);
+        r.expires_at = Some(expires_at);
+        Ok(r.clone())
+    }
+
+    /// Ends every lease that ran out by `now`. Returns how many expired.
+    pub fn expire_due(&self, now: Millis) -> Result<usize, BrokerError> {
+        let mut inner = self.lock();
+        let due: Vec<(String, ReservationState, String)> = inner
+            .expiries
+            .iter()
+            .take_while(|(at, _)| *at <= now)
+            .map(|(_, id)| {
+                let ttl = inner
+                    .active
+                    .get(id)
+                    .and_then(|r| r.ttl_seconds)
+                    .unwrap_or(0);
+                (
+                    id.clone(),
+                    ReservationState::Expired,
+                    format!("ttl of {ttl}s expired"),
+                )
+            })
+            .collect();
+        if due.is_empty() {
+            return Ok(0);
+        }
+        inner.end(&due, now)?;
+        for (id, _, reason) in &due {
+            tracing::info!(reservation = %id, %reason, "expired");
+        }
+        self.serve_waiters(&mut inner, now);
+        Ok(due.len())
+    }
+
+    /// When the next lease ends, if any.
+    pub fn next_expiry(&self) -> Option<Millis> {
+        self.lock().expiries.first().map(|(at, _)| *at)
+    }
+
+    /// Serves queued requests that fit now, oldest first, with backfill until the oldest is
+    /// starved. Waiters whose client went away are dropped.
+    fn serve_waiters(&self, inner: &mut Inner, now: Millis) {
+        if inner.waiters.is_empty() {
+            return;
+        }
+        let settings = self.settings();
+        let starvation = settings.config.wait.starvation_after;
+        let mut i = 0;
+        while i < inner.waiters.len() {
+            if inner.waiters[i].reply.is_closed() {
+                inner.waiters.remove(i);
+                continue;
+            }
+            let head_starved = i > 0 && inner.head_is_starved(now, starvation);
+            if head_starved {
+                break;
+            }
+            let waiter = &inner.waiters[i];
+            let (caller, request) = (waiter.caller, waiter.request.clone());
+            if waiter
+                .holder
+                .as_ref()
+                .is_some_and(PinnedProcess::has_exited)
+            {
+                if let Some(w) = inner.waiters.remove(i) {
+                    let _ = w.reply.send(Err(BrokerError::Invalid(format!(
+                        "holder process {} exited while waiting",
+                        w.holder.as_ref().map_or(0, |h| h.holder.pid)
+                    ))));
+                }
+                continue;
+            }
+            let holder = inner.waiters[i].holder.take();
+            match inner.try_reserve(&caller, &request, holder.as_ref(), now, &settings) {
+                Ok(r) => {
+                    let Some(w) = inner.waiters.remove(i) else {
+                        break;
+                    };
+                    if let Err(Ok(r)) = w.reply.send(Ok(r.clone())) {
+                        // The client left between the check and now: give it back at once.
+                        let _ = inner.end(
+                            &[(
+                                r.id,
+                                ReservationState::Released,
+                                "waiting client went away".to_owned(),
+                            )],
+                            now,
+                        );
+                    } else if let Some(pinned) = holder {
+                        self.watch_holder(r.id, pinned);
+                    }
+                }
+                Err(BrokerError::NoCapacity(_)) => {
+                    inner.waiters[i].holder = holder;
+                    i += 1;
+                }
+                Err(e) => {
+                    if let Some(w) = inner.waiters.remove(i) {
+                        let _ = w.reply.send(Err(e));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Re-tries the queue (after health or usage changes that may free capacity).
+    pub fn poke_waiters(&self, now: Millis) {
+        let mut inner = self.lock();
+        self.serve_waiters(&mut inner, now);
+    }
+
+    fn cancel_wait(&self, ticket: u64) -> bool {
+        let mut inner = self.lock();
+        match inner.waiters.iter().position(|w| w.ticket == ticket) {
+            Some(i) => {
+                inner.waiters.remove(i);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// One reservation, active or not.
+    pub fn get(&self, id: &str) -> Result<Reservation, BrokerError> {
+        let inner = self.lock();
+        if let Some(r) = inner.active.get(id) {
+            return Ok(r.clone());
+        }
+        inner
+            .store
+            .get(id)?
+            .ok_or_else(|| BrokerError::NotFound(id.to_owned()))
+    }
+
+    /// Reservations in `state` (`None`: all states), optionally of one owner, oldest first.
+    pub fn list(
+        &self,
+        state: Option<ReservationState>,
+        owner: Option<u32>,
+    ) -> Result<Vec<Reservation>, BrokerError> {
+        let inner = self.lock();
+        if state == Some(ReservationState::Active) {
+            let mut out: Vec<Reservation> = inner
+                .active
+                .values()
+                .filter(|r| owner.is_none_or(|o| r.owner_uid == o))
+                .cloned()
+                .collect();
+            out.sort_by(|a, b| (a.created_at, &a.id).cmp(&(b.created_at, &b.id)));
+            return Ok(out);
+        }
+        Ok(inner.store.list(state, owner)?)
+    }
+
+    /// A consistent snapshot for `GET /v1/gpus`, metrics and the audit.
+    pub fn snapshot(&self) -> Snapshot {
+        let inner = self.lock();
+        Snapshot {
+            gpus: inner.gpus.clone(),
+            topology: inner.topology.clone(),
+            units: inner.units.clone(),
+            loads: inner.loads.clone(),
+            used: inner.used.clone(),
+            active: inner.active.len(),
+            waiting: inner.waiters.len(),
+        }
+    }
+
+    /// Records measured usage per unit (all processes) and the part no reservation accounts for.
+    pub fn set_usage(&self, used: &[u64], unaccounted: &[(u64, bool)]) {
+        let mut inner = self.lock();
+        for (slot, u) in inner.used.iter_mut().zip(used) {
+            *slot = *u;
+        }
+        for (load, (bytes, foreign)) in inner.loads.iter_mut().zip(unaccounted) {
+            load.unaccounted_bytes = *bytes;
+            load.foreign_processes = *foreign;
+        }
+    }
+
+    /// Marks a physical GPU healthy or not. Returns whether it changed.
+    pub fn set_gpu_health(&self, gpu_index: u32, healthy: bool) -> bool {
+        let mut inner = self.lock();
+        let Some(gpu) = inner
+            .gpus
+            .get_mut(usize::try_from(gpu_index).unwrap_or(usize::MAX))
+        else {
+            return false;
+        };
+        if gpu.healthy == healthy {
+            return false;
+        }
+        gpu.healthy = healthy;
+        let Inner { units, loads, .. } = &mut *inner;
+        for (unit, load) in units.iter().zip(loads.iter_mut()) {
+            if unit.gpu_index == gpu_index {
+                load.healthy = healthy;
+            }
+        }
+        true
+    }
+
+    /// Refuses new requests and fails every waiter (graceful stop).
+    pub fn shut_down(&self) {
+        let mut inner = self.lock();
+        inner.shutting_down = true;
+        for w in inner.waiters.drain(..) {
+            let _ = w.reply.send(Err(BrokerError::ShuttingDown));
+        }
+    }
+
+    /// Checks the database's integrity (for tests and `gpud` start-up checks).
+    pub fn integrity_check(&self) -> Result<(), BrokerError> {
+        Ok(self.lock().store.integrity_check()?)
+    }
+}
+
+/// What `snapshot` returns.
+#[derive(Debug, Clone)]
+pub struct Snapshot {
+    /// GPUs with current health.
+    pub gpus: Vec<Gpu>,
+    /// Link matrix.
+    pub topology: Topology,
+    /// Allocatable units.
+    pub units: Vec<Unit>,
+    /// Load per unit.
+    pub loads: Vec<UnitLoad>,
+    /// Measured memory use per unit.
+    pub used: Vec<u64>,
+    /// Active reservations.
+    pub active: usize,
+    /// Queued requests.
+    pub waiting: usize,
+}
+
+fn authorize(caller: &Caller, admin: bool, r: &Reservation, verb: &str) -> Result<(), BrokerError> {
+    if caller.uid == r.owner_uid || admin {
+        Ok(())
+    } else {
+        Err(BrokerError::Forbidden(format!(
+            "reservation {} belongs to uid {}; only its owner, root or an admin group may {verb} it",
+            r.id, r.owner_uid
+        )))
+    }
+}
+
+impl Inner {
+    fn find_active(&self, id: &str) -> Result<&Reservation, BrokerError> {
+        if let Some(r) = self.active.get(id) {
+            return Ok(r);
+        }
+        match self.store.get(id)? {
+            Some(r) => Err(BrokerError::NotActive {
+                id: id.to_owned(),
+                state: r.state.as_str(),
+                reason: r
+                    .end_reason
+                    .unwrap_or_else(|| "no reason recorded".to_owned()),
+            }),
+            None => Err(BrokerError::NotFound(id.to_owned())),
+        }
+    }
+
+    fn head_is_starved(&self, now: Millis, starvation: Duration) -> bool {
+        let limit = u64::try_from(starvation.as_millis()).unwrap_or(u64::MAX);
+        self.waiters
+            .front()
+            .is_some_and(|w| now.saturating_sub(w.since) >= limit)
+    }
+
+    /// Places, checks quota, commits and records one reservation. Changes nothing on error.
+    fn try_reserve(
+        &mut self,
+        caller: &Caller,
+        request: &ReserveRequest,
+        holder: Option<&PinnedProcess>,
+        now: Millis,
+        settings: &BrokerSettings,
+    ) -> Result<Reservation, BrokerError> {
+        let placement_request = PlacementRequest {
+            gpus: request.gpus,
+            memory: request.memory,
+            policy: request
+                .policy
+                .unwrap_or(settings.config.placement.default_policy),
+        };
+        let state = PlacementState {
+            units: &self.units,
+            loads: &self.loads,
+            topology: &self.topology,
+        };
+        let placement = placement::place(&placement_request, &state).map_err(|e| match e {
+            PlacementError::Impossible(m) => BrokerError::Unsatisfiable(m),
+            PlacementError::NoCapacity(m) => BrokerError::NoCapacity(m),
+        })?;
+        let mut units: Vec<ReservedUnit> = Vec::new();
+        let mut totals = Vec::new();
+        for a in &placement.assignments {
+            let unit = self.units.get(a.unit).ok_or_else(|| {
+                BrokerError::NoCapacity("placement chose an unknown unit".to_owned())
+            })?;
+            units.push(ReservedUnit {
+                uuid: unit.uuid.clone(),
+                gpu_index: unit.gpu_index,
+                memory_bytes: a.memory_bytes,
+            });
+            totals.push(unit.memory_total_bytes);
+        }
+        self.check_quota(caller, &units, &settings.config.quotas)?;
+        let id = request.id.clone().unwrap_or_else(new_id);
+        let exclusive = request.memory == MemoryAsk::Exclusive;
+        let env = workload_env(
+            &id,
+            &units,
+            &totals,
+            exclusive,
+            &self.gpus,
+            &settings.config.env,
+        );
+        let r = Reservation {
+            id,
+            state: ReservationState::Active,
+            owner_uid: caller.uid,
+            owner_gid: caller.gid,
+            holder: holder.map(|h| h.holder.clone()),
+            exclusive,
+            units,
+            ttl_seconds: request.ttl_seconds,
+            expires_at: request
+                .ttl_seconds
+                .map(|t| now.saturating_add(t.saturating_mul(1000))),
+            created_at: now,
+            ended_at: None,
+            end_reason: None,
+            labels: request.labels.clone(),
+            env,
+        };
+        self.store.insert(&r)?;
+        tracing::info!(
+            reservation = %r.id,
+            uid = caller.uid,
+            gpus = %r.units.iter().map(|u| u.gpu_index.to_string()).collect::<Vec<_>>().join(","),
+            memory = %format_bytes(r.units.first().map_or(0, |u| u.memory_bytes)),
+            "reserved"
+        );
+        self.add_active(r.clone());
+        Ok(r)
+    }
+
+    fn check_quota(
+        &self,
+        caller: &Caller,
+        units: &[ReservedUnit],
+        quotas: &[crate::config::Quota],
+    ) -> Result<(), BrokerError> {
+        let asked_units = units.len() as u64;
+        let asked_memory: u64 = units.iter().map(|u| u.memory_bytes).sum();
+        for q in quotas {
+            let (who, usage) = match (q.uid, q.gid) {
+                (Some(uid), _) if uid == caller.uid => {
+                    (format!("uid {uid}"), self.by_uid.get(&uid))
+                }
+                (_, Some(gid)) if gid == caller.gid => {
+                    (format!("group {gid}"), self.by_gid.get(&gid))
+                }
+                _ => continue,
+            };
+            let usage = usage.copied().unwrap_or_default();
+            if let Some(max) = q.max_gpus
+                && usage.units + asked_units > u64::from(max)
+            {
+                return Err(BrokerError::QuotaExceeded(format!(
+                    "quota for {who} allows {max} GPUs at once; {} held, {asked_units} asked",
+                    usage.units
+                )));
+            }
+            if let Some(max) = q.max_memory
+                && usage.memory.saturating_add(asked_memory) > max
+            {
+                return Err(BrokerError::QuotaExceeded(format!(
+                    "quota for {who} allows {} of GPU memory at once; {} held, {} asked",
+                    format_bytes(max),
+                    format_bytes(usage.memory),
+                    format_bytes(asked_memory)
+                )));
+            }
+            if let Some(max) = q.max_reservations
+                && usage.reservations + 1 > u64::from(max)
+            {
+                return Err(BrokerError::QuotaExceeded(format!(
+                    "quota for {who} allows {max} reservations at once; {} held",
+                    usage.reservations
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    fn add_active(&mut self, r: Reservation) {
+        for u in &r.units {
+            if let Some(&i) = self.unit_by_uuid.get(&u.uuid) {
+                let load = &mut self.loads[i];
+                load.reserved_bytes = load.reserved_bytes.saturating_add(u.memory_bytes);
+                load.reservations += 1;
+                load.exclusive |= r.exclusive;
+            }
+        }
+        self.by_uid.entry(r.owner_uid).or_default().add(&r);
+        self.by_gid.entry(r.owner_gid).or_default().add(&r);
+        if let Some(at) = r.expires_at {
+            self.expiries.insert((at, r.id.clone()));
+        }
+        self.active.insert(r.id.clone(), r);
+    }
+
+    /// Commits the end of these reservations, then drops them from memory.
+    fn end(
+        &mut self,
+        ended: &[(String, ReservationState, String)],
+        now: Millis,
+    ) -> Result<Vec<Reservation>, BrokerError> {
+        self.store.finish(ended, now)?;
+        let mut out = Vec::new();
+        for (id, state, reason) in ended {
+            let Some(mut r) = self.active.remove(id) else {
+                continue;
+            };
+            for u in &r.units {
+                if let Some(&i) = self.unit_by_uuid.get(&u.uuid) {
+                    let load = &mut self.loads[i];
+                    load.reserved_bytes = load.reserved_bytes.saturating_sub(u.memory_bytes);
+                    load.reservations = load.reservations.saturating_sub(1);
+                    if r.exclusive {
+                        load.exclusive = false;
+                    }
+                }
+            }
+            if let Some(u) = self.by_uid.get_mut(&r.owner_uid) {
+                u.remove(&r);
+            }
+            if let Some(u) = self.by_gid.get_mut(&r.owner_gid) {
+                u.remove(&r);
+            }
+            if let Some(at) = r.expires_at {
+                self.expiries.remove(&(at, id.clone()));
+            }
+            r.state = *state;
+            r.ended_at = Some(now);
+            r.end_reason = Some(reason.clone());
+            out.push(r);
+        }
+        Ok(out)
+    }
+}
+
+fn new_id() -> String {
+    let mut id = uuid::Uuid::new_v4().simple().to_string();
+    id.truncate(16);
+    id
+}
+
+/// A queued request. Await [`WaitTicket::wait`]; dropping the ticket (the client went away)
+/// withdraws the request, and gives back a reservation that was made for it in the meantime.
+#[derive(Debug)]
+pub struct WaitTicket {
+    ticket: u64,
+    rx: Option<oneshot::Receiver<Result<Reservation, BrokerError>>>,
+    broker: Weak<Broker>,
+    wait: Duration,
+    why: String,
+}
+
+impl WaitTicket {
+    /// Waits up to the request's `wait_seconds` for the reservation.
+    pub async fn wait(mut self) -> Result<Reservation, BrokerError> {
+        let Some(rx) = self.rx.as_mut() else {
+            return Err(BrokerError::ShuttingDown);
+        };
+        match tokio::time::timeout(self.wait, rx).await {
+            Ok(Ok(result)) => {
+                self.rx = None;
+                result
+            }
+            Ok(Err(_)) => {
+                self.rx = None;
+                Err(BrokerError::ShuttingDown)
+            }
+            Err(_) => {
+                // Timed out: withdraw, unless it was served in the meantime.
+                let withdrawn = self
+                    .broker
+                    .upgrade()
+                    .is_some_and(|b| b.cancel_wait(self.ticket));
+                let late = self.rx.take().and_then(|mut rx| rx.try_recv().ok());
+                match (withdrawn, late) {
+                    (false, Some(result)) => result,
+                    _ => Err(BrokerError::WaitTimeout(format!(
+                        "waited {} and nothing freed up: {}",
+                        humantime::format_duration(self.wait),
+                        self.why
+                    ))),
+                }
+            }
+        }
+    }
+}
+
+impl Drop for WaitTicket {
+    fn drop(&mut self) {
+        let Some(mut rx) = self.rx.take() else { return };
+        let Some(broker) = self.broker.upgrade() else {
+            return;
+        };
+        if broker.cancel_wait(self.ticket) {
+            return;
+        }
+        // Served while nobody was listening any more: give the reservation back.
+        rx.close();
+        if let Ok(Ok(r)) = rx.try_recv() {
+            let owner = Caller {
+                uid: r.owner_uid,
+                gid: r.owner_gid,
+                pid: None,
+            };
+            let _ = broker.release(&owner, &r.id, crate::clock::now_millis());
+        }
+    }
+}

@@ -1,0 +1,313 @@
+//! The daemon's configuration: `/etc/gpud/gpud.toml`, overridden by command-line flags.
+//!
+//! Unknown keys are rejected with the key named (`deny_unknown_fields`), so a typo such as
+//! `max_reservation = 4` fails at start instead of silently granting no limit.
+//! `systemd/gpud.toml` is the commented example; a test parses it.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::{Deserialize, Deserializer};
+
+use gpud_schema::{MemoryAmount, parse_memory};
+
+use crate::model::Policy;
+
+/// Default config file path.
+pub const DEFAULT_CONFIG: &str = "/etc/gpud/gpud.toml";
+/// Default state directory (the SQLite database lives here).
+pub const DEFAULT_STATE_DIR: &str = "/var/lib/gpud";
+
+/// Why the configuration could not be loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read config {path}: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The file is not valid gpud TOML.
+    #[error("invalid config {path}: {message}")]
+    Parse {
+        /// The file.
+        path: PathBuf,
+        /// The parser's message, naming the key and line.
+        message: String,
+    },
+}
+
+/// The whole configuration.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// Unix socket to serve on (ignored when systemd hands one over).
+    pub socket: PathBuf,
+    /// Permission bits of a socket gpud binds itself.
+    pub socket_mode: u32,
+    /// Directory for the SQLite database.
+    pub state_dir: PathBuf,
+    /// NVML library to load; default: the system's `libnvidia-ml.so.1`.
+    pub nvml_lib: Option<PathBuf>,
+    /// Groups (names or numeric gids) whose members may release and renew anyone's reservations.
+    pub admin_groups: Vec<String>,
+    /// HTTP server limits.
+    pub server: ServerConfig,
+    /// Placement defaults.
+    pub placement: PlacementConfig,
+    /// Waiting for capacity.
+    pub wait: WaitConfig,
+    /// Usage sampling and audit.
+    pub audit: AuditConfig,
+    /// What the workload's environment contains beyond the defaults.
+    pub env: EnvConfig,
+    /// Per-uid and per-gid limits.
+    pub quotas: Vec<Quota>,
+}
+
+impl Default for Config {
+    fn default() -> Config {
+        Config {
+            socket: PathBuf::from(gpud_schema::DEFAULT_SOCKET),
+            socket_mode: 0o666,
+            state_dir: PathBuf::from(DEFAULT_STATE_DIR),
+            nvml_lib: None,
+            admin_groups: Vec::new(),
+            server: ServerConfig::default(),
+            placement: PlacementConfig::default(),
+            wait: WaitConfig::default(),
+            audit: AuditConfig::default(),
+            env: EnvConfig::default(),
+            quotas: Vec::new(),
+        }
+    }
+}
+
+/// HTTP server limits.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServerConfig {
+    /// Largest request body accepted (bytes); larger gets 413.
+    pub max_body_bytes: usize,
+    /// How long a client may take to send its request headers.
+    #[serde(deserialize_with = "duration")]
+    pub header_timeout: Duration,
+    /// Connections served at once; more wait in the listen backlog.
+    pub max_connections: usize,
+}
+
+impl Default for ServerConfig {
+    fn default() -> ServerConfig {
+        ServerConfig {
+            max_body_bytes: 64 * 1024,
+            header_timeout: Duration::from_secs(5),
+            max_connections: 4096,
+        }
+    }
+}
+
+/// Placement defaults.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct PlacementConfig {
+    /// Policy for requests that name none.
+    pub default_policy: Policy,
+}
+
+/// Waiting for capacity.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct WaitConfig {
+    /// Longest `wait_seconds` accepted.
+    pub max_wait_seconds: u64,
+    /// Once the oldest waiter has waited this long, later requests may no longer go ahead
+    /// of it (backfill stops) until it is served.
+    #[serde(deserialize_with = "duration")]
+    pub starvation_after: Duration,
+}
+
+impl Default for WaitConfig {
+    fn default() -> WaitConfig {
+        WaitConfig {
+            max_wait_seconds: 24 * 3600,
+            starvation_after: Duration::from_secs(60),
+        }
+    }
+}
+
+/// Usage sampling and audit.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AuditConfig {
+    /// How often NVML is asked what runs on each GPU.
+    #[serde(deserialize_with = "duration")]
+    pub interval: Duration,
+}
+
+impl Default for AuditConfig {
+    fn default() -> AuditConfig {
+        AuditConfig {
+            interval: Duration::from_secs(2),
+        }
+    }
+}
+
+/// Optional parts of the workload environment.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct EnvConfig {
+    /// Also set the gpushare plugin's `ALIYUN_COM_GPU_MEM_*` variables.
+    pub gpushare_compat: bool,
+    /// GPUs (UUIDs or indices as strings) that run the MPS control daemon: reservations on
+    /// them get hard `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT` and thread-percentage limits.
+    pub mps_gpus: Vec<String>,
+}
+
+/// A limit on what one uid, or all uids of one primary gid, may hold at once.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Quota {
+    /// The uid this applies to (exactly one of `uid` and `gid`).
+    pub uid: Option<u32>,
+    /// The primary gid this applies to, summed over all its members' reservations.
+    pub gid: Option<u32>,
+    /// Most GPUs (units) held at once.
+    pub max_gpus: Option<u32>,
+    /// Most memory held at once, summed over GPUs (`"40GiB"` or bytes).
+    #[serde(default, deserialize_with = "optional_size")]
+    pub max_memory: Option<u64>,
+    /// Most active reservations at once.
+    pub max_reservations: Option<u32>,
+}
+
+impl Config {
+    /// Reads and validates `path`. A missing file is an error only when `required`
+    /// (it was named with `--config`); otherwise the defaults apply.
+    pub fn load(path: &Path, required: bool) -> Result<Config, ConfigError> {
+        let text = match std::fs::read_to_string(path) {
+            Ok(text) => text,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && !required => {
+                return Ok(Config::default());
+            }
+            Err(source) => {
+                return Err(ConfigError::Read {
+                    path: path.to_owned(),
+                    source,
+                });
+            }
+        };
+        Config::parse(&text).map_err(|message| ConfigError::Parse {
+            path: path.to_owned(),
+            message,
+        })
+    }
+
+    /// Parses and validates TOML text; the error names the key and line.
+    pub fn parse(text: &str) -> Result<Config, String> {
+        let config: Config =
+            toml::from_str(text).map_err(|e| e.to_string().trim().replace('\n', " "))?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    fn validate(&self) -> Result<(), String> {
+        for (i, q) in self.quotas.iter().enumerate() {
+            if q.uid.is_some() == q.gid.is_some() {
+                return Err(format!("quotas[{i}]: give exactly one of `uid` or `gid`"));
+            }
+        }
+        if self.server.max_connections == 0 {
+            return Err("server.max_connections must be at least 1".to_owned());
+        }
+        if self.audit.interval < Duration::from_millis(100) {
+            return Err("audit.interval must be at least 100ms".to_owned());
+        }
+        Ok(())
+    }
+}
+
+fn duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+    let text = String::deserialize(d)?;
+    humantime::parse_duration(&text).map_err(|e| {
+        serde::de::Error::custom(format!(
+            "invalid duration {text:?}: {e} (write e.g. 2s, 500ms, 1m)"
+        ))
+    })
+}
+
+fn optional_size<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Size {
+        Bytes(u64),
+        Text(String),
+    }
+    match Option::<Size>::deserialize(d)? {
+        None => Ok(None),
+        Some(Size::Bytes(b)) => Ok(Some(b)),
+        Some(Size::Text(t)) => match parse_memory(&t).map_err(serde::de::Error::custom)? {
+            MemoryAmount::Bytes(b) => Ok(Some(b)),
+            MemoryAmount::BasisPoints(_) => Err(serde::de::Error::custom(format!(
+                "{t:?}: a quota needs an absolute size such as 40GiB, not a percentage"
+            ))),
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shipped_example_parses_and_differs_from_defaults_only_where_it_says() {
+        let text = include_str!("../../systemd/gpud.toml");
+        let config = Config::parse(text).unwrap();
+        assert_eq!(config.socket, PathBuf::from("/run/gpud/gpud.sock"));
+        assert_eq!(config.state_dir, PathBuf::from("/var/lib/gpud"));
+        assert_eq!(config.audit.interval, Duration::from_secs(2));
+        assert!(!config.quotas.is_empty(), "the example shows a quota");
+    }
+
+    #[test]
+    fn empty_file_is_the_defaults() {
+        assert_eq!(Config::parse("").unwrap(), Config::default());
+    }
+
+    #[test]
+    fn unknown_keys_are_named() {
+        let e = Config::parse("sockett = \"/tmp/x\"\n").unwrap_err();
+        assert!(e.contains("sockett"), "{e}");
+        let e = Config::parse("[[quotas]]\nuid = 1\nmax_reservation = 4\n").unwrap_err();
+        assert!(e.contains("max_reservation"), "{e}");
+    }
+
+    #[test]
+    fn sizes_and_durations_are_human() {
+        let c = Config::parse(
+            "[audit]\ninterval = \"500ms\"\n[[quotas]]\ngid = 100\nmax_memory = \"40G\"\n[wait]\nstarvation_after = \"2m\"\n",
+        )
+        .unwrap();
+        assert_eq!(c.audit.interval, Duration::from_millis(500));
+        assert_eq!(c.quotas[0].max_memory, Some(40 << 30));
+        assert_eq!(c.wait.starvation_after, Duration::from_secs(120));
+        assert!(
+            Config::parse("[audit]\ninterval = \"soon\"\n")
+                .unwrap_err()
+                .contains("soon")
+        );
+        assert!(Config::parse("[[quotas]]\nuid = 1\nmax_memory = \"25%\"\n").is_err());
+    }
+
+    #[test]
+    fn a_quota_names_exactly_one_subject() {
+        assert!(
+            Config::parse("[[quotas]]\nmax_gpus = 1\n")
+                .unwrap_err()
+                .contains("exactly one")
+        );
+        assert!(Config::parse("[[quotas]]\nuid = 1\ngid = 1\n").is_err());
+    }
+}

@@ -1,0 +1,537 @@
+//! The only module that touches nvml-wrapper: inventory, topology, processes, health.
+//!
+//! Depends on `model`. Everything else in gpud sees GPUs through the types in `model`
+//! and through [`Nvml`]'s methods, so that the real driver and the fake NVML library
+//! (`tests/fake-nvml`) run the very same code. NVML calls block (the real driver can take
+//! milliseconds per call): callers on the async runtime run them in `spawn_blocking`.
+//!
+//! Topology is read once at discovery. The PCIe level of each pair comes from
+//! `nvmlDeviceGetTopologyCommonAncestor`; the NVLink count from walking each GPU's links
+//! (`nvmlDeviceGetNvLinkState`) and matching each active link's remote PCI bus id against
+//! the other GPUs. A link whose remote is not a GPU leads to an NVSwitch: two GPUs that
+//! both reach the switch fabric are joined by `min(links_a, links_b)` links, which is what
+//! `nvidia-smi topo -m` prints (`NV12` on an 8×A100 NVSwitch board).
+
+use std::collections::BTreeMap;
+use std::ffi::OsStr;
+use std::path::{Path, PathBuf};
+
+use nvml_wrapper::Device;
+use nvml_wrapper::enum_wrappers::device::TopologyLevel;
+use nvml_wrapper::enums::device::UsedGpuMemory;
+use nvml_wrapper::error::NvmlError;
+
+use crate::model::{Gpu, GpuInventory, Link, MigInstance, PcieLevel, Topology};
+
+/// The file name the NVIDIA driver installs and gpud loads by default.
+pub const DEFAULT_LIBRARY: &str = "libnvidia-ml.so.1";
+
+/// NVML never reports more NVLinks per GPU than this (NVML_NVLINK_MAX_LINKS).
+const MAX_NVLINKS: u32 = 18;
+
+/// 64-bit words asked for in CPU affinity queries: enough for 1024 CPUs.
+const CPU_AFFINITY_WORDS: usize = 16;
+
+/// What went wrong talking to NVML.
+#[derive(Debug, thiserror::Error)]
+pub enum GpuError {
+    /// The library could not be loaded or initialised.
+    #[error(
+        "cannot load the NVIDIA management library {library}: {reason}. Install the NVIDIA \
+         driver, or point gpud at the library with --nvml-lib PATH (or nvml_lib in the config)"
+    )]
+    Init {
+        /// What was loaded (a path, or the default name searched on the loader path).
+        library: String,
+        /// NVML's or the loader's reason, flattened so the whole error is one line.
+        reason: String,
+    },
+    /// A query about one device failed.
+    #[error("NVML {call} failed for GPU {index}: {source}")]
+    Query {
+        /// GPU index.
+        index: u32,
+        /// The NVML call, for the log.
+        call: &'static str,
+        /// NVML's reason.
+        #[source]
+        source: NvmlError,
+    },
+    /// A machine-wide query failed.
+    #[error("NVML {call} failed: {source}")]
+    System {
+        /// The NVML call.
+        call: &'static str,
+        /// NVML's reason.
+        #[source]
+        source: NvmlError,
+    },
+    /// The GPU asked about is not among those discovered.
+    #[error("no GPU with UUID {uuid}")]
+    UnknownGpu {
+        /// The UUID asked for.
+        uuid: String,
+    },
+}
+
+impl GpuError {
+    /// Whether NVML says the device has fallen off the bus.
+    pub fn is_gpu_lost(&self) -> bool {
+        matches!(
+            self,
+            GpuError::Query {
+                source: NvmlError::GpuLost,
+                ..
+            }
+        )
+    }
+}
+
+/// One process NVML reports on a GPU.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuProcess {
+    /// Host pid (as seen from gpud's pid namespace).
+    pub pid: u32,
+    /// Memory the process uses on this GPU, when the driver reports it.
+    pub used_bytes: Option<u64>,
+    /// UUID of the unit it runs on: the GPU, or the MIG instance for a MIG-mode GPU.
+    pub unit_uuid: String,
+}
+
+/// A loaded and initialised NVML library.
+pub struct Nvml {
+    nvml: nvml_wrapper::Nvml,
+    library: String,
+}
+
+impl std::fmt::Debug for Nvml {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Nvml")
+            .field("library", &self.library)
+            .finish()
+    }
+}
+
+impl Nvml {
+    /// Loads NVML from `library` (default: the system's `libnvidia-ml.so.1`) and initialises it.
+    pub fn open(library: Option<&Path>) -> Result<Nvml, GpuError> {
+        let shown = library.map_or_else(
+            || format!("{DEFAULT_LIBRARY} (searched on the loader path)"),
+            |p| p.display().to_string(),
+        );
+        if let Some(path) = library
+            && !path.exists()
+        {
+            return Err(GpuError::Init {
+                library: shown,
+                reason: "no such file".to_owned(),
+            });
+        }
+        let lib_path: PathBuf =
+            library.map_or_else(|| PathBuf::from(DEFAULT_LIBRARY), Path::to_path_buf);
+        let nvml = nvml_wrapper::Nvml::builder()
+            .lib_path(OsStr::new(&lib_path))
+            .init()
+            .map_err(|e| GpuError::Init {
+                library: shown.clone(),
+                reason: init_reason(&e),
+            })?;
+        Ok(Nvml {
+            nvml,
+            library: shown,
+        })
+    }
+
+    /// Reads the whole inventory: GPUs, MIG instances, NUMA affinity and the link matrix.
+    ///
+    /// A GPU that fails its queries is listed unhealthy with what could be read; only a
+    /// failure to count the GPUs fails discovery as a whole.
+    pub fn discover(&self) -> Result<GpuInventory, GpuError> {
+        let count = self
+            .nvml
+            .device_count()
+            .map_err(|source| GpuError::System {
+                call: "nvmlDeviceGetCount",
+                source,
+            })?;
+        let mut gpus = Vec::new();
+        for index in 0..count {
+            gpus.push(self.read_gpu(index));
+        }
+        let topology = self.read_topology(&gpus);
+        Ok(GpuInventory {
+            driver_version: self.nvml.sys_driver_version().ok(),
+            cuda_driver_version: self.nvml.sys_cuda_driver_version().ok(),
+            gpus,
+            topology,
+        })
+    }
+
+    fn device(&self, index: u32) -> Result<Device<'_>, GpuError> {
+        self.nvml
+            .device_by_index(index)
+            .map_err(|source| GpuError::Query {
+                index,
+                call: "nvmlDeviceGetHandleByIndex",
+                source,
+            })
+    }
+
+    fn read_gpu(&self, index: u32) -> Gpu {
+        let mut gpu = Gpu {
+            index,
+            uuid: format!("GPU-unreadable-{index}"),
+            name: String::from("unknown"),
+            pci_bus_id: String::new(),
+            minor_number: None,
+            memory_total_bytes: 0,
+            numa_node: None,
+            cpu_affinity: Vec::new(),
+            mig_instances: Vec::new(),
+            mig_enabled: false,
+            healthy: false,
+        };
+        match self.fill_gpu(index, &mut gpu) {
+            Ok(()) => gpu.healthy = true,
+            Err(e) => {
+                tracing::warn!(gpu = index, error = %e, "GPU failed discovery; marked unhealthy")
+            }
+        }
+        gpu
+    }
+
+    /// Reads the required facts (a failure makes the GPU unhealthy) and the optional ones.
+    fn fill_gpu(&self, index: u32, gpu: &mut Gpu) -> Result<(), GpuError> {
+        let q = |call: &'static str| {
+            move |source| GpuError::Query {
+                index,
+                call,
+                source,
+            }
+        };
+        let device = self.device(index)?;
+        gpu.uuid = device.uuid().map_err(q("nvmlDeviceGetUUID"))?;
+        gpu.name = device.name().map_err(q("nvmlDeviceGetName"))?;
+        gpu.pci_bus_id =
+            normalize_bus_id(&device.pci_info().map_err(q("nvmlDeviceGetPciInfo"))?.bus_id);
+        gpu.memory_total_bytes = device
+            .memory_info()
+            .map_err(q("nvmlDeviceGetMemoryInfo"))?
+            .total;
+        gpu.minor_number = device.minor_number().ok();
+        gpu.numa_node = device.numa_node_id().ok();
+        gpu.cpu_affinity = device
+            .cpu_affinity(CPU_AFFINITY_WORDS)
+            .map(|words| cpus_from_mask(&words))
+            .unwrap_or_default();
+        gpu.mig_enabled = device.mig_mode().is_ok_and(|m| m.current == 1);
+        if gpu.mig_enabled {
+            gpu.mig_instances = self.read_mig_instances(index, &device)?;
+        }
+        Ok(())
+    }
+
+    fn read_mig_instances(
+        &self,
+        index: u32,
+        device: &Device<'_>,
+    ) -> Result<Vec<MigInstance>, GpuError> {
+        let q = |call: &'static str| {
+            move |source| GpuError::Query {
+                index,
+                call,
+                source,
+            }
+        };
+        let max = device
+            .mig_device_count()
+            .map_err(q("nvmlDeviceGetMaxMigDeviceCount"))?;
+        let mut instances = Vec::new();
+        for mig_index in 0..max {
+            let mig = match device.mig_device_by_index(mig_index) {
+                Ok(mig) => mig,
+                // Slots without an instance answer NOT_FOUND (or INVALID_ARGUMENT).
+                Err(NvmlError::NotFound | NvmlError::InvalidArg) => continue,
+                Err(source) => {
+                    return Err(GpuError::Query {
+                        index,
+                        call: "nvmlDeviceGetMigDeviceHandleByIndex",
+                        source,
+                    });
+                }
+            };
+            instances.push(MigInstance {
+                uuid: mig.uuid().map_err(q("nvmlDeviceGetUUID"))?,
+                parent_index: index,
+                mig_index,
+                gpu_instance_id: self
+                    .instance_id(&mig, InstanceId::Gpu)
+                    .map_err(q("nvmlDeviceGetGpuInstanceId"))?,
+                compute_instance_id: self
+                    .instance_id(&mig, InstanceId::Compute)
+                    .map_err(q("nvmlDeviceGetComputeInstanceId"))?,
+                name: mig.name().map_err(q("nvmlDeviceGetName"))?,
+                memory_total_bytes: mig
+                    .memory_info()
+                    .map_err(q("nvmlDeviceGetMemoryInfo"))?
+                    .total,
+            });
+        }
+        Ok(instances)
+    }
+
+    /// GPU and compute instance ids are not wrapped by nvml-wrapper: call the raw symbols.
+    fn instance_id(&self, mig: &Device<'_>, which: InstanceId) -> Result<u32, NvmlError> {
+        let lib = self.nvml.lib();
+        let sym = match which {
+            InstanceId::Gpu => lib.nvmlDeviceGetGpuInstanceId.as_ref(),
+            InstanceId::Compute => lib.nvmlDeviceGetComputeInstanceId.as_ref(),
+        }
+        .map_err(|e| NvmlError::FailedToLoadSymbol(e.to_string()))?;
+        let mut id: std::os::raw::c_uint = 0;
+        // SAFETY: the handle comes from this library instance and outlives the call; `id`
+        // is a valid out-pointer for the duration of the call.
+        let code = unsafe { sym(mig.handle(), &mut id) };
+        nvml_wrapper::error::nvml_try(code)?;
+        Ok(id)
+    }
+
+    fn read_topology(&self, gpus: &[Gpu]) -> Topology {
+        let n = gpus.len();
+        let mut topology = Topology::uniform(
+            n,
+            Link {
+                pcie: PcieLevel::System,
+                nvlinks: 0,
+            },
+        );
+        let by_bus: BTreeMap<&str, usize> = gpus
+            .iter()
+            .enumerate()
+            .filter(|(_, g)| !g.pci_bus_id.is_empty())
+            .map(|(i, g)| (g.pci_bus_id.as_str(), i))
+            .collect();
+        let nvlinks: Vec<NvLinks> = gpus
+            .iter()
+            .map(|g| self.read_nvlinks(g.index, &by_bus).unwrap_or_default())
+            .collect();
+        for a in 0..n {
+            for b in (a + 1)..n {
+                let pcie = self.pcie_level(gpus, a, b).unwrap_or(PcieLevel::System);
+                let direct = nvlinks[a].to_gpu.get(&b).copied().unwrap_or(0);
+                let switched = nvlinks[a].to_switch.min(nvlinks[b].to_switch);
+                topology.set_link(
+                    a,
+                    b,
+                    Link {
+                        pcie,
+                        nvlinks: direct + switched,
+                    },
+                );
+            }
+        }
+        topology
+    }
+
+    fn pcie_level(&self, gpus: &[Gpu], a: usize, b: usize) -> Result<PcieLevel, GpuError> {
+        let (ia, ib) = (gpus[a].index, gpus[b].index);
+        let da = self.device(ia)?;
+        let db = self.device(ib)?;
+        let level = da
+            .topology_common_ancestor(db)
+            .map_err(|source| GpuError::Query {
+                index: ia,
+                call: "nvmlDeviceGetTopologyCommonAncestor",
+                source,
+            })?;
+        Ok(match level {
+            TopologyLevel::Internal => PcieLevel::Board,
+            TopologyLevel::Single => PcieLevel::SingleSwitch,
+            TopologyLevel::Multiple => PcieLevel::MultipleSwitches,
+            TopologyLevel::HostBridge => PcieLevel::HostBridge,
+            TopologyLevel::Node => PcieLevel::NumaNode,
+            TopologyLevel::System => PcieLevel::System,
+        })
+    }
+
+    /// Walks the GPU's NVLinks. A GPU without NVLink answers NOT_SUPPORTED on link 0.
+    fn read_nvlinks(
+        &self,
+        index: u32,
+        by_bus: &BTreeMap<&str, usize>,
+    ) -> Result<NvLinks, GpuError> {
+        let device = self.device(index)?;
+        let mut links = NvLinks::default();
+        for link in 0..MAX_NVLINKS {
+            let wrapper = device.link_wrapper_for(link);
+            match wrapper.is_active() {
+                Ok(true) => {}
+                Ok(false) => continue,
+                // Past the GPU's last link, or no NVLink at all.
+                Err(_) => break,
+            }
+            let Ok(remote) = wrapper.remote_pci_info() else {
+                continue;
+            };
+            match by_bus.get(normalize_bus_id(&remote.bus_id).as_str()) {
+                Some(&peer) => *links.to_gpu.entry(peer).or_insert(0) += 1,
+                None => links.to_switch += 1,
+            }
+        }
+        Ok(links)
+    }
+
+    /// Lists the compute and graphics processes on GPU `index`, attributed to the unit they
+    /// run on (the MIG instance, for a GPU in MIG mode).
+    pub fn processes(&self, gpu: &Gpu) -> Result<Vec<GpuProcess>, GpuError> {
+        let index = gpu.index;
+        let device = self.device(index)?;
+        let q = |call: &'static str| {
+            move |source| GpuError::Query {
+                index,
+                call,
+                source,
+            }
+        };
+        let mut seen = device
+            .running_compute_processes()
+            .map_err(q("nvmlDeviceGetComputeRunningProcesses"))?;
+        // Graphics contexts hold memory too; a driver without the call is not an error.
+        if let Ok(graphics) = device.running_graphics_processes() {
+            seen.extend(graphics);
+        }
+        let mut out: BTreeMap<(u32, String), GpuProcess> = BTreeMap::new();
+        for p in seen {
+            let unit_uuid = match (p.gpu_instance_id, p.compute_instance_id) {
+                (Some(gi), Some(ci)) if gpu.mig_enabled => gpu
+                    .mig_instances
+                    .iter()
+                    .find(|m| m.gpu_instance_id == gi && m.compute_instance_id == ci)
+                    .map_or_else(|| gpu.uuid.clone(), |m| m.uuid.clone()),
+                _ => gpu.uuid.clone(),
+            };
+            let used = match p.used_gpu_memory {
+                UsedGpuMemory::Used(b) => Some(b),
+                UsedGpuMemory::Unavailable => None,
+            };
+            // A process with both a compute and a graphics context is listed twice.
+            out.entry((p.pid, unit_uuid.clone()))
+                .and_modify(|e| e.used_bytes = e.used_bytes.max(used))
+                .or_insert(GpuProcess {
+                    pid: p.pid,
+                    used_bytes: used,
+                    unit_uuid,
+                });
+        }
+        Ok(out.into_values().collect())
+    }
+
+    /// Checks that GPU `index` still answers; `Err` with [`GpuError::is_gpu_lost`] when lost.
+    pub fn check_health(&self, index: u32) -> Result<(), GpuError> {
+        let device = self.device(index)?;
+        device
+            .memory_info()
+            .map(|_| ())
+            .map_err(|source| GpuError::Query {
+                index,
+                call: "nvmlDeviceGetMemoryInfo",
+                source,
+            })
+    }
+}
+
+/// The loader's or NVML's reason without nvml-wrapper's wrapping text.
+fn init_reason(e: &NvmlError) -> String {
+    match e {
+        NvmlError::LibloadingError(inner) => {
+            let text = inner.to_string();
+            // libloading: "... : <dlerror text>"; the dlerror text is what a person needs.
+            text.rsplit_once(": ")
+                .map_or(text.clone(), |(_, tail)| tail.to_owned())
+        }
+        NvmlError::DriverNotLoaded => "the NVIDIA kernel driver is not loaded".to_owned(),
+        NvmlError::NoPermission => "permission denied (is gpud running as root?)".to_owned(),
+        other => other.to_string(),
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+enum InstanceId {
+    Gpu,
+    Compute,
+}
+
+/// Active NVLinks of one GPU, by where they lead.
+#[derive(Debug, Default)]
+struct NvLinks {
+    /// Links that end at another GPU, by that GPU's position.
+    to_gpu: BTreeMap<usize, u32>,
+    /// Links that end at an NVSwitch (a remote that is not one of the GPUs).
+    to_switch: u32,
+}
+
+/// Normalises a PCI bus id to NVML's form: 8-digit upper-case domain (`00000000:07:00.0`).
+/// sysfs and some NVML calls print a 4-digit domain (`0000:07:00.0`).
+pub fn normalize_bus_id(bus_id: &str) -> String {
+    let trimmed = bus_id.trim().trim_end_matches('\0').to_ascii_uppercase();
+    match trimmed.split_once(':') {
+        Some((domain, rest)) if domain.len() < 8 && rest.matches(':').count() == 1 => {
+            format!("{domain:0>8}:{rest}")
+        }
+        _ => trimmed,
+    }
+}
+
+/// Expands NVML's CPU bitmask (bit `c % 64` of word `c / 64` is CPU `c`) to CPU numbers.
+fn cpus_from_mask(words: &[std::os::raw::c_ulong]) -> Vec<u32> {
+    let mut cpus = Vec::new();
+    for (w, word) in (0u32..).zip(words) {
+        for bit in 0..64u32 {
+            if (u64::from(*word) >> bit) & 1 == 1 {
+                cpus.push(w * 64 + bit);
+            }
+        }
+    }
+    cpus
+}
+
+/// Formats CPU numbers as ranges, the way `nvidia-smi topo -m` prints affinity (`0-19,40-59`).
+pub fn format_cpu_ranges(cpus: &[u32]) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    let mut iter = cpus.iter().copied().peekable();
+    while let Some(start) = iter.next() {
+        let mut end = start;
+        while iter.peek() == Some(&(end + 1)) {
+            end += 1;
+            iter.next();
+        }
+        parts.push(if start == end {
+            start.to_string()
+        } else {
+            format!("{start}-{end}")
+        });
+    }
+    parts.join(",")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bus_ids_normalise_to_nvml_form() {
+        assert_eq!(normalize_bus_id("0000:07:00.0"), "00000000:07:00.0");
+        assert_eq!(normalize_bus_id("00000000:8a:00.0"), "00000000:8A:00.0");
+        assert_eq!(normalize_bus_id("00000000:07:00.0\0"), "00000000:07:00.0");
+    }
+
+    #[test]
+    fn cpu_masks_expand_and_print_as_ranges() {
+        let words: Vec<std::os::raw::c_ulong> = vec![0x0000_0000_000F_FFFF, 0b1];
+        let cpus = cpus_from_mask(&words);
+        assert_eq!(cpus.len(), 21);
+        assert_eq!(format_cpu_ranges(&cpus), "0-19,64");
+        assert_eq!(format_cpu_ranges(&[]), "");
+        assert_eq!(format_cpu_ranges(&[3, 5, 6, 7]), "3,5-7");
+    }
+}

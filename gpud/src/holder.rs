@@ -1,0 +1,276 @@
+//! Process liveness: who a process belongs to, whether a recorded holder is still the same
+//! process, and an exit notification that cannot be fooled by pid reuse.
+//!
+//! Depends on `model`. A holder is recorded as pid + start time (field 22 of
+//! `/proc/<pid>/stat`) + boot id. While gpud runs it watches each holder through a pidfd,
+//! which refers to one process for good: its exit is seen within milliseconds, even on
+//! SIGKILL, and a new process that reuses the pid cannot keep the reservation alive. After a
+//! restart the recorded start time and boot id tell the original process from a newcomer.
+
+use std::fs;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+
+use tokio::io::Interest;
+use tokio::io::unix::AsyncFd;
+
+use crate::model::Holder;
+
+/// Why a process cannot be used as a holder.
+#[derive(Debug, thiserror::Error)]
+pub enum HolderError {
+    /// No such process (or it already exited).
+    #[error("process {pid} does not exist")]
+    NoSuchProcess {
+        /// The pid.
+        pid: u32,
+    },
+    /// `/proc` could not be read or parsed.
+    #[error("cannot read /proc/{pid}: {detail}")]
+    Proc {
+        /// The pid.
+        pid: u32,
+        /// What failed.
+        detail: String,
+    },
+    /// pidfd_open failed for another reason than the process being gone.
+    #[error("cannot watch process {pid}: {source}")]
+    Pidfd {
+        /// The pid.
+        pid: u32,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Facts about a live process, read from `/proc`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProcessInfo {
+    /// Real uid.
+    pub uid: u32,
+    /// Supplementary groups and the real gid.
+    pub groups: Vec<u32>,
+    /// Start time in clock ticks since boot.
+    pub start_time: u64,
+    /// Parent pid.
+    pub ppid: u32,
+}
+
+/// Reads uid, groups, parent and start time of `pid`.
+pub fn process_info(pid: u32) -> Result<ProcessInfo, HolderError> {
+    let (start_time, ppid) = stat_fields(pid)?;
+    let status = read_proc(pid, "status")?;
+    let field = |name: &str| -> Option<Vec<u32>> {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .map(|rest| {
+                rest.split_whitespace()
+                    .filter_map(|v| v.parse().ok())
+                    .collect()
+            })
+    };
+    let uid = field("Uid:")
+        .and_then(|v| v.first().copied())
+        .ok_or_else(|| HolderError::Proc {
+            pid,
+            detail: "no Uid line in status".to_owned(),
+        })?;
+    let mut groups = field("Groups:").unwrap_or_default();
+    if let Some(gid) = field("Gid:").and_then(|v| v.first().copied()) {
+        groups.push(gid);
+    }
+    Ok(ProcessInfo {
+        uid,
+        groups,
+        start_time,
+        ppid,
+    })
+}
+
+fn read_proc(pid: u32, file: &str) -> Result<String, HolderError> {
+    fs::read_to_string(format!("/proc/{pid}/{file}")).map_err(|e| match e.kind() {
+        std::io::ErrorKind::NotFound => HolderError::NoSuchProcess { pid },
+        _ => HolderError::Proc {
+            pid,
+            detail: e.to_string(),
+        },
+    })
+}
+
+/// Start time (field 22) and parent pid (field 4) from `/proc/<pid>/stat`. The command name
+/// (field 2) may contain spaces and parentheses, so fields are counted after its last `)`.
+fn stat_fields(pid: u32) -> Result<(u64, u32), HolderError> {
+    let stat = read_proc(pid, "stat")?;
+    let parse_err = || HolderError::Proc {
+        pid,
+        detail: "unexpected format of stat".to_owned(),
+    };
+    let after_comm = stat
+        .rsplit_once(')')
+        .map(|(_, rest)| rest)
+        .ok_or_else(parse_err)?;
+    // after_comm starts at field 3 (state).
+    let fields: Vec<&str> = after_comm.split_whitespace().collect();
+    let ppid = fields
+        .get(1)
+        .and_then(|v| v.parse().ok())
+        .ok_or_else(parse_err)?;
+    let start = fields
+        .get(19)
+        .and_then(|v| v.parse().ok())
+        .ok_or_else(parse_err)?;
+    Ok((start, ppid))
+}
+
+/// This boot's id; empty when unreadable (then every restart check compares start times only).
+pub fn boot_id() -> String {
+    fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .map(|s| s.trim().to_owned())
+        .unwrap_or_default()
+}
+
+/// A holder process pinned by a pidfd: it refers to this very process even if the pid is
+/// reused later.
+#[derive(Debug)]
+pub struct PinnedProcess {
+    /// The holder record (pid, start time, boot id).
+    pub holder: Holder,
+    /// Owner and groups at the time it was pinned.
+    pub info: ProcessInfo,
+    pidfd: OwnedFd,
+}
+
+impl PinnedProcess {
+    /// Pins `pid`: opens a pidfd first, then reads `/proc`, so the facts read belong to the
+    /// process the pidfd refers to (had the pid been reused in between, the pidfd would
+    /// report the original as exited and [`wait_exit`] would fire at once).
+    pub fn pin(pid: u32) -> Result<PinnedProcess, HolderError> {
+        let pidfd = pidfd_open(pid)?;
+        let info = process_info(pid)?;
+        Ok(PinnedProcess {
+            holder: Holder {
+                pid,
+                start_time: info.start_time,
+                boot_id: boot_id(),
+            },
+            info,
+            pidfd,
+        })
+    }
+
+    /// Re-pins a holder recorded before a restart: `None` when that process is gone (a
+    /// different boot, no such pid, or the pid now belongs to a process started later).
+    pub fn repin(holder: &Holder) -> Option<PinnedProcess> {
+        let current_boot = boot_id();
+        if !holder.boot_id.is_empty() && !current_boot.is_empty() && holder.boot_id != current_boot
+        {
+            return None;
+        }
+        let pinned = PinnedProcess::pin(holder.pid).ok()?;
+        (pinned.holder.start_time == holder.start_time).then_some(pinned)
+    }
+
+    /// Resolves when the process exits (immediately if it already has).
+    pub async fn wait_exit(self) {
+        // SAFETY: the OwnedFd is a valid open pidfd, moved into the AsyncFd, which owns it
+        // (and so keeps it open and unchanged) until dropped.
+        let registered = unsafe { AsyncFd::register_with_interest(self.pidfd, Interest::READABLE) };
+        let Ok(fd) = registered else {
+            // Could not register with the reactor: fall back to polling /proc.
+            return poll_exit(self.holder).await;
+        };
+        // A pidfd becomes readable exactly once, when the process exits.
+        let _ = fd.readable().await;
+    }
+
+    /// Whether the process has exited, without waiting.
+    pub fn has_exited(&self) -> bool {
+        let mut pfd = libc::pollfd {
+            fd: self.pidfd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd, zero timeout.
+        let n = unsafe { libc::poll(&mut pfd, 1, 0) };
+        n == 1 && pfd.revents & libc::POLLIN != 0
+    }
+}
+
+async fn poll_exit(holder: Holder) {
+    loop {
+        match stat_fields(holder.pid) {
+            Ok((start, _)) if start == holder.start_time => {}
+            _ => return,
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+}
+
+fn pidfd_open(pid: u32) -> Result<OwnedFd, HolderError> {
+    let raw_pid = libc::pid_t::try_from(pid).map_err(|_| HolderError::NoSuchProcess { pid })?;
+    // SAFETY: pidfd_open takes a pid and flags and returns a new fd or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, raw_pid, 0) };
+    if fd < 0 {
+        let e = std::io::Error::last_os_error();
+        return Err(match e.raw_os_error() {
+            Some(libc::ESRCH) => HolderError::NoSuchProcess { pid },
+            _ => HolderError::Pidfd { pid, source: e },
+        });
+    }
+    let fd = i32::try_from(fd).map_err(|_| HolderError::Pidfd {
+        pid,
+        source: std::io::Error::other("fd out of range"),
+    })?;
+    // SAFETY: the kernel just returned this fd to us and nothing else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::process::Command;
+    use std::time::Duration;
+
+    #[test]
+    fn reads_own_process() {
+        let info = process_info(std::process::id()).unwrap();
+        // SAFETY: getuid has no preconditions.
+        assert_eq!(info.uid, unsafe { libc::getuid() });
+        assert!(info.start_time > 0);
+        assert_eq!(info.ppid, std::os::unix::process::parent_id());
+    }
+
+    #[test]
+    fn missing_process_is_named() {
+        let e = PinnedProcess::pin(u32::try_from(i32::MAX).unwrap()).unwrap_err();
+        assert!(matches!(e, HolderError::NoSuchProcess { .. }), "{e:?}");
+    }
+
+    #[test]
+    fn a_reused_pid_does_not_repin() {
+        let me = PinnedProcess::pin(std::process::id()).unwrap();
+        assert!(PinnedProcess::repin(&me.holder).is_some());
+        let mut older = me.holder.clone();
+        older.start_time -= 1;
+        assert!(
+            PinnedProcess::repin(&older).is_none(),
+            "different start time means a different process"
+        );
+        let mut other_boot = me.holder.clone();
+        other_boot.boot_id = "another-boot".to_owned();
+        assert!(PinnedProcess::repin(&other_boot).is_none());
+    }
+
+    #[tokio::test]
+    async fn sees_a_sigkilled_process_exit_promptly() {
+        let mut child = Command::new("sleep").arg("30").spawn().unwrap();
+        let pinned = PinnedProcess::pin(child.id()).unwrap();
+        assert!(!pinned.has_exited());
+        child.kill().unwrap();
+        tokio::time::timeout(Duration::from_secs(2), pinned.wait_exit())
+            .await
+            .expect("exit seen within 2 s");
+        child.wait().unwrap();
+    }
+}

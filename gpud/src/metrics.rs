@@ -1,0 +1,234 @@
+//! Prometheus metrics (OpenMetrics text) for `GET /metrics`.
+//!
+//! Counters and histograms accumulate as requests and audit passes happen; the per-GPU and
+//! per-state gauges are set from a broker snapshot at scrape time, so they can never drift
+//! from what the broker holds.
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use hyper::Method;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+use crate::broker::Snapshot;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RequestLabels {
+    method: String,
+    route: String,
+    status: u16,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RouteLabels {
+    route: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct GpuLabels {
+    gpu: u32,
+    uuid: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct KindLabels {
+    kind: String,
+}
+
+/// All of gpud's metrics.
+pub struct Metrics {
+    registry: Registry,
+    requests: Family<RequestLabels, Counter>,
+    latency: Family<RouteLabels, Histogram>,
+    memory_total: Family<GpuLabels, Gauge>,
+    memory_reserved: Family<GpuLabels, Gauge>,
+    memory_used: Family<GpuLabels, Gauge>,
+    memory_unaccounted: Family<GpuLabels, Gauge>,
+    healthy: Family<GpuLabels, Gauge>,
+    reservations: Family<KindLabels, Gauge>,
+    waiting: Gauge,
+    events: Family<KindLabels, Counter>,
+    audit_pass: Histogram,
+    render_lock: Mutex<()>,
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Metrics").finish_non_exhaustive()
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Metrics {
+        Metrics::new()
+    }
+}
+
+fn latency_histogram() -> Histogram {
+    // 50 µs to ~3 s.
+    Histogram::new(exponential_buckets(0.000_05, 2.0, 16))
+}
+
+impl Metrics {
+    /// Registers every metric.
+    pub fn new() -> Metrics {
+        let mut registry = Registry::with_prefix("gpud");
+        let requests = Family::<RequestLabels, Counter>::default();
+        registry.register(
+            "http_requests",
+            "API requests by route and status",
+            requests.clone(),
+        );
+        let latency = Family::<RouteLabels, Histogram>::new_with_constructor(
+            latency_histogram as fn() -> Histogram,
+        );
+        registry.register(
+            "http_request_duration_seconds",
+            "API request latency",
+            latency.clone(),
+        );
+        let memory_total = Family::<GpuLabels, Gauge>::default();
+        registry.register("gpu_memory_total_bytes", "GPU memory", memory_total.clone());
+        let memory_reserved = Family::<GpuLabels, Gauge>::default();
+        registry.register(
+            "gpu_memory_reserved_bytes",
+            "GPU memory held by active reservations",
+            memory_reserved.clone(),
+        );
+        let memory_used = Family::<GpuLabels, Gauge>::default();
+        registry.register(
+            "gpu_memory_used_bytes",
+            "GPU memory used by processes (last audit)",
+            memory_used.clone(),
+        );
+        let memory_unaccounted = Family::<GpuLabels, Gauge>::default();
+        registry.register(
+            "gpu_memory_unaccounted_bytes",
+            "GPU memory used by processes no reservation accounts for",
+            memory_unaccounted.clone(),
+        );
+        let healthy = Family::<GpuLabels, Gauge>::default();
+        registry.register(
+            "gpu_healthy",
+            "1 when the GPU may receive placements",
+            healthy.clone(),
+        );
+        let reservations = Family::<KindLabels, Gauge>::default();
+        registry.register(
+            "reservations",
+            "Reservations by state",
+            reservations.clone(),
+        );
+        let waiting = Gauge::default();
+        registry.register(
+            "waiting_requests",
+            "Requests waiting for capacity",
+            waiting.clone(),
+        );
+        let events = Family::<KindLabels, Counter>::default();
+        registry.register("audit_events", "Audit findings by kind", events.clone());
+        let audit_pass = Histogram::new(exponential_buckets(0.000_1, 2.0, 16));
+        registry.register(
+            "audit_pass_duration_seconds",
+            "Duration of one audit pass",
+            audit_pass.clone(),
+        );
+        Metrics {
+            registry,
+            requests,
+            latency,
+            memory_total,
+            memory_reserved,
+            memory_used,
+            memory_unaccounted,
+            healthy,
+            reservations,
+            waiting,
+            events,
+            audit_pass,
+            render_lock: Mutex::new(()),
+        }
+    }
+
+    /// Counts one request and its latency.
+    pub fn observe_request(&self, method: &Method, route: &str, status: u16, elapsed: Duration) {
+        self.requests
+            .get_or_create(&RequestLabels {
+                method: method.as_str().to_owned(),
+                route: route.to_owned(),
+                status,
+            })
+            .inc();
+        self.latency
+            .get_or_create(&RouteLabels {
+                route: route.to_owned(),
+            })
+            .observe(elapsed.as_secs_f64());
+    }
+
+    /// Counts one audit finding.
+    pub fn count_event(&self, kind: &str) {
+        self.events
+            .get_or_create(&KindLabels {
+                kind: kind.to_owned(),
+            })
+            .inc();
+    }
+
+    /// Records one audit pass's duration.
+    pub fn observe_audit_pass(&self, elapsed: Duration) {
+        self.audit_pass.observe(elapsed.as_secs_f64());
+    }
+
+    /// Renders everything, with the gauges set from `snap`.
+    pub fn render(&self, snap: &Snapshot) -> String {
+        let _guard = self
+            .render_lock
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let gauge = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+        for gpu in &snap.gpus {
+            let labels = GpuLabels {
+                gpu: gpu.index,
+                uuid: gpu.uuid.clone(),
+            };
+            let (mut reserved, mut used, mut unaccounted) = (0u64, 0u64, 0u64);
+            for ((unit, load), u) in snap.units.iter().zip(&snap.loads).zip(&snap.used) {
+                if unit.gpu_index == gpu.index {
+                    reserved += load.reserved_bytes;
+                    used += u;
+                    unaccounted += load.unaccounted_bytes;
+                }
+            }
+            self.memory_total
+                .get_or_create(&labels)
+                .set(gauge(gpu.memory_total_bytes));
+            self.memory_reserved
+                .get_or_create(&labels)
+                .set(gauge(reserved));
+            self.memory_used.get_or_create(&labels).set(gauge(used));
+            self.memory_unaccounted
+                .get_or_create(&labels)
+                .set(gauge(unaccounted));
+            self.healthy
+                .get_or_create(&labels)
+                .set(i64::from(gpu.healthy));
+        }
+        self.reservations
+            .get_or_create(&KindLabels {
+                kind: "active".to_owned(),
+            })
+            .set(gauge(snap.active as u64));
+        self.waiting.set(gauge(snap.waiting as u64));
+        let mut out = String::new();
+        if prometheus_client::encoding::text::encode(&mut out, &self.registry).is_err() {
+            out = "# EOF\n".to_owned();
+        }
+        out
+    }
+}

@@ -1,0 +1,606 @@
+//! The only module that speaks SQL: reservations on disk, so that an acknowledged
+//! reservation survives a crash.
+//!
+//! Depends on `model`. Migrations are the numbered files in `schema/migrations/`, embedded
+//! at build time and tracked with `PRAGMA user_version`. Every change is one transaction
+//! that rolls back when dropped and commits explicitly; the broker replies only after
+//! the commit returned.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use rusqlite::{Connection, Row, Transaction, params};
+
+use crate::model::{Holder, Millis, Reservation, ReservationState, ReservedUnit};
+
+/// The migrations, in order. Number `n` brings the schema to `user_version = n`.
+const MIGRATIONS: &[(&str, &str)] = &[(
+    "0001_reservations",
+    include_str!("../../schema/migrations/0001_reservations.sql"),
+)];
+
+/// File name of the database inside the state directory.
+pub const DB_FILE: &str = "gpud.db";
+
+/// Most rows a history query returns (newest kept).
+const HISTORY_LIMIT: u32 = 1000;
+
+/// What went wrong with the database.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The state directory could not be created or opened.
+    #[error("cannot open state directory {path}: {source}")]
+    Dir {
+        /// The directory.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// SQLite failed.
+    #[error("{op} failed on {path}: {source}")]
+    Sqlite {
+        /// What was being done.
+        op: &'static str,
+        /// The database file.
+        path: PathBuf,
+        /// SQLite's reason.
+        #[source]
+        source: rusqlite::Error,
+    },
+    /// The database was written by a newer gpud.
+    #[error(
+        "{path} has schema version {found}, newer than this gpud knows ({known}); upgrade gpud"
+    )]
+    TooNew {
+        /// The database file.
+        path: PathBuf,
+        /// Its version.
+        found: u32,
+        /// The newest this binary knows.
+        known: usize,
+    },
+    /// A row could not be decoded (the file was edited by hand or is corrupt).
+    #[error("corrupt row in {path}: {detail}")]
+    Corrupt {
+        /// The database file.
+        path: PathBuf,
+        /// What was wrong.
+        detail: String,
+    },
+}
+
+impl StoreError {
+    /// Whether the failure is the storage itself (disk full, read-only, I/O error) rather
+    /// than a bug: the API answers these with 503.
+    pub fn is_storage_unavailable(&self) -> bool {
+        use rusqlite::ErrorCode::{
+            CannotOpen, DatabaseBusy, DatabaseLocked, DiskFull, ReadOnly, SystemIoFailure,
+        };
+        match self {
+            StoreError::Sqlite {
+                source: rusqlite::Error::SqliteFailure(e, _),
+                ..
+            } => matches!(
+                e.code,
+                DiskFull | ReadOnly | SystemIoFailure | CannotOpen | DatabaseBusy | DatabaseLocked
+            ),
+            StoreError::Dir { .. } => true,
+            _ => false,
+        }
+    }
+}
+
+/// The reservations database.
+#[derive(Debug)]
+pub struct Store {
+    conn: Connection,
+    path: PathBuf,
+}
+
+impl Store {
+    /// Opens (creating if needed) `dir/gpud.db` and migrates it to the current schema.
+    pub fn open(dir: &Path) -> Result<Store, StoreError> {
+        std::fs::create_dir_all(dir).map_err(|source| StoreError::Dir {
+            path: dir.to_owned(),
+            source,
+        })?;
+        let path = dir.join(DB_FILE);
+        let conn = Connection::open(&path).map_err(|source| StoreError::Sqlite {
+            op: "open",
+            path: path.clone(),
+            source,
+        })?;
+        Store::init(conn, path)
+    }
+
+    /// An in-memory database, for tests.
+    pub fn open_in_memory() -> Result<Store, StoreError> {
+        let path = PathBuf::from(":memory:");
+        let conn = Connection::open_in_memory().map_err(|source| StoreError::Sqlite {
+            op: "open",
+            path: path.clone(),
+            source,
+        })?;
+        Store::init(conn, path)
+    }
+
+    fn init(conn: Connection, path: PathBuf) -> Result<Store, StoreError> {
+        let mut store = Store { conn, path };
+        // WAL with synchronous=NORMAL: a commit is durable against a crash of gpud (the WAL
+        // is written before the call returns, the OS keeps it), but a power loss may drop the
+        // last few commits because the WAL is not fsynced on every commit. That is harmless
+        // here: a power loss also kills every GPU process those reservations were for, so
+        // the reservations lost are ones nobody could still be holding. In exchange each
+        // reserve or release costs a write, not an fsync.
+        store
+            .conn
+            .execute_batch(
+                "PRAGMA journal_mode = WAL;
+                 PRAGMA synchronous = NORMAL;
+                 PRAGMA foreign_keys = ON;
+                 PRAGMA busy_timeout = 5000;",
+            )
+            .map_err(store.err("configure"))?;
+        store.migrate()?;
+        Ok(store)
+    }
+
+    fn err(&self, op: &'static str) -> impl Fn(rusqlite::Error) -> StoreError + '_ {
+        move |source| StoreError::Sqlite {
+            op,
+            path: self.path.clone(),
+            source,
+        }
+    }
+
+    /// The database file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The schema version the database is at.
+    pub fn version(&self) -> Result<u32, StoreError> {
+        self.conn
+            .query_row("PRAGMA user_version", [], |r| r.get(0))
+            .map_err(self.err("read schema version"))
+    }
+
+    fn migrate(&mut self) -> Result<(), StoreError> {
+        let found = self.version()?;
+        let current = usize::try_from(found).unwrap_or(usize::MAX);
+        if current > MIGRATIONS.len() {
+            return Err(StoreError::TooNew {
+                path: self.path.clone(),
+                found,
+                known: MIGRATIONS.len(),
+            });
+        }
+        for (number, (name, sql)) in (1u32..).zip(MIGRATIONS).skip(current) {
+            let path = self.path.clone();
+            let tx = self
+                .conn
+                .transaction()
+                .map_err(|source| StoreError::Sqlite {
+                    op: "begin migration",
+                    path: path.clone(),
+                    source,
+                })?;
+            tx.execute_batch(sql)
+                .and_then(|()| tx.pragma_update(None, "user_version", number))
+                .and_then(|()| tx.commit())
+                .map_err(|source| StoreError::Sqlite {
+                    op: "migration",
+                    path,
+                    source,
+                })?;
+            tracing::info!(migration = name, "applied database migration");
+        }
+        Ok(())
+    }
+
+    fn transaction(&mut self) -> Result<(Transaction<'_>, PathBuf), StoreError> {
+        let path = self.path.clone();
+        let tx = self
+            .conn
+            .transaction()
+            .map_err(|source| StoreError::Sqlite {
+                op: "begin",
+                path: path.clone(),
+                source,
+            })?;
+        Ok((tx, path))
+    }
+
+    /// Records a new reservation and its units in one transaction.
+    pub fn insert(&mut self, r: &Reservation) -> Result<(), StoreError> {
+        let (tx, path) = self.transaction()?;
+        let err = |source| StoreError::Sqlite {
+            op: "insert reservation",
+            path: path.clone(),
+            source,
+        };
+        let labels = serde_json::to_string(&r.labels).unwrap_or_else(|_| "{}".to_owned());
+        let env = serde_json::to_string(&r.env).unwrap_or_else(|_| "{}".to_owned());
+        tx.execute(
+            "INSERT INTO reservations (id, state, owner_uid, owner_gid, holder_pid,
+                 holder_start_time, holder_boot_id, exclusive, ttl_seconds, expires_at,
+                 created_at, ended_at, end_reason, labels, env)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)",
+            params![
+                r.id,
+                r.state.as_str(),
+                r.owner_uid,
+                r.owner_gid,
+                r.holder.as_ref().map(|h| h.pid),
+                r.holder.as_ref().map(|h| to_sql_int(h.start_time)),
+                r.holder.as_ref().map(|h| h.boot_id.as_str()),
+                r.exclusive,
+                r.ttl_seconds.map(to_sql_int),
+                r.expires_at.map(to_sql_int),
+                to_sql_int(r.created_at),
+                r.ended_at.map(to_sql_int),
+                r.end_reason,
+                labels,
+                env,
+            ],
+        )
+        .map_err(err)?;
+        {
+            let mut stmt = tx
+                .prepare_cached(
+                    "INSERT INTO reservation_units (reservation_id, unit_uuid, gpu_index, memory_bytes)
+                     VALUES (?1, ?2, ?3, ?4)",
+                )
+                .map_err(err)?;
+            for u in &r.units {
+                stmt.execute(params![
+                    r.id,
+                    u.uuid,
+                    u.gpu_index,
+                    to_sql_int(u.memory_bytes)
+                ])
+                .map_err(err)?;
+            }
+        }
+        tx.commit().map_err(err)
+    }
+
+    /// Ends active reservations (released or expired) in one transaction. Ids that are not
+    /// active are left alone.
+    pub fn finish(
+        &mut self,
+        ended: &[(String, ReservationState, String)],
+        at: Millis,
+    ) -> Result<(), StoreError> {
+        let (tx, path) = self.transaction()?;
+        let err = |source| StoreError::Sqlite {
+            op: "end reservation",
+            path: path.clone(),
+            source,
+        };
+        {
+            let mut stmt = tx
+                .prepare_cached(
+                    "UPDATE reservations SET state = ?2, ended_at = ?3, end_reason = ?4
+                     WHERE id = ?1 AND state = 'active'",
+                )
+                .map_err(err)?;
+            for (id, state, reason) in ended {
+                stmt.execute(params![id, state.as_str(), to_sql_int(at), reason])
+                    .map_err(err)?;
+            }
+        }
+        tx.commit().map_err(err)
+    }
+
+    /// Moves a lease's end.
+    pub fn renew(
+        &mut self,
+        id: &str,
+        ttl_seconds: u64,
+        expires_at: Millis,
+    ) -> Result<(), StoreError> {
+        let (tx, path) = self.transaction()?;
+        let err = |source| StoreError::Sqlite {
+            op: "renew reservation",
+            path: path.clone(),
+            source,
+        };
+        tx.execute(
+            "UPDATE reservations SET ttl_seconds = ?2, expires_at = ?3 WHERE id = ?1 AND state = 'active'",
+            params![id, to_sql_int(ttl_seconds), to_sql_int(expires_at)],
+        )
+        .map_err(err)?;
+        tx.commit().map_err(err)
+    }
+
+    /// Every active reservation, oldest first (loaded once at start).
+    pub fn active(&self) -> Result<Vec<Reservation>, StoreError> {
+        self.query(
+            "WHERE r.state = 'active' ORDER BY r.created_at, r.id",
+            params![],
+        )
+    }
+
+    /// One reservation by id, in any state.
+    pub fn get(&self, id: &str) -> Result<Option<Reservation>, StoreError> {
+        Ok(self.query("WHERE r.id = ?1", params![id])?.pop())
+    }
+
+    /// Reservations in `state` (all states when `None`), optionally of one owner: the newest
+    /// 1000, returned oldest first.
+    pub fn list(
+        &self,
+        state: Option<ReservationState>,
+        owner: Option<u32>,
+    ) -> Result<Vec<Reservation>, StoreError> {
+        let mut rows = self.query(
+            "WHERE (?1 IS NULL OR r.state = ?1) AND (?2 IS NULL OR r.owner_uid = ?2)
+             ORDER BY r.created_at DESC, r.id DESC LIMIT ?3",
+            params![state.map(ReservationState::as_str), owner, HISTORY_LIMIT],
+        )?;
+        rows.reverse();
+        Ok(rows)
+    }
+
+    fn query(
+        &self,
+        clause: &str,
+        args: &[&dyn rusqlite::ToSql],
+    ) -> Result<Vec<Reservation>, StoreError> {
+        let sql = format!(
+            "SELECT r.id, r.state, r.owner_uid, r.owner_gid, r.holder_pid, r.holder_start_time,
+                    r.holder_boot_id, r.exclusive, r.ttl_seconds, r.expires_at, r.created_at,
+                    r.ended_at, r.end_reason, r.labels, r.env
+             FROM reservations r {clause}"
+        );
+        let mut stmt = self
+            .conn
+            .prepare_cached(&sql)
+            .map_err(self.err("query reservations"))?;
+        let rows = stmt
+            .query_map(args, |row| Ok(self.decode(row)))
+            .map_err(self.err("query reservations"))?;
+        let mut out = Vec::new();
+        for row in rows {
+            out.push(row.map_err(self.err("read reservation"))??);
+        }
+        let mut units = self
+            .conn
+            .prepare_cached(
+                "SELECT unit_uuid, gpu_index, memory_bytes FROM reservation_units
+                 WHERE reservation_id = ?1 ORDER BY gpu_index, unit_uuid",
+            )
+            .map_err(self.err("query units"))?;
+        for r in &mut out {
+            let rows = units
+                .query_map(params![r.id], |row| {
+                    Ok(ReservedUnit {
+                        uuid: row.get(0)?,
+                        gpu_index: row.get(1)?,
+                        memory_bytes: from_sql_int(row.get(2)?),
+                    })
+                })
+                .map_err(self.err("query units"))?;
+            for u in rows {
+                r.units.push(u.map_err(self.err("read unit"))?);
+            }
+        }
+        Ok(out)
+    }
+
+    fn decode(&self, row: &Row<'_>) -> Result<Reservation, StoreError> {
+        let corrupt = |detail: String| StoreError::Corrupt {
+            path: self.path.clone(),
+            detail,
+        };
+        let get = |e: rusqlite::Error| corrupt(e.to_string());
+        let id: String = row.get(0).map_err(get)?;
+        let state: String = row.get(1).map_err(get)?;
+        let state = ReservationState::parse(&state)
+            .ok_or_else(|| corrupt(format!("{id}: state {state:?}")))?;
+        let holder_pid: Option<u32> = row.get(4).map_err(get)?;
+        let holder_start: Option<i64> = row.get(5).map_err(get)?;
+        let holder_boot: Option<String> = row.get(6).map_err(get)?;
+        let holder = match (holder_pid, holder_start, holder_boot) {
+            (Some(pid), Some(start), Some(boot_id)) => Some(Holder {
+                pid,
+                start_time: from_sql_int(start),
+                boot_id,
+            }),
+            _ => None,
+        };
+        let json_map = |i: usize| -> Result<BTreeMap<String, String>, StoreError> {
+            let text: String = row.get(i).map_err(get)?;
+            serde_json::from_str(&text).map_err(|e| corrupt(format!("{id}: column {i}: {e}")))
+        };
+        Ok(Reservation {
+            state,
+            owner_uid: row.get(2).map_err(get)?,
+            owner_gid: row.get(3).map_err(get)?,
+            holder,
+            exclusive: row.get(7).map_err(get)?,
+            units: Vec::new(),
+            ttl_seconds: row.get::<_, Option<i64>>(8).map_err(get)?.map(from_sql_int),
+            expires_at: row.get::<_, Option<i64>>(9).map_err(get)?.map(from_sql_int),
+            created_at: from_sql_int(row.get(10).map_err(get)?),
+            ended_at: row
+                .get::<_, Option<i64>>(11)
+                .map_err(get)?
+                .map(from_sql_int),
+            end_reason: row.get(12).map_err(get)?,
+            labels: json_map(13)?,
+            env: json_map(14)?,
+            id,
+        })
+    }
+
+    /// Runs `PRAGMA integrity_check`; `Ok(())` when the database is sound.
+    pub fn integrity_check(&self) -> Result<(), StoreError> {
+        let result: String = self
+            .conn
+            .query_row("PRAGMA integrity_check", [], |r| r.get(0))
+            .map_err(self.err("integrity check"))?;
+        if result == "ok" {
+            Ok(())
+        } else {
+            Err(StoreError::Corrupt {
+                path: self.path.clone(),
+                detail: result,
+            })
+        }
+    }
+}
+
+/// SQLite integers are signed 64-bit; every value gpud stores (bytes, milliseconds, clock
+/// ticks) is far below 2^63, and anything larger saturates rather than wrapping.
+fn to_sql_int(v: u64) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
+}
+
+fn from_sql_int(v: i64) -> u64 {
+    u64::try_from(v).unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample(id: &str, created_at: Millis) -> Reservation {
+        Reservation {
+            id: id.to_owned(),
+            state: ReservationState::Active,
+            owner_uid: 1000,
+            owner_gid: 100,
+            holder: Some(Holder {
+                pid: 42,
+                start_time: 123_456,
+                boot_id: "boot".to_owned(),
+            }),
+            exclusive: false,
+            units: vec![
+                ReservedUnit {
+                    uuid: "GPU-a".to_owned(),
+                    gpu_index: 0,
+                    memory_bytes: 4 << 30,
+                },
+                ReservedUnit {
+                    uuid: "GPU-b".to_owned(),
+                    gpu_index: 1,
+                    memory_bytes: 4 << 30,
+                },
+            ],
+            ttl_seconds: Some(60),
+            expires_at: Some(created_at + 60_000),
+            created_at,
+            ended_at: None,
+            end_reason: None,
+            labels: BTreeMap::from([("job".to_owned(), "asr".to_owned())]),
+            env: BTreeMap::from([("CUDA_VISIBLE_DEVICES".to_owned(), "GPU-a,GPU-b".to_owned())]),
+        }
+    }
+
+    #[test]
+    fn migrates_an_empty_database_to_the_latest_version() {
+        let store = Store::open_in_memory().unwrap();
+        assert_eq!(store.version().unwrap() as usize, MIGRATIONS.len());
+        store.integrity_check().unwrap();
+    }
+
+    #[test]
+    fn migrates_from_every_past_version() {
+        for start in 0..=MIGRATIONS.len() {
+            let dir = tempfile::tempdir().unwrap();
+            {
+                let conn = Connection::open(dir.path().join(DB_FILE)).unwrap();
+                for (number, (_, sql)) in (1u32..).zip(MIGRATIONS).take(start) {
+                    conn.execute_batch(sql).unwrap();
+                    conn.pragma_update(None, "user_version", number).unwrap();
+                }
+            }
+            let store = Store::open(dir.path()).unwrap();
+            assert_eq!(
+                store.version().unwrap() as usize,
+                MIGRATIONS.len(),
+                "from version {start}"
+            );
+        }
+    }
+
+    #[test]
+    fn refuses_a_database_from_the_future() {
+        let dir = tempfile::tempdir().unwrap();
+        Connection::open(dir.path().join(DB_FILE))
+            .unwrap()
+            .pragma_update(None, "user_version", 999)
+            .unwrap();
+        let e = Store::open(dir.path()).unwrap_err();
+        assert!(e.to_string().contains("upgrade gpud"), "{e}");
+    }
+
+    #[test]
+    fn round_trips_and_survives_reopening() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = sample("a", 1_000);
+        let b = sample("b", 2_000);
+        {
+            let mut store = Store::open(dir.path()).unwrap();
+            store.insert(&a).unwrap();
+            store.insert(&b).unwrap();
+            store
+                .finish(
+                    &[(
+                        "a".to_owned(),
+                        ReservationState::Released,
+                        "released by uid 1000".to_owned(),
+                    )],
+                    5_000,
+                )
+                .unwrap();
+            store.renew("b", 120, 9_000).unwrap();
+        }
+        let store = Store::open(dir.path()).unwrap();
+        let active = store.active().unwrap();
+        assert_eq!(active.len(), 1);
+        let mut expected_b = b.clone();
+        expected_b.ttl_seconds = Some(120);
+        expected_b.expires_at = Some(9_000);
+        assert_eq!(active[0], expected_b);
+        let ended = store.get("a").unwrap().unwrap();
+        assert_eq!(ended.state, ReservationState::Released);
+        assert_eq!(ended.ended_at, Some(5_000));
+        assert_eq!(ended.units, a.units);
+        assert_eq!(
+            store
+                .list(Some(ReservationState::Released), None)
+                .unwrap()
+                .len(),
+            1
+        );
+        assert_eq!(store.list(None, Some(1000)).unwrap().len(), 2);
+        assert_eq!(store.list(None, Some(7)).unwrap().len(), 0);
+        assert!(store.get("nope").unwrap().is_none());
+    }
+
+    #[test]
+    fn a_failed_insert_changes_nothing() {
+        let mut store = Store::open_in_memory().unwrap();
+        let a = sample("a", 1);
+        store.insert(&a).unwrap();
+        // Same id again: the primary key rejects it and the transaction rolls back whole.
+        let mut dup = sample("a", 2);
+        dup.units[0].uuid = "GPU-z".to_owned();
+        assert!(store.insert(&dup).is_err());
+        assert_eq!(store.active().unwrap(), vec![a]);
+    }
+
+    #[test]
+    fn read_only_storage_is_reported_as_unavailable() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut store = Store::open(dir.path()).unwrap();
+        store.conn.execute_batch("PRAGMA query_only = ON").unwrap();
+        let e = store.insert(&sample("x", 1)).unwrap_err();
+        assert!(e.is_storage_unavailable(), "{e:?}");
+    }
+}

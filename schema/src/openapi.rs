@@ -1,0 +1,171 @@
+//! The OpenAPI 3.0 document for gpud's API, generated from the types in this crate.
+//!
+//! `schema/openapi.json` is this document, checked in so that people and tools can read
+//! the API without building anything. The test `openapi_file_matches_types` fails when the
+//! file and the types disagree; regenerate it with
+//! `UPDATE_OPENAPI=1 cargo test -p gpud-schema openapi`.
+
+use schemars::generate::{SchemaGenerator, SchemaSettings};
+use serde_json::{Value, json};
+
+use crate::{
+    ErrorBody, GpuList, Health, RenewRequest, Reservation, ReservationList, ReservationRequest,
+};
+
+/// Builds the whole document.
+pub fn document() -> Value {
+    let mut generator = SchemaSettings::openapi3().into_generator();
+    let r =
+        |g: &mut SchemaGenerator, t: fn(&mut SchemaGenerator) -> schemars::Schema| t(g).to_value();
+    let reservation_request = r(&mut generator, |g| g.subschema_for::<ReservationRequest>());
+    let renew_request = r(&mut generator, |g| g.subschema_for::<RenewRequest>());
+    let reservation = r(&mut generator, |g| g.subschema_for::<Reservation>());
+    let reservation_list = r(&mut generator, |g| g.subschema_for::<ReservationList>());
+    let gpu_list = r(&mut generator, |g| g.subschema_for::<GpuList>());
+    let health = r(&mut generator, |g| g.subschema_for::<Health>());
+    let error = r(&mut generator, |g| g.subschema_for::<ErrorBody>());
+    let components = generator.take_definitions(true);
+
+    let body = |schema: &Value| json!({"content": {"application/json": {"schema": schema}}});
+    let reply = |description: &str, schema: &Value| json!({"description": description, "content": {"application/json": {"schema": schema}}});
+    let error_reply = |description: &str| reply(description, &error);
+    let id_param = json!({
+        "name": "id", "in": "path", "required": true,
+        "description": "Reservation id.", "schema": {"type": "string"}
+    });
+
+    json!({
+        "openapi": "3.0.3",
+        "info": {
+            "title": "gpud",
+            "version": env!("CARGO_PKG_VERSION"),
+            "description": "Node-local GPU broker. HTTP/1.1 + JSON over a Unix socket \
+                (default /run/gpud/gpud.sock). The caller's uid/gid/pid come from the kernel \
+                (SO_PEERCRED), never from the request."
+        },
+        "paths": {
+            "/v1/health": {"get": {
+                "summary": "Liveness and GPU health",
+                "responses": {"200": reply("Health", &health)}
+            }},
+            "/v1/gpus": {"get": {
+                "summary": "Inventory with total, reserved and used memory per GPU",
+                "responses": {"200": reply("GPUs", &gpu_list)}
+            }},
+            "/v1/reservations": {
+                "get": {
+                    "summary": "List reservations",
+                    "parameters": [
+                        {"name": "state", "in": "query", "required": false,
+                         "description": "active (default), released, expired or all",
+                         "schema": {"type": "string", "enum": ["active", "released", "expired", "all"]}},
+                        {"name": "owner", "in": "query", "required": false,
+                         "description": "Owner uid", "schema": {"type": "integer", "format": "uint32", "minimum": 0}}
+                    ],
+                    "responses": {
+                        "200": reply("Reservations", &reservation_list),
+                        "400": error_reply("Bad filter")
+                    }
+                },
+                "post": {
+                    "summary": "Reserve GPU memory or whole GPUs; may wait (long-poll) for capacity",
+                    "requestBody": {"required": true, "content": body(&reservation_request)["content"]},
+                    "responses": {
+                        "201": reply("Reserved", &reservation),
+                        "400": error_reply("Malformed request"),
+                        "403": error_reply("Forbidden or over quota"),
+                        "408": error_reply("Waited wait_seconds without capacity"),
+                        "409": error_reply("No capacity now"),
+                        "413": error_reply("Body too large"),
+                        "422": error_reply("Can never fit on this machine"),
+                        "503": error_reply("State cannot be written")
+                    }
+                }
+            },
+            "/v1/reservations/{id}": {
+                "get": {
+                    "summary": "One reservation with its assignment and environment",
+                    "parameters": [id_param],
+                    "responses": {"200": reply("Reservation", &reservation), "404": error_reply("No such reservation")}
+                },
+                "delete": {
+                    "summary": "Release (owner, root or admin group only)",
+                    "parameters": [id_param],
+                    "responses": {
+                        "200": reply("Released", &reservation),
+                        "403": error_reply("Not yours"),
+                        "404": error_reply("No such reservation"),
+                        "409": error_reply("Already released"),
+                        "503": error_reply("State cannot be written")
+                    }
+                }
+            },
+            "/v1/reservations/{id}/renew": {"post": {
+                "summary": "Extend a TTL lease",
+                "parameters": [id_param],
+                "requestBody": {"required": false, "content": body(&renew_request)["content"]},
+                "responses": {
+                    "200": reply("Renewed", &reservation),
+                    "400": error_reply("Not a lease, or bad TTL"),
+                    "403": error_reply("Not yours"),
+                    "404": error_reply("No such reservation"),
+                    "409": error_reply("No longer active"),
+                    "503": error_reply("State cannot be written")
+                }
+            }},
+            "/metrics": {"get": {
+                "summary": "Prometheus text exposition",
+                "responses": {"200": {"description": "Metrics", "content": {"text/plain": {"schema": {"type": "string"}}}}}
+            }}
+        },
+        "components": {"schemas": components}
+    })
+}
+
+/// Serialises [`document`] the way the checked-in file is written.
+pub fn document_text() -> String {
+    let mut text = serde_json::to_string_pretty(&document()).unwrap_or_default();
+    text.push('\n');
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn openapi_file_matches_types() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/openapi.json");
+        let expected = document_text();
+        if std::env::var_os("UPDATE_OPENAPI").is_some() {
+            std::fs::write(path, &expected).unwrap();
+        }
+        let actual = std::fs::read_to_string(path).unwrap_or_default();
+        assert!(
+            actual == expected,
+            "schema/openapi.json is out of date with the types in gpud-schema; \
+             regenerate it with `UPDATE_OPENAPI=1 cargo test -p gpud-schema openapi` and review the diff"
+        );
+    }
+
+    #[test]
+    fn every_ref_resolves() {
+        let doc = document();
+        let text = doc.to_string();
+        let schemas = doc["components"]["schemas"].as_object().unwrap();
+        for name in [
+            "ReservationRequest",
+            "Reservation",
+            "GpuList",
+            "GpuStatus",
+            "ErrorBody",
+            "Health",
+        ] {
+            assert!(schemas.contains_key(name), "{name} missing from components");
+        }
+        for piece in text.split("\"$ref\":\"#/components/schemas/").skip(1) {
+            let name = piece.split('"').next().unwrap();
+            assert!(schemas.contains_key(name), "dangling $ref to {name}");
+        }
+    }
+}
