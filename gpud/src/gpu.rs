@@ -9,8 +9,9 @@
 //! `nvmlDeviceGetTopologyCommonAncestor`; the NVLink count from walking each GPU's links
 //! (`nvmlDeviceGetNvLinkState`) and matching each active link's remote PCI bus id against
 //! the other GPUs. A link whose remote is not a GPU leads to an NVSwitch: two GPUs that
-//! both reach the switch fabric are joined by `min(links_a, links_b)` links, which is what
-//! `nvidia-smi topo -m` prints (`NV12` on an 8×A100 NVSwitch board).
+//! reach the same switch are joined through it by `min(links_a, links_b)` of their links to
+//! it, summed over the switches, which is what `nvidia-smi topo -m` prints (`NV12` on an
+//! 8×A100 board with six NVSwitches and two links from each GPU to each switch).
 
 use std::collections::BTreeMap;
 use std::ffi::OsStr;
@@ -319,7 +320,11 @@ impl Nvml {
             for b in (a + 1)..n {
                 let pcie = self.pcie_level(gpus, a, b).unwrap_or(PcieLevel::System);
                 let direct = nvlinks[a].to_gpu.get(&b).copied().unwrap_or(0);
-                let switched = nvlinks[a].to_switch.min(nvlinks[b].to_switch);
+                let switched: u32 = nvlinks[a]
+                    .to_switch
+                    .iter()
+                    .filter_map(|(bus, &n)| nvlinks[b].to_switch.get(bus).map(|&m| n.min(m)))
+                    .sum();
                 topology.set_link(
                     a,
                     b,
@@ -375,7 +380,7 @@ impl Nvml {
             };
             match by_bus.get(normalize_bus_id(&remote.bus_id).as_str()) {
                 Some(&peer) => *links.to_gpu.entry(peer).or_insert(0) += 1,
-                None => links.to_switch += 1,
+                None => *links.to_switch.entry(normalize_bus_id(&remote.bus_id)).or_insert(0) += 1,
             }
         }
         Ok(links)
@@ -466,8 +471,8 @@ enum InstanceId {
 struct NvLinks {
     /// Links that end at another GPU, by that GPU's position.
     to_gpu: BTreeMap<usize, u32>,
-    /// Links that end at an NVSwitch (a remote that is not one of the GPUs).
-    to_switch: u32,
+    /// Links that end at an NVSwitch (a remote that is not one of the GPUs), by its bus id.
+    to_switch: BTreeMap<String, u32>,
 }
 
 /// Normalises a PCI bus id to NVML's form: 8-digit upper-case domain (`00000000:07:00.0`).
