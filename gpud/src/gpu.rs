@@ -380,7 +380,12 @@ impl Nvml {
             };
             match by_bus.get(normalize_bus_id(&remote.bus_id).as_str()) {
                 Some(&peer) => *links.to_gpu.entry(peer).or_insert(0) += 1,
-                None => *links.to_switch.entry(normalize_bus_id(&remote.bus_id)).or_insert(0) += 1,
+                None => {
+                    *links
+                        .to_switch
+                        .entry(normalize_bus_id(&remote.bus_id))
+                        .or_insert(0) += 1
+                }
             }
         }
         Ok(links)
@@ -492,7 +497,10 @@ fn cpus_from_mask(words: &[std::os::raw::c_ulong]) -> Vec<u32> {
     let mut cpus = Vec::new();
     for (w, word) in (0u32..).zip(words) {
         for bit in 0..64u32 {
-            if (u64::from(*word) >> bit) & 1 == 1 {
+            // c_ulong is 32 bits on some targets; widen explicitly.
+            #[allow(clippy::useless_conversion)]
+            let word = u64::from(*word);
+            if (word >> bit) & 1 == 1 {
                 cpus.push(w * 64 + bit);
             }
         }

@@ -1,8 +1,93 @@
 //! Pure choice of units (GPUs or MIG instances) for a request: no I/O, no async, no clock.
 //!
-//! Depends on `model` only. See DESIGN.md "Placement" for the rules this implements.
+//! Depends on `model` only (and `gpud_schema::format_bytes` to word its messages). See DESIGN.md
+//! "Placement" for the rules this implements; this page records how, and the decisions
+//! DESIGN.md leaves open.
+//!
+//! # Feasibility (rule 1)
+//!
+//! A unit can take a request when it is healthy, not held exclusively, and has room:
+//!
+//! - **Memory asks on a whole GPU** need `free = total − reserved − unaccounted ≥ need`,
+//!   where `need` is [`MemoryAsk::bytes_on`] the unit's total (at least 1 byte, so that a
+//!   basis-point ask that rounds down to nothing still counts). Exactly `need` is reserved.
+//! - **Exclusive asks** need a unit that is *completely free*: no reservations, no reserved
+//!   bytes, no processes or memory that no reservation accounts for. The whole unit is
+//!   reserved.
+//! - **A MIG instance** is always allocated whole (its memory is hard-isolated, so sharing
+//!   it would only invite out-of-memory errors): it is feasible only when completely free
+//!   and its total is at least the need, and the assignment reserves its full memory.
+//!
+//! # One unit (binpack, the default)
+//!
+//! Best fit, keeping whole GPUs whole. Among the feasible units:
+//!
+//! 1. partly used GPUs, least leftover (free − need) first;
+//! 2. otherwise completely free units (whole GPUs and MIG instances): least leftover first
+//!    (`total − need`; a 30 GiB ask takes a 40 GB GPU before an 80 GB one, and an 8 GiB ask
+//!    takes a free 1g.10gb instance before a whole GPU), then the *worst-connected* unit: the
+//!    lowest sum of pair scores to the other completely free, healthy whole GPUs, so that
+//!    well-linked groups stay available for multi-GPU work. A MIG instance counts as
+//!    connected to nothing, since it can never be part of a multi-GPU set;
+//! 3. then the lowest position.
+//!
+//! Exclusive asks take a completely free whole GPU (smallest total first, so the largest
+//! GPUs stay available for large memory asks; then worst-connected; then lowest index) and
+//! fall back to a free MIG instance, largest first, only when no whole GPU is free.
+//!
+//! Spread takes the unit with the most free memory left after placing (a MIG instance
+//! leaves none); exclusive asks under spread take the lowest-indexed free whole GPU, then
+//! the largest free MIG instance.
+//!
+//! # Several units (rule 2)
+//!
+//! Only whole GPUs in full mode, each a distinct physical GPU; MIG instances are never
+//! combined. The chosen set maximises the sum of [`Topology::score`] over its pairs. Ties
+//! are broken, in order, by binpacking (fewer completely free GPUs broken, then the least
+//! total leftover) or, under spread, by the most total free memory left; then by the
+//! lexicographically smallest set of positions.
+//!
+//! The search is a depth-first branch and bound over the candidates in position order,
+//! taking "include" before "exclude", so complete sets are met in lexicographic order and
+//! an incumbent is replaced only by a strictly better (score, cost) key. A subtree is cut
+//! when it cannot beat the incumbent: its score upper bound is the current sum plus, for
+//! the `r` picks still to make, the `r` largest values of "pair score to the GPUs already
+//! chosen + half the sum of the `r − 1` best pair scores to the candidates still open" (each
+//! future pair is counted half from each end); on an equal score bound, the cost lower bound
+//! (current cost + the `r` cheapest open candidates) must beat the incumbent's cost. On
+//! uniform topologies (NVSwitch) the bound meets the first solution at once and the search
+//! degenerates into binpacking.
+//!
+//! The search is exact whenever there are at most [`EXACT_CANDIDATE_LIMIT`] candidates
+//! (every machine that exists today; at most `C(16, 8) = 12 870` sets, and the bound visits
+//! far fewer). Beyond that, time is bounded by counting elementary steps, not by a clock, so
+//! the answer stays deterministic: first a heuristic (greedy growth from each seed,
+//! best-connected seeds first, each followed by best-improvement swaps, one GPU out and one
+//! in, within [`HEURISTIC_WORK_BUDGET`]); then, up to [`EXACT_MAX_CANDIDATES`] candidates,
+//! the same branch and bound warm-started with the heuristic's set and limited to
+//! [`SEARCH_WORK_BUDGET`]. When the bound finishes within its budget the answer is exact
+//! there too (a warm start is displaced by an equal-key set the search meets, which is
+//! lexicographically smaller or the same); otherwise the best set met wins, which is never
+//! worse than the heuristic's. Beyond [`EXACT_MAX_CANDIDATES`] the heuristic alone decides.
+//!
+//! # Errors
+//!
+//! [`PlacementError::Impossible`] when the request could never fit even on this machine
+//! emptied and healthy (zero GPUs or memory, a percentage outside 0–100 %, more GPUs than
+//! exist, more memory than any GPU has); [`PlacementError::NoCapacity`] otherwise. Messages
+//! name units the way a person would look for them (`GPU 3`, `MIG instance 2 of GPU 0`), say
+//! what was asked and what there is, and mention unhealthy or exclusively held GPUs.
+//!
+//! Units and loads are aligned by position; a unit without a load entry is treated as
+//! unavailable (and named so in messages) rather than guessed at.
+
+use std::cmp::Reverse;
+use std::collections::BTreeSet;
 
 use crate::model::{MemoryAsk, Policy, Topology, Unit};
+
+#[cfg(test)]
+mod tests;
 
 /// What a reservation asks placement for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -72,13 +157,1003 @@ pub enum PlacementError {
     NoCapacity(String),
 }
 
+/// Up to this many candidate GPUs, the multi-GPU search is always exact.
+pub const EXACT_CANDIDATE_LIMIT: usize = 16;
+
+/// Beyond [`EXACT_CANDIDATE_LIMIT`], the branch and bound still runs (warm-started by the
+/// heuristic, within [`SEARCH_WORK_BUDGET`]) up to this many candidates; its bound table
+/// holds `n²·k` sums.
+pub const EXACT_MAX_CANDIDATES: usize = 64;
+
+/// Elementary steps (pair-score look-ups, roughly) the greedy + swap heuristic may spend
+/// on machines with more than [`EXACT_CANDIDATE_LIMIT`] candidates (about 10 ms if spent
+/// in full; it rarely is).
+pub const HEURISTIC_WORK_BUDGET: u64 = 5_000_000;
+
+/// Elementary steps the budgeted branch and bound may spend after the heuristic on
+/// machines with more than [`EXACT_CANDIDATE_LIMIT`] candidates (about 10 ms). When it
+/// finishes within them, the answer is exact there too.
+pub const SEARCH_WORK_BUDGET: u64 = 5_000_000;
+
+/// Most reasons listed in one error message before "and N more".
+const MAX_LISTED: usize = 8;
+
 /// Chooses units for `request` on `state`, or says why none fit.
 pub fn place(
     request: &PlacementRequest,
     state: &PlacementState<'_>,
 ) -> Result<Placement, PlacementError> {
-    let _ = (request, state);
-    Err(PlacementError::NoCapacity(
-        "placement not implemented yet".to_owned(),
-    ))
+    check_possible(request, state)?;
+    let views = assess_all(request.memory, state);
+    if request.gpus == 1 {
+        place_single(request, state, &views)
+    } else {
+        place_multi(request, state, &views)
+    }
+}
+
+pub use gpud_schema::format_bytes;
+
+// ---------------------------------------------------------------------------------------
+// Feasibility
+// ---------------------------------------------------------------------------------------
+
+/// How a feasible unit would take the request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Fit {
+    /// Bytes the assignment reserves.
+    assigned: u64,
+    /// Best-fit measure: what the ask leaves unused on the unit (free − need; for a MIG
+    /// instance total − need, even though the whole instance is reserved).
+    leftover: u64,
+    /// Free memory on the unit after the assignment (0 for exclusive and MIG).
+    free_after: u64,
+    /// Whether the unit had nothing on it before (placing here breaks a whole unit).
+    completely_free: bool,
+}
+
+/// Why a unit cannot take the request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Blocker {
+    /// No `UnitLoad` at this position.
+    NoLoad,
+    /// The unit is unhealthy.
+    Unhealthy,
+    /// A reservation holds the unit exclusively.
+    HeldExclusively,
+    /// The unit must be completely free (exclusive ask, MIG instance) and is not.
+    Occupied,
+    /// The unit is smaller than the need.
+    TooSmall,
+    /// Not enough free memory now.
+    NotEnoughFree {
+        /// Free bytes now.
+        free: u64,
+    },
+}
+
+/// One unit with its verdict for the request.
+#[derive(Debug, Clone, Copy)]
+struct View<'a> {
+    pos: usize,
+    unit: &'a Unit,
+    load: Option<&'a UnitLoad>,
+    verdict: Result<Fit, Blocker>,
+}
+
+/// Bytes `ask` needs on a unit of `total` bytes; never 0 for memory asks.
+fn need_on(ask: MemoryAsk, total: u64) -> u64 {
+    match ask {
+        MemoryAsk::Exclusive => total,
+        MemoryAsk::Bytes(_) | MemoryAsk::BasisPoints(_) => ask.bytes_on(total).max(1),
+    }
+}
+
+/// Total − reserved − unaccounted, saturating at 0.
+fn free_bytes(unit: &Unit, load: &UnitLoad) -> u64 {
+    unit.memory_total_bytes
+        .saturating_sub(load.reserved_bytes)
+        .saturating_sub(load.unaccounted_bytes)
+}
+
+/// Nothing at all on the unit: no reservation and nothing gpud cannot account for.
+fn is_completely_free(load: &UnitLoad) -> bool {
+    load.reservations == 0
+        && load.reserved_bytes == 0
+        && load.unaccounted_bytes == 0
+        && !load.foreign_processes
+        && !load.exclusive
+}
+
+fn assess(unit: &Unit, load: Option<&UnitLoad>, ask: MemoryAsk) -> Result<Fit, Blocker> {
+    let load = load.ok_or(Blocker::NoLoad)?;
+    if !load.healthy {
+        return Err(Blocker::Unhealthy);
+    }
+    if load.exclusive {
+        return Err(Blocker::HeldExclusively);
+    }
+    let total = unit.memory_total_bytes;
+    let need = need_on(ask, total);
+    let completely_free = is_completely_free(load);
+    if matches!(ask, MemoryAsk::Exclusive) || unit.is_mig() {
+        if !completely_free {
+            return Err(Blocker::Occupied);
+        }
+        if need > total {
+            return Err(Blocker::TooSmall);
+        }
+        return Ok(Fit {
+            assigned: total,
+            leftover: total - need,
+            free_after: 0,
+            completely_free: true,
+        });
+    }
+    if need > total {
+        return Err(Blocker::TooSmall);
+    }
+    let free = free_bytes(unit, load);
+    if free < need {
+        return Err(Blocker::NotEnoughFree { free });
+    }
+    Ok(Fit {
+        assigned: need,
+        leftover: free - need,
+        free_after: free - need,
+        completely_free,
+    })
+}
+
+fn assess_all<'a>(ask: MemoryAsk, state: &PlacementState<'a>) -> Vec<View<'a>> {
+    state
+        .units
+        .iter()
+        .enumerate()
+        .map(|(pos, unit)| {
+            let load = state.loads.get(pos);
+            View {
+                pos,
+                unit,
+                load,
+                verdict: assess(unit, load, ask),
+            }
+        })
+        .collect()
+}
+
+fn gpu_slot(unit: &Unit) -> usize {
+    usize::try_from(unit.gpu_index).unwrap_or(usize::MAX)
+}
+
+// ---------------------------------------------------------------------------------------
+// Impossible requests
+// ---------------------------------------------------------------------------------------
+
+fn check_possible(
+    request: &PlacementRequest,
+    state: &PlacementState<'_>,
+) -> Result<(), PlacementError> {
+    let impossible = |m: String| Err(PlacementError::Impossible(m));
+    if request.gpus == 0 {
+        return impossible("asked for 0 GPUs; ask for at least 1".to_owned());
+    }
+    match request.memory {
+        MemoryAsk::Bytes(0) => {
+            return impossible(
+                "asked for 0 bytes of GPU memory; ask for some memory or for exclusive use"
+                    .to_owned(),
+            );
+        }
+        MemoryAsk::BasisPoints(bp) if bp == 0 || bp > 10_000 => {
+            return impossible(format!(
+                "asked for {} of each GPU's memory; ask for more than 0% and at most 100%",
+                format_percent(bp)
+            ));
+        }
+        _ => {}
+    }
+    if state.units.is_empty() {
+        return impossible("this machine has no GPUs".to_owned());
+    }
+    let k = usize::try_from(request.gpus).unwrap_or(usize::MAX);
+    if k == 1 {
+        if let MemoryAsk::Bytes(b) = request.memory
+            && state.units.iter().all(|u| u.memory_total_bytes < b)
+        {
+            let largest = largest_unit(state.units.iter());
+            return impossible(format!(
+                "asked for {}; the largest GPU here has {}{}",
+                format_bytes(b),
+                largest.map_or_else(|| "0 B".to_owned(), |u| format_bytes(u.memory_total_bytes)),
+                largest.map_or_else(String::new, |u| format!(" ({})", unit_name(u))),
+            ));
+        }
+        return Ok(());
+    }
+    let whole = whole_gpus(state.units);
+    if k > whole.len() {
+        let mig_parents: BTreeSet<u32> = state
+            .units
+            .iter()
+            .filter(|u| u.is_mig())
+            .map(|u| u.gpu_index)
+            .collect();
+        if mig_parents.is_empty() {
+            return impossible(format!(
+                "asked for {k} GPUs; this machine has {}",
+                whole.len()
+            ));
+        }
+        let parents: Vec<String> = mig_parents.iter().map(|g| format!("GPU {g}")).collect();
+        return impossible(format!(
+            "asked for {k} GPUs; this machine has {} outside MIG mode ({} in MIG mode; MIG \
+             instances are handed out one per request)",
+            count_noun(whole.len(), "whole GPU", "whole GPUs"),
+            join_names(&parents),
+        ));
+    }
+    if let MemoryAsk::Bytes(b) = request.memory {
+        let big: Vec<&Unit> = whole
+            .iter()
+            .copied()
+            .filter(|u| u.memory_total_bytes >= b)
+            .collect();
+        if big.len() < k {
+            let message = if big.is_empty() {
+                let largest = largest_unit(whole.iter().copied());
+                format!(
+                    "asked for {k} GPUs with {} each; the largest GPU here has {}{}",
+                    format_bytes(b),
+                    largest
+                        .map_or_else(|| "0 B".to_owned(), |u| format_bytes(u.memory_total_bytes)),
+                    largest.map_or_else(String::new, |u| format!(" ({})", unit_name(u))),
+                )
+            } else {
+                let names: Vec<String> = big.iter().map(|u| unit_name(u)).collect();
+                format!(
+                    "asked for {k} GPUs with {} each; only {} {} that much memory ({})",
+                    format_bytes(b),
+                    big.len(),
+                    if big.len() == 1 { "has" } else { "have" },
+                    join_names(&names),
+                )
+            };
+            return impossible(message);
+        }
+    }
+    Ok(())
+}
+
+/// Whole (non-MIG) units, one per physical GPU (the first position wins on duplicates).
+fn whole_gpus(units: &[Unit]) -> Vec<&Unit> {
+    let mut seen = BTreeSet::new();
+    units
+        .iter()
+        .filter(|u| !u.is_mig() && seen.insert(u.gpu_index))
+        .collect()
+}
+
+/// The unit with the most memory, lowest position on ties.
+fn largest_unit<'a>(units: impl Iterator<Item = &'a Unit>) -> Option<&'a Unit> {
+    units
+        .enumerate()
+        .min_by_key(|(pos, u)| (Reverse(u.memory_total_bytes), *pos))
+        .map(|(_, u)| u)
+}
+
+// ---------------------------------------------------------------------------------------
+// One unit
+// ---------------------------------------------------------------------------------------
+
+/// Sort key for single-unit choices: the smallest wins.
+type SingleKey = (u8, u64, u64, usize);
+
+fn place_single(
+    request: &PlacementRequest,
+    state: &PlacementState<'_>,
+    views: &[View<'_>],
+) -> Result<Placement, PlacementError> {
+    // GPUs a multi-GPU request could still take whole: the ones whose links matter.
+    let free_whole: Vec<usize> = views
+        .iter()
+        .filter(|v| !v.unit.is_mig() && v.load.is_some_and(|l| l.healthy && is_completely_free(l)))
+        .map(|v| gpu_slot(v.unit))
+        .collect();
+    let connectivity = |unit: &Unit| -> u64 {
+        let me = gpu_slot(unit);
+        free_whole
+            .iter()
+            .filter(|&&other| other != me)
+            .map(|&other| u64::from(state.topology.score(me, other)))
+            .sum()
+    };
+    let key = |v: &View<'_>, fit: &Fit| -> SingleKey {
+        let mig = v.unit.is_mig();
+        let total = v.unit.memory_total_bytes;
+        let exclusive = matches!(request.memory, MemoryAsk::Exclusive);
+        match (request.policy, exclusive) {
+            (Policy::Binpack, false) if !fit.completely_free => (0, fit.leftover, 0, v.pos),
+            (Policy::Binpack, false) => {
+                let conn = if mig { 0 } else { connectivity(v.unit) };
+                (1, fit.leftover, conn, v.pos)
+            }
+            (Policy::Binpack, true) if mig => (1, u64::MAX - total, 0, v.pos),
+            (Policy::Binpack, true) => (0, total, connectivity(v.unit), v.pos),
+            (Policy::Spread, false) => (0, u64::MAX - fit.free_after, 0, v.pos),
+            (Policy::Spread, true) if mig => (1, u64::MAX - total, 0, v.pos),
+            (Policy::Spread, true) => (0, 0, 0, v.pos),
+        }
+    };
+    let best = views
+        .iter()
+        .filter_map(|v| v.verdict.ok().map(|fit| (v, fit)))
+        .min_by_key(|(v, fit)| key(v, fit));
+    match best {
+        Some((v, fit)) => Ok(Placement {
+            assignments: vec![Assignment {
+                unit: v.pos,
+                memory_bytes: fit.assigned,
+            }],
+        }),
+        None => Err(PlacementError::NoCapacity(single_shortfall(request, views))),
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Several units
+// ---------------------------------------------------------------------------------------
+
+/// A whole GPU that can take its share of a multi-GPU request.
+#[derive(Debug, Clone, Copy)]
+struct Candidate {
+    pos: usize,
+    fit: Fit,
+}
+
+fn place_multi(
+    request: &PlacementRequest,
+    state: &PlacementState<'_>,
+    views: &[View<'_>],
+) -> Result<Placement, PlacementError> {
+    let k = usize::try_from(request.gpus).unwrap_or(usize::MAX);
+    let mut seen = BTreeSet::new();
+    let mut slots = Vec::new();
+    let mut candidates = Vec::new();
+    for v in views {
+        if v.unit.is_mig() || !seen.insert(v.unit.gpu_index) {
+            continue;
+        }
+        if let Ok(fit) = v.verdict {
+            slots.push(gpu_slot(v.unit));
+            candidates.push(Candidate { pos: v.pos, fit });
+        }
+    }
+    if candidates.len() < k {
+        return Err(PlacementError::NoCapacity(multi_shortfall(
+            request,
+            views,
+            &candidates,
+        )));
+    }
+    let n = candidates.len();
+    let mut scores = vec![0u64; n * n];
+    for (i, &a) in slots.iter().enumerate() {
+        for (j, &b) in slots.iter().enumerate() {
+            if i != j {
+                scores[i * n + j] = u64::from(state.topology.score(a, b));
+            }
+        }
+    }
+    let costs: Vec<u128> = candidates
+        .iter()
+        .map(|c| multi_cost(request.policy, &c.fit))
+        .collect();
+    let chosen = choose_set(&scores, &costs, k);
+    Ok(Placement {
+        assignments: chosen
+            .iter()
+            .filter_map(|&i| candidates.get(i))
+            .map(|c| Assignment {
+                unit: c.pos,
+                memory_bytes: c.fit.assigned,
+            })
+            .collect(),
+    })
+}
+
+/// Tie-break cost of one GPU in a multi-GPU set, summed over the set: the lower the better.
+/// Binpack: (broken completely free GPU, leftover) packed so the sum compares
+/// lexicographically (leftovers sum below 2^80 for any sane `k`); spread: missing free memory.
+fn multi_cost(policy: Policy, fit: &Fit) -> u128 {
+    match policy {
+        Policy::Binpack => (u128::from(fit.completely_free) << 80) + u128::from(fit.leftover),
+        Policy::Spread => u128::from(u64::MAX - fit.free_after),
+    }
+}
+
+/// Picks `k` of the `n` candidates (`scores` is `n × n` with a zero diagonal), returning
+/// candidate indices in ascending order.
+fn choose_set(scores: &[u64], costs: &[u128], k: usize) -> Vec<usize> {
+    let n = costs.len();
+    if k >= n {
+        return (0..n).collect();
+    }
+    if n <= EXACT_CANDIDATE_LIMIT {
+        return ExactSearch::run(scores, costs, k, None, u64::MAX);
+    }
+    let found = heuristic_search(scores, costs, k, HEURISTIC_WORK_BUDGET);
+    if n > EXACT_MAX_CANDIDATES {
+        return found;
+    }
+    ExactSearch::run(scores, costs, k, Some(found), SEARCH_WORK_BUDGET)
+}
+
+/// Sum of pair scores within `set`.
+fn set_score(scores: &[u64], n: usize, set: &[usize]) -> u64 {
+    let mut total = 0u64;
+    for (x, &a) in set.iter().enumerate() {
+        for &b in set.iter().skip(x + 1) {
+            total = total.saturating_add(scores.get(a * n + b).copied().unwrap_or(0));
+        }
+    }
+    total
+}
+
+/// The best set found so far.
+#[derive(Debug, Clone)]
+struct Best {
+    score: u64,
+    cost: u128,
+    set: Vec<usize>,
+    /// Whether the branch and bound met this set itself (then every set it meets later is
+    /// lexicographically larger); `false` for a warm start from the heuristic.
+    from_search: bool,
+}
+
+impl Best {
+    /// Whether (score, cost, set) beats `self`: higher score, then lower cost, then the
+    /// lexicographically smaller (sorted) set.
+    fn beaten_by(&self, score: u64, cost: u128, set: &[usize]) -> bool {
+        (Reverse(score), cost, set) < (Reverse(self.score), self.cost, self.set.as_slice())
+    }
+}
+
+/// Exact branch and bound; see the module docs.
+struct ExactSearch<'a> {
+    n: usize,
+    k: usize,
+    scores: &'a [u64],
+    costs: &'a [u128],
+    /// `top[(p·n + j)·k + m]`: sum of the `m` largest scores from `j` to candidates in
+    /// `p..n` other than `j`, for `m < k`.
+    top: Vec<u64>,
+    chosen: Vec<usize>,
+    /// `gain[j]`: sum of scores from `j` to the chosen candidates.
+    gain: Vec<u64>,
+    best: Option<Best>,
+    /// Steps spent and allowed.
+    work: u64,
+    budget: u64,
+    /// Scratch for the bound.
+    bound_buf: Vec<u64>,
+    cost_buf: Vec<u128>,
+}
+
+impl<'a> ExactSearch<'a> {
+    /// The best `k`-set, exact unless `budget` runs out first (then the best met so far,
+    /// `incumbent` included).
+    fn run(
+        scores: &'a [u64],
+        costs: &'a [u128],
+        k: usize,
+        incumbent: Option<Vec<usize>>,
+        budget: u64,
+    ) -> Vec<usize> {
+        let n = costs.len();
+        let best = incumbent.map(|set| Best {
+            score: set_score(scores, n, &set),
+            cost: set
+                .iter()
+                .fold(0u128, |acc, &i| acc.saturating_add(costs[i])),
+            set,
+            from_search: false,
+        });
+        let mut top = vec![0u64; n * n * k];
+        let mut row = Vec::with_capacity(n);
+        for p in 0..n {
+            for j in p..n {
+                row.clear();
+                row.extend((p..n).filter(|&q| q != j).map(|q| scores[j * n + q]));
+                // Only the k − 1 largest matter.
+                if k > 1 && row.len() > k - 1 {
+                    row.select_nth_unstable_by(k - 2, |a, b| b.cmp(a));
+                    row.truncate(k - 1);
+                }
+                row.sort_unstable_by(|a, b| b.cmp(a));
+                let base = (p * n + j) * k;
+                let mut sum = 0u64;
+                for m in 1..k {
+                    sum = sum.saturating_add(row.get(m - 1).copied().unwrap_or(0));
+                    top[base + m] = sum;
+                }
+            }
+        }
+        let mut search = ExactSearch {
+            n,
+            k,
+            scores,
+            costs,
+            top,
+            chosen: Vec::with_capacity(k),
+            gain: vec![0; n],
+            best,
+            work: 0,
+            budget,
+            bound_buf: Vec::with_capacity(n),
+            cost_buf: Vec::with_capacity(n),
+        };
+        search.visit(0, 0, 0);
+        search.best.map(|b| b.set).unwrap_or_default()
+    }
+
+    fn visit(&mut self, next: usize, score: u64, cost: u128) {
+        let remaining = self.k - self.chosen.len();
+        if remaining == 0 {
+            // Sets are met in lexicographic order, so an equal key only replaces a warm start.
+            let better = self.best.as_ref().is_none_or(|b| {
+                score > b.score
+                    || (score == b.score && (cost < b.cost || (cost == b.cost && !b.from_search)))
+            });
+            if better {
+                self.best = Some(Best {
+                    score,
+                    cost,
+                    set: self.chosen.clone(),
+                    from_search: true,
+                });
+            }
+            return;
+        }
+        if self.work >= self.budget {
+            return;
+        }
+        self.work = self
+            .work
+            .saturating_add(u64::try_from(self.n).unwrap_or(u64::MAX));
+        if self.n - next < remaining {
+            return;
+        }
+        if self.cannot_beat(next, remaining, score, cost) {
+            return;
+        }
+        // Include `next`.
+        let added = self.gain[next];
+        self.chosen.push(next);
+        for j in next + 1..self.n {
+            self.gain[j] += self.scores[next * self.n + j];
+        }
+        self.visit(
+            next + 1,
+            score.saturating_add(added),
+            cost.saturating_add(self.costs[next]),
+        );
+        for j in next + 1..self.n {
+            self.gain[j] -= self.scores[next * self.n + j];
+        }
+        self.chosen.pop();
+        // Exclude `next`.
+        self.visit(next + 1, score, cost);
+    }
+
+    /// Whether no completion of the current partial set (from candidates `next..n`,
+    /// `remaining` more) can beat the incumbent (strictly, or also tie it while the
+    /// incumbent is a warm start that a lexicographically smaller set may displace).
+    fn cannot_beat(&mut self, next: usize, remaining: usize, score: u64, cost: u128) -> bool {
+        let Some(best) = &self.best else {
+            return false;
+        };
+        self.bound_buf.clear();
+        for j in next..self.n {
+            let ahead = self.top[(next * self.n + j) * self.k + (remaining - 1)];
+            self.bound_buf
+                .push(self.gain[j].saturating_mul(2).saturating_add(ahead));
+        }
+        let twice_extra = sum_of_largest(&mut self.bound_buf, remaining);
+        let bound = score.saturating_add(twice_extra / 2);
+        if bound < best.score {
+            return true;
+        }
+        if bound > best.score {
+            return false;
+        }
+        self.cost_buf.clear();
+        self.cost_buf.extend_from_slice(&self.costs[next..]);
+        let least = cost.saturating_add(sum_of_smallest(&mut self.cost_buf, remaining));
+        if best.from_search {
+            least >= best.cost
+        } else {
+            least > best.cost
+        }
+    }
+}
+
+/// Sum of the `r` largest values (reorders `values`).
+fn sum_of_largest(values: &mut [u64], r: usize) -> u64 {
+    if r == 0 || values.is_empty() {
+        return 0;
+    }
+    let r = r.min(values.len());
+    values.select_nth_unstable_by(r - 1, |a, b| b.cmp(a));
+    values
+        .iter()
+        .take(r)
+        .fold(0u64, |acc, &v| acc.saturating_add(v))
+}
+
+/// Sum of the `r` smallest values (reorders `values`).
+fn sum_of_smallest(values: &mut [u128], r: usize) -> u128 {
+    if r == 0 || values.is_empty() {
+        return 0;
+    }
+    let r = r.min(values.len());
+    values.select_nth_unstable(r - 1);
+    values
+        .iter()
+        .take(r)
+        .fold(0u128, |acc, &v| acc.saturating_add(v))
+}
+
+/// Bounded search for large machines: greedy growth from each seed (best-connected seeds
+/// first), then best-improvement swaps, within `budget` elementary steps. At least one seed
+/// is always completed.
+fn heuristic_search(scores: &[u64], costs: &[u128], k: usize, budget: u64) -> Vec<usize> {
+    let n = costs.len();
+    let score_of = |a: usize, b: usize| scores.get(a * n + b).copied().unwrap_or(0);
+    let step = |units: usize| u64::try_from(units).unwrap_or(u64::MAX);
+    let mut seeds: Vec<usize> = (0..n).collect();
+    let reach: Vec<u64> = (0..n)
+        .map(|i| (0..n).map(|j| score_of(i, j)).sum())
+        .collect();
+    seeds.sort_by_key(|&i| (Reverse(reach[i]), i));
+    let mut work = step(n * n);
+    let mut best: Option<Best> = None;
+    for (attempt, &seed) in seeds.iter().enumerate() {
+        if attempt > 0 && work >= budget {
+            break;
+        }
+        let mut in_set = vec![false; n];
+        let mut gain = vec![0u64; n];
+        let add = |x: usize, in_set: &mut Vec<bool>, gain: &mut Vec<u64>| {
+            in_set[x] = true;
+            for (y, g) in gain.iter_mut().enumerate() {
+                *g += score_of(y, x);
+            }
+        };
+        let remove = |x: usize, in_set: &mut Vec<bool>, gain: &mut Vec<u64>| {
+            in_set[x] = false;
+            for (y, g) in gain.iter_mut().enumerate() {
+                *g -= score_of(y, x);
+            }
+        };
+        add(seed, &mut in_set, &mut gain);
+        for _ in 1..k {
+            let pick = (0..n)
+                .filter(|&j| !in_set[j])
+                .min_by_key(|&j| (Reverse(gain[j]), costs[j], j));
+            let Some(pick) = pick else { break };
+            add(pick, &mut in_set, &mut gain);
+            work = work.saturating_add(step(2 * n));
+        }
+        // Best-improvement swaps; each strictly improves (score, cost), so this ends.
+        while work < budget {
+            // (score delta, out, in); among improving swaps the largest delta wins, then the
+            // largest cost saving, then the lowest indices.
+            let mut best_swap: Option<(i128, usize, usize)> = None;
+            for out in (0..n).filter(|&i| in_set[i]) {
+                for inn in (0..n).filter(|&j| !in_set[j]) {
+                    let delta = i128::from(gain[inn])
+                        - i128::from(score_of(out, inn))
+                        - i128::from(gain[out]);
+                    if delta < 0 || (delta == 0 && costs[inn] >= costs[out]) {
+                        continue;
+                    }
+                    let better = best_swap.is_none_or(|(d, o, i)| {
+                        // Saving of (out, inn) larger than that of (o, i), without negatives.
+                        let saves_more = costs[inn].saturating_add(costs[o])
+                            < costs[i].saturating_add(costs[out]);
+                        delta > d || (delta == d && saves_more)
+                    });
+                    if better {
+                        best_swap = Some((delta, out, inn));
+                    }
+                }
+            }
+            work = work.saturating_add(step(n * n));
+            let Some((_, out, inn)) = best_swap else {
+                break;
+            };
+            remove(out, &mut in_set, &mut gain);
+            add(inn, &mut in_set, &mut gain);
+        }
+        let set: Vec<usize> = (0..n).filter(|&i| in_set[i]).collect();
+        let score = set_score(scores, n, &set);
+        let cost = set
+            .iter()
+            .fold(0u128, |acc, &i| acc.saturating_add(costs[i]));
+        if best.as_ref().is_none_or(|b| b.beaten_by(score, cost, &set)) {
+            best = Some(Best {
+                score,
+                cost,
+                set,
+                from_search: false,
+            });
+        }
+    }
+    best.map(|b| b.set).unwrap_or_default()
+}
+
+// ---------------------------------------------------------------------------------------
+// Messages
+// ---------------------------------------------------------------------------------------
+
+/// `GPU 3`, or `MIG instance 2 of GPU 0`. (`Unit` does not carry the MIG profile name.)
+fn unit_name(unit: &Unit) -> String {
+    match unit.mig_index {
+        Some(m) => format!("MIG instance {m} of GPU {}", unit.gpu_index),
+        None => format!("GPU {}", unit.gpu_index),
+    }
+}
+
+/// `2500` → `25%`, `1250` → `12.5%`, `1` → `0.01%`.
+fn format_percent(bp: u32) -> String {
+    let whole = bp / 100;
+    let frac = bp % 100;
+    if frac == 0 {
+        format!("{whole}%")
+    } else if frac.is_multiple_of(10) {
+        format!("{whole}.{}%", frac / 10)
+    } else {
+        format!("{whole}.{frac:02}%")
+    }
+}
+
+/// `1 GPU` / `3 GPUs`.
+fn count_noun(n: usize, one: &str, many: &str) -> String {
+    if n == 1 {
+        format!("{n} {one}")
+    } else {
+        format!("{n} {many}")
+    }
+}
+
+/// `GPU 1, GPU 4`, shortened after [`MAX_LISTED`] names.
+fn join_names(names: &[String]) -> String {
+    join_limited(names, ", ")
+}
+
+fn join_limited(items: &[String], separator: &str) -> String {
+    let mut out = items
+        .iter()
+        .take(MAX_LISTED)
+        .cloned()
+        .collect::<Vec<_>>()
+        .join(separator);
+    if items.len() > MAX_LISTED {
+        out.push_str(&format!("{separator}and {} more", items.len() - MAX_LISTED));
+    }
+    out
+}
+
+/// What the ask is, for messages: `4 GiB`, `25% of its memory`.
+fn ask_text(ask: MemoryAsk, plural: bool) -> String {
+    match ask {
+        MemoryAsk::Bytes(b) => format_bytes(b),
+        MemoryAsk::BasisPoints(bp) if plural => format!("{} of their memory", format_percent(bp)),
+        MemoryAsk::BasisPoints(bp) => format!("{} of its memory", format_percent(bp)),
+        MemoryAsk::Exclusive => "the whole GPU".to_owned(),
+    }
+}
+
+/// Units that cannot take anything now whatever the ask (unhealthy, held exclusively, no
+/// load), grouped: `GPU 3 is unhealthy; GPU 0, GPU 2 are held exclusively`.
+fn unavailable_summary<'v>(views: impl Iterator<Item = &'v View<'v>> + Clone) -> Option<String> {
+    let groups = [
+        (Blocker::Unhealthy, "is unhealthy", "are unhealthy"),
+        (
+            Blocker::HeldExclusively,
+            "is held exclusively",
+            "are held exclusively",
+        ),
+        (
+            Blocker::NoLoad,
+            "has no load information",
+            "have no load information",
+        ),
+    ];
+    let mut parts = Vec::new();
+    for (blocker, one, many) in groups {
+        let names: Vec<String> = views
+            .clone()
+            .filter(|v| v.verdict == Err(blocker))
+            .map(|v| unit_name(v.unit))
+            .collect();
+        match names.len() {
+            0 => {}
+            1 => parts.push(format!("{} {one}", join_names(&names))),
+            _ => parts.push(format!("{} {many}", join_names(&names))),
+        }
+    }
+    (!parts.is_empty()).then(|| parts.join("; "))
+}
+
+/// Why one unit cannot take the request, for exclusive-ask messages.
+fn blocker_text(view: &View<'_>) -> Option<String> {
+    let name = unit_name(view.unit);
+    let blocker = view.verdict.err()?;
+    Some(match blocker {
+        Blocker::NoLoad => format!("{name} has no load information"),
+        Blocker::Unhealthy => format!("{name} is unhealthy"),
+        Blocker::HeldExclusively => format!("{name} is held exclusively"),
+        Blocker::Occupied => {
+            let mut parts = Vec::new();
+            if let Some(load) = view.load {
+                if load.reservations > 0 {
+                    parts.push(format!(
+                        "has {}",
+                        count_noun(
+                            usize::try_from(load.reservations).unwrap_or(usize::MAX),
+                            "reservation",
+                            "reservations"
+                        )
+                    ));
+                } else if load.reserved_bytes > 0 {
+                    parts.push(format!(
+                        "has {} reserved",
+                        format_bytes(load.reserved_bytes)
+                    ));
+                }
+                if load.foreign_processes || load.unaccounted_bytes > 0 {
+                    if load.unaccounted_bytes > 0 {
+                        parts.push(format!(
+                            "runs processes outside gpud using {}",
+                            format_bytes(load.unaccounted_bytes)
+                        ));
+                    } else {
+                        parts.push("runs processes outside gpud".to_owned());
+                    }
+                }
+            }
+            if parts.is_empty() {
+                format!("{name} is in use")
+            } else {
+                format!("{name} {}", parts.join(" and "))
+            }
+        }
+        Blocker::TooSmall => format!(
+            "{name} has only {} in total",
+            format_bytes(view.unit.memory_total_bytes)
+        ),
+        Blocker::NotEnoughFree { free } => format!("{name} has {} free", format_bytes(free)),
+    })
+}
+
+/// Free memory a unit could offer a shareable ask now (`None` when it cannot take any).
+fn offerable(view: &View<'_>) -> Option<u64> {
+    let load = view.load?;
+    if !load.healthy || load.exclusive {
+        return None;
+    }
+    if view.unit.is_mig() {
+        return Some(if is_completely_free(load) {
+            view.unit.memory_total_bytes
+        } else {
+            0
+        });
+    }
+    Some(free_bytes(view.unit, load))
+}
+
+/// `3.2 GiB`, or with exact bytes when rounding would make it look like `other`.
+fn distinct_size(bytes: u64, other: u64) -> String {
+    let shown = format_bytes(bytes);
+    if bytes != other && shown == format_bytes(other) {
+        format!("{shown} ({bytes} bytes)")
+    } else {
+        shown
+    }
+}
+
+fn single_shortfall(request: &PlacementRequest, views: &[View<'_>]) -> String {
+    let unavailable = unavailable_summary(views.iter());
+    if matches!(request.memory, MemoryAsk::Exclusive) {
+        let reasons: Vec<String> = views.iter().filter_map(blocker_text).collect();
+        return format!(
+            "no GPU is free for exclusive use: {}",
+            join_limited(&reasons, "; ")
+        );
+    }
+    let largest = views
+        .iter()
+        .filter_map(|v| offerable(v).map(|free| (v, free)))
+        .min_by_key(|(v, free)| (Reverse(*free), v.pos));
+    let Some((view, free)) = largest else {
+        return format!(
+            "no GPU can take a new reservation: {}",
+            unavailable.unwrap_or_else(|| "none is available".to_owned())
+        );
+    };
+    let asked = ask_text(request.memory, false);
+    let shown = match request.memory {
+        MemoryAsk::Bytes(b) => distinct_size(free, b),
+        _ => format_bytes(free),
+    };
+    let mut message = if free == 0 {
+        format!("no GPU has {asked} free: every available GPU is full")
+    } else {
+        format!(
+            "no GPU has {asked} free: largest free block is {shown} on {}",
+            unit_name(view.unit)
+        )
+    };
+    if let Some(unavailable) = unavailable {
+        message.push_str("; ");
+        message.push_str(&unavailable);
+    }
+    message
+}
+
+fn multi_shortfall(
+    request: &PlacementRequest,
+    views: &[View<'_>],
+    candidates: &[Candidate],
+) -> String {
+    let k = request.gpus;
+    let names: Vec<String> = candidates
+        .iter()
+        .filter_map(|c| views.get(c.pos))
+        .map(|v| unit_name(v.unit))
+        .collect();
+    let whole = views.iter().filter(|v| !v.unit.is_mig());
+    let mut message = match request.memory {
+        MemoryAsk::Exclusive if names.is_empty() => {
+            format!("asked for {k} whole GPUs; none is free for exclusive use")
+        }
+        MemoryAsk::Exclusive => format!(
+            "asked for {k} whole GPUs; only {} {} free for exclusive use ({})",
+            names.len(),
+            if names.len() == 1 { "is" } else { "are" },
+            join_names(&names)
+        ),
+        ask => {
+            let asked = ask_text(ask, true);
+            if names.is_empty() {
+                let largest = whole
+                    .clone()
+                    .filter_map(|v| offerable(v).map(|free| (v, free)))
+                    .min_by_key(|(v, free)| (Reverse(*free), v.pos));
+                match largest {
+                    Some((v, free)) if free > 0 => format!(
+                        "asked for {k} GPUs with {asked} each; no GPU has that much free: \
+                         largest free block is {} on {}",
+                        format_bytes(free),
+                        unit_name(v.unit)
+                    ),
+                    _ => format!("asked for {k} GPUs with {asked} each; no GPU has that much free"),
+                }
+            } else {
+                format!(
+                    "asked for {k} GPUs with {asked} each; only {} {} that much free ({})",
+                    names.len(),
+                    if names.len() == 1 { "has" } else { "have" },
+                    join_names(&names)
+                )
+            }
+        }
+    };
+    if let Some(unavailable) = unavailable_summary(whole) {
+        message.push_str("; ");
+        message.push_str(&unavailable);
+    }
+    message
 }

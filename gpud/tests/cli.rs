@@ -1,5 +1,7 @@
 //! The gpud binary's own command line: errors a person sees at start.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step should stop with its line
+
 use std::process::Command;
 
 fn gpud() -> Command {

@@ -173,11 +173,13 @@ impl Daemon {
         let fixture_copy = dir.path().join("fixture.json");
         std::fs::copy(fixture(name), &fixture_copy).unwrap();
         let config_path = dir.path().join("gpud.toml");
-        std::fs::write(
-            &config_path,
-            format!("[audit]\ninterval = \"200ms\"\n{config}"),
-        )
-        .unwrap();
+        // A fast audit unless the test sets its own.
+        let audit = if config.contains("[audit]") {
+            ""
+        } else {
+            "\n[audit]\ninterval = \"200ms\"\n"
+        };
+        std::fs::write(&config_path, format!("{config}{audit}")).unwrap();
         let mut d = Daemon {
             socket: dir.path().join("gpud.sock"),
             state_dir: dir.path().join("state"),
@@ -321,6 +323,19 @@ pub fn wait_for<T>(limit: Duration, mut f: impl FnMut() -> Option<T>) -> Option<
         }
         std::thread::sleep(Duration::from_millis(10));
     }
+}
+
+/// This process's real uid and gid.
+pub fn my_ids() -> (u32, u32) {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let first = |key: &str| -> u32 {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(key))
+            .and_then(|r| r.split_whitespace().next()?.parse().ok())
+            .unwrap()
+    };
+    (first("Uid:"), first("Gid:"))
 }
 
 /// Whether the tests run as root (needed to act as several uids).

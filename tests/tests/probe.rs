@@ -1,6 +1,8 @@
 //! `gpud probe` on every fixture, compared with the link matrices in topologies.md
 //! (a verbatim copy of shared/topologies.md lives in tests/fixtures/).
 
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step should stop with its line
+
 use std::process::Command;
 
 use gpud_tests::{fake_nvml, fixture, gpud_bin, repo_root};

@@ -1,0 +1,596 @@
+//! The reservation broker through the real gpud binary on the fake NVML: placement on real
+//! topologies, races, crashes, holders, leases, waiting, permissions and quotas.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step should stop with its line
+
+use std::io::Write;
+use std::os::unix::net::UnixStream;
+use std::os::unix::process::CommandExt;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use gpud_tests::{Daemon, GIB, Reply, is_root, wait_for};
+use serde_json::{Value, json};
+
+fn reserve(d: &Daemon, body: Value) -> Reply {
+    d.post("/v1/reservations", &body.to_string())
+}
+
+fn indices(r: &Reply) -> Vec<u64> {
+    r.body["gpus"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|g| g["index"].as_u64().unwrap())
+        .collect()
+}
+
+fn id(r: &Reply) -> String {
+    r.body["id"].as_str().unwrap().to_owned()
+}
+
+fn reserved_per_gpu(d: &Daemon) -> Vec<(u64, u64)> {
+    d.get("/v1/gpus").body["gpus"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|g| {
+            (
+                g["memory_reserved_bytes"].as_u64().unwrap(),
+                g["memory_total_bytes"].as_u64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn four_gpu_requests_on_dgx1_get_the_nvlink_quads() {
+    let d = Daemon::start("dgx1-v100", "");
+    let a = reserve(
+        &d,
+        json!({"gpus": 4, "exclusive": true, "ttl_seconds": 600}),
+    );
+    assert_eq!(a.status, 201, "{}", a.text);
+    assert_eq!(indices(&a), [0, 1, 2, 3]);
+    let b = reserve(
+        &d,
+        json!({"gpus": 4, "exclusive": true, "ttl_seconds": 600}),
+    );
+    assert_eq!(b.status, 201, "{}", b.text);
+    assert_eq!(indices(&b), [4, 5, 6, 7]);
+    let c = reserve(
+        &d,
+        json!({"gpus": 1, "exclusive": true, "ttl_seconds": 600}),
+    );
+    assert_eq!(c.status, 409, "{}", c.text);
+    assert_eq!(c.body["error"]["code"], "no_capacity");
+
+    // The environment names the very GPUs, by UUID, in index order.
+    let gpus = d.get("/v1/gpus").body;
+    let uuids: Vec<&str> = (0..4)
+        .map(|i| gpus["gpus"][i]["uuid"].as_str().unwrap())
+        .collect();
+    assert_eq!(a.body["env"]["CUDA_VISIBLE_DEVICES"], uuids.join(","));
+    assert_eq!(a.body["env"]["NVIDIA_VISIBLE_DEVICES"], uuids.join(","));
+    assert_eq!(a.body["env"]["CUDA_DEVICE_ORDER"], "PCI_BUS_ID");
+    assert_eq!(a.body["env"]["GPUD_RESERVATION_ID"], a.body["id"]);
+}
+
+#[test]
+fn two_gpus_on_dgx1_are_a_double_nvlink_pair() {
+    let d = Daemon::start("dgx1-v100", "");
+    let r = reserve(&d, json!({"gpus": 2, "exclusive": true, "ttl_seconds": 60}));
+    assert_eq!(r.status, 201, "{}", r.text);
+    let pair = indices(&r);
+    let [a, b] = [pair[0], pair[1]].map(|i| usize::try_from(i).unwrap());
+    let links = &d.get("/v1/gpus").body["gpus"][a]["links"];
+    assert_eq!(links[b], "NV2", "{pair:?}");
+}
+
+#[test]
+fn racing_clients_never_overcommit() {
+    // 8 × 32 GiB; 64 clients ask 5 GiB each at once: 6 fit per GPU, so exactly 48 succeed.
+    let d = Daemon::start("dgx1-v100", "");
+    let socket = d.socket.clone();
+    let handles: Vec<_> = (0..64)
+        .map(|_| {
+            let socket = socket.clone();
+            std::thread::spawn(move || {
+                let body = json!({"memory": "5GiB", "ttl_seconds": 600}).to_string();
+                gpud_tests::http(&socket, "POST", "/v1/reservations", Some(&body))
+            })
+        })
+        .collect();
+    let replies: Vec<Reply> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    let ok = replies.iter().filter(|r| r.status == 201).count();
+    let refused: Vec<&Reply> = replies.iter().filter(|r| r.status != 201).collect();
+    assert_eq!(ok, 48, "exactly the capacity succeeds");
+    assert!(
+        refused
+            .iter()
+            .all(|r| r.status == 409 && r.body["error"]["code"] == "no_capacity")
+    );
+    for (i, (reserved, total)) in reserved_per_gpu(&d).into_iter().enumerate() {
+        assert!(
+            reserved <= total,
+            "GPU {i} overcommitted: {reserved} > {total}"
+        );
+        assert_eq!(reserved, 30 * GIB, "GPU {i}");
+    }
+    assert_eq!(d.active().len(), 48);
+}
+
+#[test]
+fn reservations_survive_kill9_and_restart() {
+    let mut d = Daemon::start("t4-pair", "");
+    let lease = reserve(
+        &d,
+        json!({"memory": "2GiB", "ttl_seconds": 600, "labels": {"job": "asr"}}),
+    );
+    assert_eq!(lease.status, 201, "{}", lease.text);
+    // Held by this test process, which outlives the daemon's crash.
+    let held = reserve(
+        &d,
+        json!({"memory": "3GiB", "holder_pid": std::process::id()}),
+    );
+    assert_eq!(held.status, 201, "{}", held.text);
+    let gone = reserve(&d, json!({"memory": "1GiB", "ttl_seconds": 600}));
+    assert_eq!(
+        d.delete(&format!("/v1/reservations/{}", id(&gone))).status,
+        200
+    );
+    let before = reserved_per_gpu(&d);
+
+    d.kill9();
+    d.spawn();
+
+    for r in [&lease, &held] {
+        let now = d.get(&format!("/v1/reservations/{}", id(r)));
+        assert_eq!(now.status, 200);
+        assert_eq!(now.body["state"], "active");
+        assert_eq!(now.body["gpus"], r.body["gpus"]);
+        assert_eq!(now.body["env"], r.body["env"]);
+    }
+    assert_eq!(
+        d.get(&format!("/v1/reservations/{}", id(&lease))).body["labels"]["job"],
+        "asr"
+    );
+    assert_eq!(
+        d.get(&format!("/v1/reservations/{}", id(&gone))).body["state"],
+        "released"
+    );
+    assert_eq!(reserved_per_gpu(&d), before);
+}
+
+#[test]
+fn killing_the_holder_releases_within_a_second() {
+    let d = Daemon::start("t4-pair", "");
+    let mut child = Command::new("sleep").arg("60").spawn().unwrap();
+    let r = reserve(&d, json!({"memory": "4GiB", "holder_pid": child.id()}));
+    assert_eq!(r.status, 201, "{}", r.text);
+    assert_eq!(r.body["holder_pid"], child.id());
+    let path = format!("/v1/reservations/{}", id(&r));
+    child.kill().unwrap();
+    let killed = Instant::now();
+    child.wait().unwrap();
+    let released = wait_for(Duration::from_secs(5), || {
+        let now = d.get(&path);
+        (now.body["state"] == "released").then_some(now)
+    })
+    .expect("released");
+    let delay = killed.elapsed();
+    assert!(delay < Duration::from_secs(1), "released after {delay:?}");
+    assert!(
+        released.body["end_reason"]
+            .as_str()
+            .unwrap()
+            .contains("exited")
+    );
+    assert_eq!(reserved_per_gpu(&d)[0].0, 0);
+}
+
+#[test]
+fn a_holder_that_died_while_gpud_was_down_is_reaped_at_start() {
+    let mut d = Daemon::start("t4-pair", "");
+    let mut child = Command::new("sleep").arg("60").spawn().unwrap();
+    let r = reserve(&d, json!({"memory": "4GiB", "holder_pid": child.id()}));
+    assert_eq!(r.status, 201, "{}", r.text);
+    d.kill9();
+    child.kill().unwrap();
+    child.wait().unwrap();
+    d.spawn();
+    let now = d.get(&format!("/v1/reservations/{}", id(&r)));
+    assert_eq!(now.body["state"], "released", "{}", now.text);
+    assert!(
+        now.body["end_reason"]
+            .as_str()
+            .unwrap()
+            .contains("while gpud was down")
+    );
+}
+
+#[test]
+fn a_holder_must_be_the_callers_own_and_alive() {
+    let d = Daemon::start("t4-pair", "");
+    let r = reserve(&d, json!({"memory": "1GiB", "holder_pid": 999_999_999u32}));
+    assert_eq!(r.status, 400, "{}", r.text);
+    assert!(
+        r.body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("999999999")
+    );
+    let r = reserve(&d, json!({"memory": "1GiB"}));
+    assert_eq!(r.status, 400);
+    assert!(
+        r.body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("lifetime"),
+        "{}",
+        r.text
+    );
+}
+
+#[test]
+fn a_ttl_lease_expires_unless_renewed() {
+    let d = Daemon::start("t4-pair", "");
+    let short = reserve(&d, json!({"memory": "1GiB", "ttl_seconds": 1}));
+    let renewed = reserve(&d, json!({"memory": "1GiB", "ttl_seconds": 1}));
+    assert_eq!(short.status, 201);
+    let r = d.post(
+        &format!("/v1/reservations/{}/renew", id(&renewed)),
+        r#"{"ttl_seconds": 30}"#,
+    );
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(r.body["ttl_seconds"], 30);
+    let expired = wait_for(Duration::from_secs(4), || {
+        let now = d.get(&format!("/v1/reservations/{}", id(&short)));
+        (now.body["state"] == "expired").then_some(now)
+    })
+    .expect("the lease expires");
+    assert!(expired.body["end_reason"].as_str().unwrap().contains("ttl"));
+    assert_eq!(
+        d.get(&format!("/v1/reservations/{}", id(&renewed))).body["state"],
+        "active"
+    );
+    // Renewing something that is not a lease says so.
+    let held = reserve(
+        &d,
+        json!({"memory": "1GiB", "holder_pid": std::process::id()}),
+    );
+    let r = d.post(&format!("/v1/reservations/{}/renew", id(&held)), "");
+    assert_eq!(r.status, 400, "{}", r.text);
+    // Renewing an ended one is a conflict that says why it ended.
+    let r = d.post(&format!("/v1/reservations/{}/renew", id(&short)), "");
+    assert_eq!(r.status, 409, "{}", r.text);
+    assert!(
+        r.body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("expired")
+    );
+}
+
+fn fill_t4(d: &Daemon) -> (String, String) {
+    let a = reserve(d, json!({"exclusive": true, "ttl_seconds": 600}));
+    let b = reserve(d, json!({"exclusive": true, "ttl_seconds": 600}));
+    assert_eq!((a.status, b.status), (201, 201));
+    (id(&a), id(&b))
+}
+
+#[test]
+fn a_waiter_gets_capacity_when_it_frees() {
+    let d = Daemon::start("t4-pair", "");
+    let (first, _) = fill_t4(&d);
+    let socket = d.socket.clone();
+    let waiter = std::thread::spawn(move || {
+        let body = json!({"memory": "4GiB", "ttl_seconds": 60, "wait_seconds": 20}).to_string();
+        gpud_tests::http(&socket, "POST", "/v1/reservations", Some(&body))
+    });
+    wait_for(Duration::from_secs(5), || {
+        (d.get("/v1/health").body["waiting"] == 1).then_some(())
+    })
+    .expect("queued");
+    assert_eq!(d.delete(&format!("/v1/reservations/{first}")).status, 200);
+    let got = waiter.join().unwrap();
+    assert_eq!(got.status, 201, "{}", got.text);
+    assert_eq!(indices(&got), [0]);
+
+    // And one that times out says so.
+    let r = reserve(
+        &d,
+        json!({"exclusive": true, "ttl_seconds": 60, "wait_seconds": 1}),
+    );
+    assert_eq!(r.status, 408, "{}", r.text);
+    assert_eq!(r.body["error"]["code"], "wait_timeout");
+    assert_eq!(d.get("/v1/health").body["waiting"], 0);
+}
+
+#[test]
+fn a_disconnected_waiter_holds_nothing() {
+    let d = Daemon::start("t4-pair", "");
+    let (first, second) = fill_t4(&d);
+    let body = json!({"memory": "4GiB", "ttl_seconds": 600, "wait_seconds": 30}).to_string();
+    let mut stream = UnixStream::connect(&d.socket).unwrap();
+    write!(
+        stream,
+        "POST /v1/reservations HTTP/1.1\r\nHost: gpud\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    wait_for(Duration::from_secs(5), || {
+        (d.get("/v1/health").body["waiting"] == 1).then_some(())
+    })
+    .expect("queued");
+    drop(stream);
+    wait_for(Duration::from_secs(2), || {
+        (d.get("/v1/health").body["waiting"] == 0).then_some(())
+    })
+    .expect("the waiter is dropped when its client goes away");
+    assert_eq!(d.delete(&format!("/v1/reservations/{first}")).status, 200);
+    std::thread::sleep(Duration::from_millis(300));
+    let active: Vec<String> = d
+        .active()
+        .iter()
+        .map(|r| r["id"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(
+        active,
+        [second],
+        "nothing was reserved for the departed waiter"
+    );
+}
+
+#[test]
+fn backfill_lets_a_small_request_past_a_big_waiter() {
+    let d = Daemon::start("t4-pair", "");
+    // GPU0 partly used, GPU1 whole-held: a 2-GPU exclusive waiter cannot fit, a small one can.
+    let small_holder = reserve(&d, json!({"memory": "2GiB", "ttl_seconds": 600}));
+    let whole = reserve(&d, json!({"exclusive": true, "ttl_seconds": 600}));
+    assert_eq!((small_holder.status, whole.status), (201, 201));
+    let socket = d.socket.clone();
+    let big = std::thread::spawn(move || {
+        let body = json!({"gpus": 2, "exclusive": true, "ttl_seconds": 60, "wait_seconds": 20})
+            .to_string();
+        gpud_tests::http(&socket, "POST", "/v1/reservations", Some(&body))
+    });
+    wait_for(Duration::from_secs(5), || {
+        (d.get("/v1/health").body["waiting"] == 1).then_some(())
+    })
+    .expect("queued");
+    let small = reserve(&d, json!({"memory": "1GiB", "ttl_seconds": 60}));
+    assert_eq!(small.status, 201, "backfill: {}", small.text);
+    for r in [&small_holder, &whole, &small] {
+        assert_eq!(d.delete(&format!("/v1/reservations/{}", id(r))).status, 200);
+    }
+    let got = big.join().unwrap();
+    assert_eq!(got.status, 201, "{}", got.text);
+    assert_eq!(indices(&got), [0, 1]);
+}
+
+#[test]
+fn the_starvation_guard_stops_backfill() {
+    let d = Daemon::start("t4-pair", "[wait]\nstarvation_after = \"200ms\"\n");
+    let part = reserve(&d, json!({"memory": "2GiB", "ttl_seconds": 600}));
+    assert_eq!(part.status, 201);
+    let socket = d.socket.clone();
+    let big = std::thread::spawn(move || {
+        let body = json!({"gpus": 2, "exclusive": true, "ttl_seconds": 60, "wait_seconds": 20})
+            .to_string();
+        gpud_tests::http(&socket, "POST", "/v1/reservations", Some(&body))
+    });
+    wait_for(Duration::from_secs(5), || {
+        (d.get("/v1/health").body["waiting"] == 1).then_some(())
+    })
+    .expect("queued");
+    std::thread::sleep(Duration::from_millis(400));
+    let small = reserve(&d, json!({"memory": "1GiB", "ttl_seconds": 60}));
+    assert_eq!(
+        small.status, 409,
+        "the starved head keeps what frees up: {}",
+        small.text
+    );
+    assert!(
+        small.body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("waited")
+    );
+    assert_eq!(
+        d.delete(&format!("/v1/reservations/{}", id(&part))).status,
+        200
+    );
+    assert_eq!(big.join().unwrap().status, 201);
+}
+
+fn curl_as(uid: u32, socket: &std::path::Path, args: &[&str]) -> (u16, Value) {
+    let out = Command::new("curl")
+        .args(["-s", "-w", "\n%{http_code}", "--unix-socket"])
+        .arg(socket)
+        .args(args)
+        .uid(uid)
+        .gid(uid)
+        .output()
+        .expect("curl");
+    let text = String::from_utf8(out.stdout).unwrap();
+    let (body, code) = text.rsplit_once('\n').unwrap();
+    (
+        code.parse().unwrap(),
+        serde_json::from_str(body).unwrap_or(Value::Null),
+    )
+}
+
+#[test]
+fn only_the_owner_root_or_an_admin_may_release() {
+    if !is_root() {
+        eprintln!("skipped: acting as several uids needs root");
+        return;
+    }
+    let d = Daemon::start("t4-pair", "admin_groups = [\"65530\"]\n");
+    let body = json!({"memory": "1GiB", "ttl_seconds": 600}).to_string();
+    let (status, r) = curl_as(
+        65534,
+        &d.socket,
+        &["-X", "POST", "-d", &body, "http://gpud/v1/reservations"],
+    );
+    assert_eq!(status, 201, "{r}");
+    assert_eq!(r["owner_uid"], 65534);
+    let url = format!("http://gpud/v1/reservations/{}", r["id"].as_str().unwrap());
+    let (status, e) = curl_as(65533, &d.socket, &["-X", "DELETE", &url]);
+    assert_eq!(status, 403, "{e}");
+    assert!(
+        e["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("belongs to uid 65534")
+    );
+    let (status, _) = curl_as(65533, &d.socket, &["-X", "POST", &format!("{url}/renew")]);
+    assert_eq!(status, 403);
+    // Still there.
+    assert_eq!(d.active().len(), 1);
+    // An admin-group member (gid 65530) may.
+    let (status, _) = curl_as(65530, &d.socket, &["-X", "DELETE", &url]);
+    assert_eq!(status, 200);
+    assert!(d.active().is_empty());
+    // A holder_pid of another uid's process is refused.
+    let body = json!({"memory": "1GiB", "holder_pid": std::process::id()}).to_string();
+    let (status, e) = curl_as(
+        65534,
+        &d.socket,
+        &["-X", "POST", "-d", &body, "http://gpud/v1/reservations"],
+    );
+    assert_eq!(status, 403, "{e}");
+}
+
+#[test]
+fn quotas_are_enforced_with_the_limit_in_the_message() {
+    let (uid, gid) = gpud_tests::my_ids();
+    let d = Daemon::start(
+        "dgx1-v100",
+        &format!(
+            "[[quotas]]\nuid = {uid}\nmax_gpus = 4\nmax_memory = \"40GiB\"\n\n[[quotas]]\ngid = {gid}\nmax_reservations = 2\n"
+        ),
+    );
+    let a = reserve(&d, json!({"gpus": 2, "memory": "10GiB", "ttl_seconds": 60}));
+    assert_eq!(a.status, 201, "{}", a.text);
+    let too_many_gpus = reserve(&d, json!({"gpus": 3, "memory": "1GiB", "ttl_seconds": 60}));
+    assert_eq!(too_many_gpus.status, 403, "{}", too_many_gpus.text);
+    assert_eq!(too_many_gpus.body["error"]["code"], "quota_exceeded");
+    assert!(
+        too_many_gpus.body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("allows 4 GPUs")
+    );
+    let too_much = reserve(&d, json!({"memory": "30GiB", "ttl_seconds": 60}));
+    assert_eq!(too_much.status, 403);
+    assert!(
+        too_much.body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("40 GiB"),
+        "{}",
+        too_much.text
+    );
+    let b = reserve(&d, json!({"memory": "1GiB", "ttl_seconds": 60}));
+    assert_eq!(b.status, 201);
+    let c = reserve(&d, json!({"memory": "1GiB", "ttl_seconds": 60}));
+    assert_eq!(c.status, 403);
+    assert!(
+        c.body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains(&format!("group {gid} allows 2 reservations")),
+        "{}",
+        c.text
+    );
+    assert_eq!(d.active().len(), 2, "refusals changed nothing");
+}
+
+#[test]
+fn bad_requests_get_4xx_json_and_change_nothing() {
+    let d = Daemon::start("t4-pair", "");
+    let keep = reserve(&d, json!({"memory": "1GiB", "ttl_seconds": 600}));
+    let before = (d.active(), reserved_per_gpu(&d));
+    for (method, path, body, status) in [
+        ("POST", "/v1/reservations", "{", 400),
+        (
+            "POST",
+            "/v1/reservations",
+            r#"{"memory": "4GiB", "ttl_seconds": 60, "bogus": 1}"#,
+            400,
+        ),
+        (
+            "POST",
+            "/v1/reservations",
+            r#"{"memory": -1, "ttl_seconds": 60}"#,
+            400,
+        ),
+        (
+            "POST",
+            "/v1/reservations",
+            r#"{"memory": "1e99GiB", "ttl_seconds": 60}"#,
+            400,
+        ),
+        (
+            "POST",
+            "/v1/reservations",
+            r#"{"memory": 18446744073709551615, "ttl_seconds": 60}"#,
+            422,
+        ),
+        (
+            "POST",
+            "/v1/reservations",
+            r#"{"gpus": 3, "exclusive": true, "ttl_seconds": 60}"#,
+            422,
+        ),
+        (
+            "POST",
+            "/v1/reservations",
+            r#"{"memory": "4GiB", "ttl_seconds": 0}"#,
+            400,
+        ),
+        ("GET", "/v1/reservations/nope", "", 404),
+        ("GET", "/v1/reservations/..%2F..%2Fetc", "", 400),
+        ("DELETE", "/v1/reservations/does-not-exist", "", 404),
+        ("GET", "/v1/reservations?state=bogus", "", 400),
+        ("GET", "/v1/nothing-here", "", 404),
+        ("PUT", "/v1/reservations", "", 405),
+    ] {
+        let r = gpud_tests::http(&d.socket, method, path, Some(body));
+        assert_eq!(r.status, status, "{method} {path} {body}: {}", r.text);
+        let message = r.body["error"]["message"].as_str().unwrap_or_default();
+        assert!(
+            !message.is_empty() && r.body["error"]["code"].is_string(),
+            "{}",
+            r.text
+        );
+    }
+    assert_eq!((d.active(), reserved_per_gpu(&d)), before);
+    assert_eq!(keep.status, 201);
+}
+
+#[test]
+fn sigterm_stops_gracefully_and_removes_the_socket() {
+    let mut d = Daemon::start("t4-pair", "");
+    let status = d.stop();
+    assert!(status.success(), "{status}");
+    assert!(!d.socket.exists());
+}
+
+#[test]
+fn a_second_gpud_on_the_same_socket_refuses_and_a_stale_socket_is_replaced() {
+    let mut d = Daemon::start("t4-pair", "");
+    let out = d.command().output().unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8(out.stderr).unwrap();
+    assert!(stderr.contains("another process"), "{stderr}");
+    // The first one is unharmed.
+    assert_eq!(d.get("/v1/health").status, 200);
+    // A crash leaves the socket file behind; the next start replaces it.
+    d.kill9();
+    assert!(d.socket.exists());
+    d.spawn();
+    assert_eq!(d.get("/v1/health").status, 200);
+}
