@@ -44,9 +44,17 @@ pub fn gpuctl_bin() -> PathBuf {
     built("gpuctl")
 }
 
-/// The fake NVML library.
+/// The fake NVML library. `cargo build` puts it in `target/debug`; `cargo test` builds it
+/// only into `target/debug/deps` (as the library of fake-nvml's own tests): take the newer.
 pub fn fake_nvml() -> PathBuf {
-    built("libfake_nvml.so")
+    let name = "libfake_nvml.so";
+    let candidates = [target_dir().join(name), target_dir().join("deps").join(name)];
+    let newest = candidates
+        .iter()
+        .filter_map(|p| Some((std::fs::metadata(p).ok()?.modified().ok()?, p)))
+        .max()
+        .map(|(_, p)| p.clone());
+    newest.unwrap_or_else(|| built(name))
 }
 
 /// The repository root.
