@@ -48,7 +48,10 @@ pub fn gpuctl_bin() -> PathBuf {
 /// only into `target/debug/deps` (as the library of fake-nvml's own tests): take the newer.
 pub fn fake_nvml() -> PathBuf {
     let name = "libfake_nvml.so";
-    let candidates = [target_dir().join(name), target_dir().join("deps").join(name)];
+    let candidates = [
+        target_dir().join(name),
+        target_dir().join("deps").join(name),
+    ];
     let newest = candidates
         .iter()
         .filter_map(|p| Some((std::fs::metadata(p).ok()?.modified().ok()?, p)))
