@@ -1,1 +1,152 @@
-fn main() {}
+//! gpuctl: the command-line client of gpud, the node-local GPU broker.
+//!
+//! `main` parses the command line (clap exits 2 on a usage error), runs one command and
+//! turns a failure into one `gpuctl: …` line on stderr and the documented exit status.
+//! Modules: `cli` (flags), `client` (HTTP over the Unix socket), `reserve` (the reserve
+//! command, exec and eval forms), `commands` (the others), `output` (tables and `export`
+//! lines), `error` (messages and exit codes). gpuctl depends on the schema crate for every
+//! wire type and never on rusqlite or nvml-wrapper.
+
+mod cli;
+mod client;
+mod commands;
+mod error;
+mod output;
+mod reserve;
+
+use std::io::Write;
+use std::process::ExitCode;
+use std::time::SystemTime;
+
+use clap::Parser;
+
+use crate::cli::{Cli, Command};
+use crate::error::CliError;
+
+fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) if !e.use_stderr() => {
+            // --help, --version: clap prints them to stdout.
+            let _ = e.print();
+            return ExitCode::SUCCESS;
+        }
+        Err(e) => {
+            let mut line = one_line(&e.render().to_string());
+            if let Some(hint) = command_hint(&e) {
+                line.push_str(hint);
+            }
+            eprintln!("gpuctl: {line} (see --help)");
+            return ExitCode::from(error::exit::USAGE);
+        }
+    };
+    match run(&cli) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("gpuctl: {e}");
+            e.exit()
+        }
+    }
+}
+
+fn run(cli: &Cli) -> Result<ExitCode, CliError> {
+    let socket = cli.socket.as_path();
+    // One or two requests: a current-thread runtime starts in microseconds.
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_io()
+        .enable_time()
+        .build()
+        .map_err(CliError::Runtime)?;
+    // The one read of the wall clock (STYLE.md 8): ages and lease ends in tables.
+    #[allow(clippy::disallowed_methods)]
+    let now = SystemTime::now();
+    match &cli.command {
+        Command::Reserve(args) => reserve::run(args, socket, &rt),
+        Command::Release(args) => commands::release(args, socket, &rt),
+        Command::Renew(args) => commands::renew(args, socket, &rt),
+        Command::Ls(args) => commands::list(args, socket, &rt, now),
+        Command::Show(args) => commands::show(args, socket, &rt, now),
+        Command::Gpus(args) => commands::gpus(args, socket, &rt),
+        Command::Completions { shell } => commands::completions(*shell),
+        Command::Man { subcommand } => commands::man(subcommand.as_deref()),
+    }
+}
+
+/// Writes `text` to stdout. A reader that went away (`gpuctl ls | head -1`) is not an
+/// error worth a message.
+pub fn print(text: &str) -> Result<(), CliError> {
+    match write_stdout(text) {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(CliError::Output(e)),
+        _ => Ok(()),
+    }
+}
+
+/// Writes `text` to stdout and flushes it.
+pub fn write_stdout(text: &str) -> std::io::Result<()> {
+    let mut out = std::io::stdout().lock();
+    out.write_all(text.as_bytes())?;
+    out.flush()
+}
+
+/// clap's multi-line usage error as one line: the message and any tip, without the usage
+/// block (`--help` has it).
+fn one_line(rendered: &str) -> String {
+    let mut out = String::new();
+    for line in rendered.lines().map(str::trim) {
+        if line.is_empty() || line.starts_with("Usage:") || line.starts_with("For more information")
+        {
+            continue;
+        }
+        let line = line.strip_prefix("error: ").unwrap_or(line);
+        if !out.is_empty() {
+            out.push_str(if out.ends_with(':') { " " } else { "; " });
+        }
+        out.push_str(line);
+    }
+    out
+}
+
+/// `gpuctl reserve --mem 4G python x`: the command belongs after `--`.
+fn command_hint(e: &clap::Error) -> Option<&'static str> {
+    use clap::error::{ContextKind, ContextValue, ErrorKind};
+    let stray = match e.get(ContextKind::InvalidArg) {
+        Some(ContextValue::String(s)) => s,
+        _ => return None,
+    };
+    (e.kind() == ErrorKind::UnknownArgument && !stray.starts_with('-')).then_some(
+        "; with reserve, put the command after `--`: gpuctl reserve --mem 4GiB -- COMMAND",
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn usage_error(args: &[&str]) -> String {
+        let e = Cli::try_parse_from(args).unwrap_err();
+        one_line(&e.render().to_string())
+    }
+
+    #[test]
+    fn usage_errors_are_one_line_with_their_tip() {
+        assert_eq!(
+            usage_error(&["gpuctl", "reserve"]),
+            "the following required arguments were not provided: <--mem <SIZE>|--exclusive>"
+        );
+        let e = Cli::try_parse_from(["gpuctl", "reserve", "--mem", "1G", "python"]).unwrap_err();
+        assert_eq!(
+            one_line(&e.render().to_string()),
+            "unexpected argument 'python' found"
+        );
+        assert!(command_hint(&e).unwrap().contains("after `--`"));
+        let e = Cli::try_parse_from(["gpuctl", "ls", "--bogus"]).unwrap_err();
+        assert!(command_hint(&e).is_none());
+        let e = usage_error(&["gpuctl", "ls", "--stat", "all"]);
+        assert!(
+            e.starts_with("unexpected argument '--stat' found; tip: "),
+            "{e}"
+        );
+        assert!(e.contains("'--state'"), "{e}");
+        assert!(!e.contains('\n'));
+    }
+}

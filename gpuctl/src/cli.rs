@@ -1,0 +1,410 @@
+//! The command line: clap definitions and the parsers for sizes, durations and labels.
+//!
+//! Depends on clap and the schema crate's size parser only. Every value is checked here, so
+//! a typo is a usage error (exit 2) before anything is sent to gpud.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use gpud_schema::{DEFAULT_SOCKET, MemoryAmount, PolicyName, parse_memory};
+
+/// Exit codes, as `--help`, the man page and the README list them.
+pub const EXIT_CODES_HELP: &str = "\
+Exit status:
+  0    success (with `reserve ... -- COMMAND`: the command's own exit status)
+  1    any other error (not found, not active, gpud failed)
+  2    usage error (bad flag or value, or gpud rejected the request as invalid)
+  3    gpud unreachable (socket missing, refused, or connection lost)
+  4    no capacity (nothing fits now, or the request can never fit here)
+  5    --wait timed out
+  6    forbidden or over quota
+  126  (reserve -- COMMAND) COMMAND is not executable
+  127  (reserve -- COMMAND) COMMAND was not found
+  130  interrupted by Ctrl-C before the reservation was made; nothing is held
+       (143 for SIGTERM, 129 for SIGHUP)";
+
+const RESERVE_AFTER_HELP: &str = "\
+Sizes are per GPU and binary, like nvidia-smi's: 512MiB, 4GiB, 1.5G; G, GB and GiB all mean
+2^30 bytes. A percentage (25%) is that share of each chosen GPU's memory.
+Durations: 30s, 5m, 1h30m, or plain seconds.
+
+Who holds the reservation:
+  with -- COMMAND   COMMAND itself (gpuctl execs it in its own process): released when it
+                    exits, however it exits
+  without COMMAND   the calling shell (gpuctl's parent), or --holder-pid PID; with --ttl
+                    alone, nobody: a lease released unless renewed (gpuctl renew)
+
+Examples:
+  gpuctl reserve --mem 6GiB -- python serve.py
+  eval \"$(gpuctl reserve --mem 4GiB)\"
+  gpuctl reserve --gpus 2 --exclusive --wait 10m --label job=train -- ./train.sh
+  gpuctl reserve --mem 25% --ttl 2h -o json
+
+Exit status:
+  0    success, or with -- COMMAND the command's own exit status
+  2    usage error          3  gpud unreachable      4  no capacity
+  5    --wait timed out     6  forbidden / quota     1  other errors
+  126  COMMAND not executable    127  COMMAND not found    130  interrupted";
+
+/// gpuctl: reserve GPU memory or whole GPUs from gpud, the node's GPU broker.
+#[derive(Debug, Parser)]
+#[command(
+    name = "gpuctl",
+    version,
+    about = "Reserve GPU memory or whole GPUs from gpud, the node's GPU broker",
+    long_about = "Reserve GPU memory or whole GPUs from gpud, the node's GPU broker, and see \
+                  who holds what. Talks HTTP to gpud over its Unix socket. Tables for people, \
+                  -o json for scripts.",
+    after_help = EXIT_CODES_HELP,
+    propagate_version = true,
+    disable_help_subcommand = true
+)]
+pub struct Cli {
+    /// gpud's Unix socket.
+    #[arg(
+        long,
+        global = true,
+        env = "GPUD_SOCKET",
+        help_heading = "Global options",
+        value_hint = clap::ValueHint::FilePath,
+        default_value = DEFAULT_SOCKET,
+        value_name = "PATH"
+    )]
+    pub socket: PathBuf,
+
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Reserve GPU memory or whole GPUs, then run a command with them or print the environment.
+    #[command(after_help = RESERVE_AFTER_HELP)]
+    Reserve(ReserveArgs),
+    /// Release a reservation now.
+    #[command(after_help = EXIT_CODES_HELP)]
+    Release(IdArgs),
+    /// Extend a TTL lease.
+    #[command(after_help = EXIT_CODES_HELP)]
+    Renew(RenewArgs),
+    /// List reservations.
+    #[command(visible_alias = "list", after_help = EXIT_CODES_HELP)]
+    Ls(ListArgs),
+    /// Show one reservation: GPUs, holder, lease and environment.
+    #[command(after_help = EXIT_CODES_HELP)]
+    Show(IdArgs),
+    /// Per GPU (and MIG instance): memory reserved, used and total, reservations, health.
+    #[command(after_help = EXIT_CODES_HELP)]
+    Gpus(TableArgs),
+    /// Print a shell completion script to stdout.
+    #[command(
+        after_help = "Examples:\n  gpuctl completions bash > /etc/bash_completion.d/gpuctl\n  \
+                            gpuctl completions zsh > \"${fpath[1]}/_gpuctl\"\n  \
+                            gpuctl completions fish > ~/.config/fish/completions/gpuctl.fish"
+    )]
+    Completions {
+        /// The shell.
+        shell: clap_complete::Shell,
+    },
+    /// Print the man page (roff) to stdout: `gpuctl man | man -l -`.
+    Man {
+        /// A subcommand's own page (gpuctl-reserve(1) and so on) instead of gpuctl(1).
+        subcommand: Option<String>,
+    },
+}
+
+/// `gpuctl reserve`.
+#[derive(Debug, Args)]
+#[command(group(clap::ArgGroup::new("size").required(true).args(["mem", "exclusive"])))]
+pub struct ReserveArgs {
+    /// Number of GPUs.
+    #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    pub gpus: u32,
+
+    /// Memory per GPU: 512MiB, 4GiB, 4G (G means GiB: GPU memory is binary), or 25% of each GPU.
+    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    pub mem: Option<MemoryAmount>,
+
+    /// Whole GPUs, shared with nobody.
+    #[arg(long)]
+    pub exclusive: bool,
+
+    /// Queue until capacity frees up, at most DURATION (default 24h, gpud's usual limit).
+    #[arg(
+        long,
+        value_name = "DURATION",
+        num_args = 0..=1,
+        require_equals = false,
+        default_missing_value = "24h",
+        value_parser = parse_duration
+    )]
+    pub wait: Option<Duration>,
+
+    /// Lease length: released unless renewed (`gpuctl renew`) within DURATION.
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub ttl: Option<Duration>,
+
+    /// Process that holds the reservation (default: the calling shell). Not with -- COMMAND.
+    #[arg(long, value_name = "PID", conflicts_with = "command", value_parser = clap::value_parser!(u32).range(1..))]
+    pub holder_pid: Option<u32>,
+
+    /// A label (repeatable): job, team, pod or container names.
+    #[arg(long = "label", value_name = "KEY=VALUE", value_parser = parse_label)]
+    pub labels: Vec<(String, String)>,
+
+    /// Placement policy: binpack (best fit, keeps whole GPUs free) or spread (most free memory).
+    #[arg(long, value_enum)]
+    pub policy: Option<Policy>,
+
+    /// Output without a command: shell `export` lines (env) or the reservation (json).
+    #[arg(short, long, value_enum, default_value_t = ReserveOutput::Env, conflicts_with = "command")]
+    pub output: ReserveOutput,
+
+    /// The command to run with the reservation (after `--`); it becomes the holder.
+    #[arg(last = true, value_name = "COMMAND", value_hint = clap::ValueHint::CommandWithArguments)]
+    pub command: Vec<String>,
+}
+
+/// Placement policy, as the flag spells it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Policy {
+    /// Best fit, keeping whole GPUs free for bigger requests.
+    Binpack,
+    /// Most free memory first.
+    Spread,
+}
+
+impl From<Policy> for PolicyName {
+    fn from(p: Policy) -> PolicyName {
+        match p {
+            Policy::Binpack => PolicyName::Binpack,
+            Policy::Spread => PolicyName::Spread,
+        }
+    }
+}
+
+/// `reserve -o`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ReserveOutput {
+    /// `export KEY='value'` lines for `eval`.
+    Env,
+    /// The reservation as JSON.
+    Json,
+}
+
+/// `-o` of the listing commands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, ValueEnum)]
+pub enum Output {
+    /// Aligned columns for people.
+    #[default]
+    Table,
+    /// JSON, exactly the wire types of gpud's API.
+    Json,
+}
+
+/// A command that takes a reservation id.
+#[derive(Debug, Args)]
+pub struct IdArgs {
+    /// Reservation id (as `gpuctl ls` shows it, or $GPUD_RESERVATION_ID).
+    #[arg(value_name = "ID", value_parser = parse_id)]
+    pub id: String,
+    /// Output format.
+    #[arg(short, long, value_enum, default_value_t)]
+    pub output: Output,
+}
+
+/// `gpuctl renew`.
+#[derive(Debug, Args)]
+pub struct RenewArgs {
+    /// Reservation id.
+    #[arg(value_name = "ID", value_parser = parse_id)]
+    pub id: String,
+    /// New lease length from now (default: the lease's own TTL).
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub ttl: Option<Duration>,
+    /// Output format.
+    #[arg(short, long, value_enum, default_value_t)]
+    pub output: Output,
+}
+
+/// `gpuctl ls`.
+#[derive(Debug, Args)]
+pub struct ListArgs {
+    /// Which reservations.
+    #[arg(long, value_enum, default_value_t = StateFilter::Active)]
+    pub state: StateFilter,
+    /// Only those of this uid.
+    #[arg(long, value_name = "UID")]
+    pub owner: Option<u32>,
+    /// Output format.
+    #[arg(short, long, value_enum, default_value_t)]
+    pub output: Output,
+}
+
+/// `ls --state`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum StateFilter {
+    /// Holding GPU memory now.
+    Active,
+    /// Released by a person or because the holder exited.
+    Released,
+    /// Lease ran out.
+    Expired,
+    /// Everything gpud remembers.
+    All,
+}
+
+impl StateFilter {
+    /// The query value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StateFilter::Active => "active",
+            StateFilter::Released => "released",
+            StateFilter::Expired => "expired",
+            StateFilter::All => "all",
+        }
+    }
+}
+
+/// Commands with only an output format.
+#[derive(Debug, Args)]
+pub struct TableArgs {
+    /// Output format.
+    #[arg(short, long, value_enum, default_value_t)]
+    pub output: Output,
+}
+
+/// `--mem`: the schema crate's parser, so gpuctl and gpud read sizes the same way.
+fn parse_size(s: &str) -> Result<MemoryAmount, String> {
+    parse_memory(s).map_err(|e| e.to_string())
+}
+
+/// `30s`, `5m`, `1h30m`, or plain seconds.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    if let Ok(secs) = s.parse::<u64>() {
+        return Ok(Duration::from_secs(secs));
+    }
+    humantime::parse_duration(s)
+        .map_err(|e| format!("invalid duration {s:?} ({e}); write e.g. 30s, 5m, 1h30m or 90"))
+}
+
+/// Whole seconds for the API, rounded up so `500ms` does not become "no wait at all".
+pub fn whole_seconds(d: Duration) -> u64 {
+    d.as_secs() + u64::from(d.subsec_nanos() > 0)
+}
+
+/// `KEY=VALUE`.
+fn parse_label(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((k, v)) if !k.is_empty() => Ok((k.to_owned(), v.to_owned())),
+        _ => Err(format!(
+            "invalid label {s:?}; write KEY=VALUE, e.g. job=train"
+        )),
+    }
+}
+
+/// Reservation ids are letters, digits, `-`, `_` and `.`: checked here so that an id can
+/// never change which URL is requested.
+fn parse_id(s: &str) -> Result<String, String> {
+    let ok = !s.is_empty()
+        && s.len() <= 128
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+        && s != "."
+        && s != "..";
+    if ok {
+        Ok(s.to_owned())
+    } else {
+        Err(format!(
+            "{s:?} is not a reservation id (letters, digits, '-', '_' and '.'); see `gpuctl ls`"
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn the_definition_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    fn reserve(args: &[&str]) -> Result<ReserveArgs, clap::Error> {
+        let cli = Cli::try_parse_from(["gpuctl", "reserve"].iter().chain(args))?;
+        match cli.command {
+            Command::Reserve(r) => Ok(r),
+            other => Err(clap::Error::raw(
+                clap::error::ErrorKind::InvalidSubcommand,
+                format!("{other:?}"),
+            )),
+        }
+    }
+
+    #[test]
+    fn reserve_flags() {
+        let r = reserve(&["--mem", "4G", "--", "python", "-c", "x"]).unwrap();
+        assert_eq!(r.mem, Some(MemoryAmount::Bytes(4 << 30)));
+        assert_eq!(r.command, ["python", "-c", "x"]);
+        assert_eq!(r.wait, None);
+        let r = reserve(&["--mem", "25%", "--wait", "--ttl", "90"]).unwrap();
+        assert_eq!(r.mem, Some(MemoryAmount::BasisPoints(2500)));
+        assert_eq!(r.wait, Some(Duration::from_secs(24 * 3600)));
+        assert_eq!(r.ttl, Some(Duration::from_secs(90)));
+        let r = reserve(&[
+            "--exclusive",
+            "--gpus",
+            "2",
+            "--wait",
+            "5m",
+            "--label",
+            "a=b=c",
+        ])
+        .unwrap();
+        assert_eq!(r.wait, Some(Duration::from_secs(300)));
+        assert_eq!(r.labels, [("a".to_owned(), "b=c".to_owned())]);
+        let r = reserve(&["--mem", "1G", "--wait", "--", "true"]).unwrap();
+        assert_eq!(r.wait, Some(Duration::from_secs(24 * 3600)));
+        assert_eq!(r.command, ["true"]);
+    }
+
+    #[test]
+    fn reserve_usage_errors() {
+        for args in [
+            &[][..],
+            &["--mem", "4 parsecs"],
+            &["--mem", "1G", "--exclusive"],
+            &["--mem", "1G", "--gpus", "0"],
+            &["--mem", "1G", "--label", "novalue"],
+            &["--mem", "1G", "--ttl", "soon"],
+            &["--mem", "1G", "--holder-pid", "5", "--", "true"],
+            &["--mem", "1G", "-o", "json", "--", "true"],
+            &["--mem", "1G", "true"],
+            &["--mem", "1G", "--policy", "random"],
+        ] {
+            assert!(reserve(args).is_err(), "{args:?}");
+        }
+    }
+
+    #[test]
+    fn ids_cannot_change_the_url() {
+        assert!(parse_id("3f2a-9c0d_1e.2b").is_ok());
+        for bad in ["", ".", "..", "a/b", "a?b", "a b", "a%2F"] {
+            assert!(parse_id(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("90"), Ok(Duration::from_secs(90)));
+        assert_eq!(parse_duration("1h30m"), Ok(Duration::from_secs(5400)));
+        assert_eq!(whole_seconds(Duration::from_millis(500)), 1);
+        assert_eq!(whole_seconds(Duration::from_secs(3)), 3);
+        assert!(parse_duration("-1s").is_err());
+    }
+}

@@ -1,0 +1,227 @@
+//! The HTTP client: gpud's API over its Unix socket, one typed method per route.
+//!
+//! hyper's client on hyperlocal's Unix connector, driven by a current-thread tokio runtime
+//! (gpuctl makes one or two requests; a thread pool would only cost start-up time). Replies
+//! are deserialized into the schema crate's types and nothing else: gpud's error bodies
+//! become [`CliError::Api`] with their stable code.
+
+use std::path::{Path, PathBuf};
+
+use http_body_util::{BodyExt, Full};
+use hyper::body::Bytes;
+use hyper::header::{CONTENT_TYPE, HeaderValue};
+use hyper::{Method, Request, StatusCode};
+use hyper_util::client::legacy::Client as HttpClient;
+use hyperlocal::{UnixClientExt, UnixConnector};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use gpud_schema::{
+    ErrorBody, GpuList, Health, RenewRequest, Reservation, ReservationList, ReservationRequest,
+};
+
+use crate::error::CliError;
+
+/// A client for one gpud socket.
+#[derive(Debug, Clone)]
+pub struct Client {
+    socket: PathBuf,
+    http: HttpClient<UnixConnector, Full<Bytes>>,
+}
+
+impl Client {
+    /// A client for the gpud listening on `socket`. Connects lazily.
+    pub fn new(socket: &Path) -> Client {
+        Client {
+            socket: socket.to_owned(),
+            http: HttpClient::unix(),
+        }
+    }
+
+    /// `POST /v1/reservations`; may wait (long-poll) when the request asks to.
+    pub async fn reserve(&self, request: &ReservationRequest) -> Result<Reservation, CliError> {
+        self.call(Method::POST, "/v1/reservations", Some(request))
+            .await
+    }
+
+    /// `DELETE /v1/reservations/{id}`.
+    pub async fn release(&self, id: &str) -> Result<Reservation, CliError> {
+        self.call::<(), _>(Method::DELETE, &format!("/v1/reservations/{id}"), None)
+            .await
+    }
+
+    /// `POST /v1/reservations/{id}/renew`.
+    pub async fn renew(&self, id: &str, ttl_seconds: Option<u64>) -> Result<Reservation, CliError> {
+        self.call(
+            Method::POST,
+            &format!("/v1/reservations/{id}/renew"),
+            Some(&RenewRequest { ttl_seconds }),
+        )
+        .await
+    }
+
+    /// `GET /v1/reservations/{id}`.
+    pub async fn get(&self, id: &str) -> Result<Reservation, CliError> {
+        self.call::<(), _>(Method::GET, &format!("/v1/reservations/{id}"), None)
+            .await
+    }
+
+    /// `GET /v1/reservations?state=…[&owner=…]`.
+    pub async fn list(&self, state: &str, owner: Option<u32>) -> Result<ReservationList, CliError> {
+        let mut path = format!("/v1/reservations?state={state}");
+        if let Some(uid) = owner {
+            path.push_str(&format!("&owner={uid}"));
+        }
+        self.call::<(), _>(Method::GET, &path, None).await
+    }
+
+    /// `GET /v1/gpus`.
+    pub async fn gpus(&self) -> Result<GpuList, CliError> {
+        self.call::<(), _>(Method::GET, "/v1/gpus", None).await
+    }
+
+    /// `GET /v1/health`.
+    pub async fn health(&self) -> Result<Health, CliError> {
+        self.call::<(), _>(Method::GET, "/v1/health", None).await
+    }
+
+    /// One request; a 2xx body becomes `T`, anything else a [`CliError`].
+    async fn call<B: Serialize, T: DeserializeOwned>(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<&B>,
+    ) -> Result<T, CliError> {
+        let bytes = match body {
+            Some(b) => {
+                serde_json::to_vec(b).map_err(|e| self.protocol(format!("encoding: {e}")))?
+            }
+            None => Vec::new(),
+        };
+        let mut request = Request::builder()
+            .method(method)
+            .uri(hyperlocal::Uri::new(&self.socket, path))
+            .body(Full::new(Bytes::from(bytes)))
+            .map_err(|e| self.protocol(format!("building the request: {e}")))?;
+        request
+            .headers_mut()
+            .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        let response = self
+            .http
+            .request(request)
+            .await
+            .map_err(|e| self.unreachable(&e))?;
+        let status = response.status();
+        let body = response
+            .into_body()
+            .collect()
+            .await
+            .map_err(|e| self.unreachable(&e))?
+            .to_bytes();
+        decode(status, &body).map_err(|detail| match detail {
+            Decoded::Api(e) => e,
+            Decoded::Garbage(detail) => self.protocol(detail),
+        })
+    }
+
+    fn protocol(&self, detail: String) -> CliError {
+        CliError::Protocol {
+            socket: self.socket.clone(),
+            detail,
+        }
+    }
+
+    /// A transport failure: the innermost I/O error says why (ENOENT, ECONNREFUSED, EACCES);
+    /// without one, the innermost cause ("connection closed before message completed").
+    fn unreachable(&self, e: &(dyn std::error::Error + 'static)) -> CliError {
+        let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(e);
+        let (mut io, mut innermost) = (None, e.to_string());
+        while let Some(c) = cause {
+            if let Some(found) = c.downcast_ref::<std::io::Error>() {
+                io = Some(std::io::Error::new(found.kind(), found.to_string()));
+            }
+            innermost = c.to_string();
+            cause = c.source();
+        }
+        let source = io.unwrap_or_else(|| {
+            std::io::Error::new(std::io::ErrorKind::ConnectionAborted, innermost)
+        });
+        CliError::Unreachable {
+            socket: self.socket.clone(),
+            source,
+        }
+    }
+}
+
+/// Why a reply did not decode into the expected type.
+#[derive(Debug)]
+enum Decoded {
+    /// gpud's own error body.
+    Api(CliError),
+    /// Not gpud's API at all.
+    Garbage(String),
+}
+
+fn decode<T: DeserializeOwned>(status: StatusCode, body: &[u8]) -> Result<T, Decoded> {
+    if status.is_success() {
+        return serde_json::from_slice(body).map_err(|e| {
+            Decoded::Garbage(format!(
+                "HTTP {status} with a body gpuctl does not understand ({e}): {}",
+                snippet(body)
+            ))
+        });
+    }
+    match serde_json::from_slice::<ErrorBody>(body) {
+        Ok(ErrorBody { error }) => Err(Decoded::Api(CliError::Api {
+            status: status.as_u16(),
+            code: error.code,
+            message: error.message,
+        })),
+        Err(_) => Err(Decoded::Garbage(format!(
+            "HTTP {status}: {}",
+            snippet(body)
+        ))),
+    }
+}
+
+fn snippet(body: &[u8]) -> String {
+    let text = String::from_utf8_lossy(body);
+    let text = text.trim();
+    match text.char_indices().nth(200) {
+        Some((i, _)) => format!("{}…", &text[..i]),
+        None => text.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn error_bodies_keep_their_code() {
+        let body = br#"{"error": {"code": "no_capacity", "message": "no GPU has 4 GiB free"}}"#;
+        match decode::<Health>(StatusCode::CONFLICT, body) {
+            Err(Decoded::Api(CliError::Api {
+                status,
+                code,
+                message,
+            })) => {
+                assert_eq!((status, code.as_str()), (409, "no_capacity"));
+                assert_eq!(message, "no GPU has 4 GiB free");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn foreign_replies_are_protocol_errors() {
+        assert!(matches!(
+            decode::<Health>(StatusCode::OK, b"<html>hello</html>"),
+            Err(Decoded::Garbage(_))
+        ));
+        assert!(matches!(
+            decode::<Health>(StatusCode::BAD_GATEWAY, b"bad gateway"),
+            Err(Decoded::Garbage(_))
+        ));
+    }
+}

@@ -1,0 +1,152 @@
+//! The commands other than `reserve`: release, renew, ls, show, gpus, completions, man.
+//!
+//! Each one is a request through [`Client`] and a rendering through [`crate::output`];
+//! `-o json` prints exactly the schema type gpud returned.
+
+use std::cell::RefCell;
+use std::collections::BTreeMap;
+use std::io::IsTerminal;
+use std::path::Path;
+use std::process::ExitCode;
+use std::time::SystemTime;
+
+use clap::CommandFactory;
+use serde::Serialize;
+use tokio::runtime::Runtime;
+
+use crate::cli::{Cli, IdArgs, ListArgs, Output, RenewArgs, TableArgs, whole_seconds};
+use crate::client::Client;
+use crate::error::CliError;
+use crate::output::{gpus_table, reservation_details, reservations_table};
+use crate::print;
+
+/// Pretty JSON with a final newline.
+pub fn json<T: Serialize>(value: &T) -> Result<String, CliError> {
+    let mut s = serde_json::to_string_pretty(value)
+        .map_err(|e| CliError::Output(std::io::Error::other(e)))?;
+    s.push('\n');
+    Ok(s)
+}
+
+/// `gpuctl release ID`.
+pub fn release(args: &IdArgs, socket: &Path, rt: &Runtime) -> Result<ExitCode, CliError> {
+    let r = rt.block_on(Client::new(socket).release(&args.id))?;
+    match args.output {
+        Output::Json => print(&json(&r)?)?,
+        Output::Table => print(&format!("released {}\n", r.id))?,
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `gpuctl renew ID [--ttl DURATION]`.
+pub fn renew(args: &RenewArgs, socket: &Path, rt: &Runtime) -> Result<ExitCode, CliError> {
+    let ttl = args.ttl.map(whole_seconds);
+    let r = rt.block_on(Client::new(socket).renew(&args.id, ttl))?;
+    match args.output {
+        Output::Json => print(&json(&r)?)?,
+        Output::Table => print(&format!(
+            "renewed {} until {}\n",
+            r.id,
+            r.expires_at.as_deref().unwrap_or("-")
+        ))?,
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `gpuctl ls`.
+pub fn list(
+    args: &ListArgs,
+    socket: &Path,
+    rt: &Runtime,
+    now: SystemTime,
+) -> Result<ExitCode, CliError> {
+    let list = rt.block_on(Client::new(socket).list(args.state.as_str(), args.owner))?;
+    match args.output {
+        Output::Json => print(&json(&list)?)?,
+        Output::Table => print(&reservations_table(&list.reservations, now, &user_names()))?,
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `gpuctl show ID`.
+pub fn show(
+    args: &IdArgs,
+    socket: &Path,
+    rt: &Runtime,
+    now: SystemTime,
+) -> Result<ExitCode, CliError> {
+    let r = rt.block_on(Client::new(socket).get(&args.id))?;
+    match args.output {
+        Output::Json => print(&json(&r)?)?,
+        Output::Table => print(&reservation_details(&r, now, &user_names()))?,
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `gpuctl gpus`.
+pub fn gpus(args: &TableArgs, socket: &Path, rt: &Runtime) -> Result<ExitCode, CliError> {
+    let list = rt.block_on(Client::new(socket).gpus())?;
+    match args.output {
+        Output::Json => print(&json(&list)?)?,
+        Output::Table => print(&gpus_table(&list, colour()))?,
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `gpuctl completions SHELL`.
+pub fn completions(shell: clap_complete::Shell) -> Result<ExitCode, CliError> {
+    let mut out = Vec::new();
+    clap_complete::generate(shell, &mut Cli::command(), "gpuctl", &mut out);
+    print(&String::from_utf8_lossy(&out))?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `gpuctl man [SUBCOMMAND]`.
+pub fn man(subcommand: Option<&str>) -> Result<ExitCode, CliError> {
+    let mut cmd = Cli::command();
+    cmd.build();
+    let page = match subcommand {
+        None => cmd,
+        Some(name) => {
+            let found = cmd
+                .get_subcommands()
+                .find(|s| s.get_name() == name || s.get_all_aliases().any(|a| a == name))
+                .cloned();
+            let Some(sub) = found else {
+                return Err(CliError::Usage(format!(
+                    "no subcommand {name:?}; see `gpuctl --help`"
+                )));
+            };
+            let full = format!("gpuctl-{}", sub.get_name());
+            sub.name(full.clone()).bin_name(full.replacen('-', " ", 1))
+        }
+    };
+    let mut out = Vec::new();
+    clap_mangen::Man::new(page)
+        .render(&mut out)
+        .map_err(CliError::Output)?;
+    print(&String::from_utf8_lossy(&out))?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Colour when stdout is a terminal and `NO_COLOR` is unset or empty.
+fn colour() -> bool {
+    std::io::stdout().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty())
+}
+
+/// uid → user name from the passwd database, the uid itself when there is none.
+fn user_names() -> impl Fn(u32) -> String {
+    let cache = RefCell::new(BTreeMap::new());
+    move |uid| {
+        cache
+            .borrow_mut()
+            .entry(uid)
+            .or_insert_with(|| {
+                nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(uid))
+                    .ok()
+                    .flatten()
+                    .map_or_else(|| uid.to_string(), |u| u.name)
+            })
+            .clone()
+    }
+}

@@ -1,0 +1,585 @@
+//! Rendering for people and for scripts: aligned tables, `export` lines, JSON.
+//!
+//! Pure functions from the schema crate's types (and `now`, passed in) to text, so every
+//! format is unit-tested. Colour only when the caller says stdout is a terminal.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::time::{Duration, SystemTime};
+
+use gpud_schema::{GpuList, Reservation, ReservationState, format_bytes};
+
+/// Column alignment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Align {
+    /// Text.
+    Left,
+    /// Numbers and sizes.
+    Right,
+}
+
+/// A cell: its text and, when colour is on, an ANSI colour code wrapped around it after
+/// padding (so escapes never disturb the alignment).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Cell {
+    text: String,
+    colour: Option<&'static str>,
+}
+
+impl From<String> for Cell {
+    fn from(text: String) -> Cell {
+        Cell { text, colour: None }
+    }
+}
+
+impl From<&str> for Cell {
+    fn from(text: &str) -> Cell {
+        Cell::from(text.to_owned())
+    }
+}
+
+const RED: &str = "31";
+const GREEN: &str = "32";
+
+/// Plain aligned columns separated by two spaces; no trailing blanks.
+#[derive(Debug)]
+pub struct Table {
+    header: Vec<&'static str>,
+    align: Vec<Align>,
+    rows: Vec<Vec<Cell>>,
+}
+
+impl Table {
+    /// A table with these columns.
+    pub fn new(columns: &[(&'static str, Align)]) -> Table {
+        Table {
+            header: columns.iter().map(|c| c.0).collect(),
+            align: columns.iter().map(|c| c.1).collect(),
+            rows: Vec::new(),
+        }
+    }
+
+    /// Adds a row (as many cells as columns).
+    pub fn row(&mut self, cells: Vec<Cell>) {
+        self.rows.push(cells);
+    }
+
+    /// Renders the table; `colour` turns on the cells' colours.
+    pub fn render(&self, colour: bool) -> String {
+        let mut widths: Vec<usize> = self.header.iter().map(|h| h.chars().count()).collect();
+        for row in &self.rows {
+            for (w, cell) in widths.iter_mut().zip(row) {
+                *w = (*w).max(cell.text.chars().count());
+            }
+        }
+        let mut out = String::new();
+        let header: Vec<Cell> = self.header.iter().map(|&h| Cell::from(h)).collect();
+        for row in std::iter::once(&header).chain(&self.rows) {
+            let mut line = String::new();
+            for (i, cell) in row.iter().enumerate() {
+                let width = widths.get(i).copied().unwrap_or(0);
+                let pad = width.saturating_sub(cell.text.chars().count());
+                let last = i + 1 == row.len();
+                if i > 0 {
+                    line.push_str("  ");
+                }
+                let right = self.align.get(i) == Some(&Align::Right);
+                if right {
+                    line.push_str(&" ".repeat(pad));
+                }
+                match cell.colour {
+                    Some(code) if colour => {
+                        let _ = write!(line, "\x1b[{code}m{}\x1b[0m", cell.text);
+                    }
+                    _ => line.push_str(&cell.text),
+                }
+                if !right && !last {
+                    line.push_str(&" ".repeat(pad));
+                }
+            }
+            out.push_str(line.trim_end());
+            out.push('\n');
+        }
+        out
+    }
+}
+
+/// `export KEY='value'` lines, sorted by name, for `eval "$(gpuctl reserve …)"`. Names that
+/// are not shell identifiers are left out (gpud never sends such names; a shell would choke).
+pub fn export_lines(env: &BTreeMap<String, String>) -> String {
+    let mut out = String::new();
+    for (key, value) in env {
+        if is_shell_name(key) {
+            let _ = writeln!(out, "export {key}={}", shell_quote(value));
+        }
+    }
+    out
+}
+
+/// Whether `s` can be a shell variable name.
+pub fn is_shell_name(s: &str) -> bool {
+    let mut bytes = s.bytes();
+    bytes
+        .next()
+        .is_some_and(|b| b.is_ascii_alphabetic() || b == b'_')
+        && bytes.all(|b| b.is_ascii_alphanumeric() || b == b'_')
+}
+
+/// Single-quotes `s` for POSIX shells: inside '…' nothing is special but `'` itself, which
+/// becomes `'\''` (close, escaped quote, reopen).
+pub fn shell_quote(s: &str) -> String {
+    format!("'{}'", s.replace('\'', r"'\''"))
+}
+
+/// `0,1` for the reservation's GPU indices (MIG instances as `0:MIG`).
+fn gpu_cell(r: &Reservation) -> String {
+    if r.gpus.is_empty() {
+        return "-".to_owned();
+    }
+    r.gpus
+        .iter()
+        .map(|g| {
+            if g.uuid.starts_with("MIG-") {
+                format!("{}:MIG", g.index)
+            } else {
+                g.index.to_string()
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// Memory per GPU (`4 GiB`, or `4 GiB,2 GiB` when they differ), `whole` marks exclusive.
+fn memory_cell(r: &Reservation) -> String {
+    let mut sizes: Vec<u64> = r.gpus.iter().map(|g| g.memory_bytes).collect();
+    sizes.dedup();
+    let text = if sizes.is_empty() {
+        "-".to_owned()
+    } else {
+        sizes
+            .iter()
+            .map(|&b| format_bytes(b))
+            .collect::<Vec<_>>()
+            .join(",")
+    };
+    if r.exclusive {
+        format!("{text} (whole)")
+    } else {
+        text
+    }
+}
+
+/// Who keeps it alive: `pid 4242`, `ttl 59m left`, both, or how it ended.
+fn lifetime_cell(r: &Reservation, now: SystemTime) -> String {
+    let mut parts = Vec::new();
+    if let Some(pid) = r.holder_pid {
+        parts.push(format!("pid {pid}"));
+    }
+    if r.state == ReservationState::Active
+        && let Some(at) = r.expires_at.as_deref().and_then(parse_time)
+    {
+        match at.duration_since(now) {
+            Ok(left) => parts.push(format!("ttl {} left", short_duration(left))),
+            Err(_) => parts.push("ttl ended".to_owned()),
+        }
+    }
+    if parts.is_empty() {
+        "-".to_owned()
+    } else {
+        parts.join(", ")
+    }
+}
+
+fn labels_cell(labels: &BTreeMap<String, String>) -> String {
+    if labels.is_empty() {
+        return "-".to_owned();
+    }
+    labels
+        .iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+fn age_cell(created_at: &str, now: SystemTime) -> String {
+    parse_time(created_at)
+        .and_then(|t| now.duration_since(t).ok())
+        .map_or_else(|| "-".to_owned(), short_duration)
+}
+
+fn parse_time(s: &str) -> Option<SystemTime> {
+    humantime::parse_rfc3339_weak(s).ok()
+}
+
+/// `45s`, `12m`, `3h05m`, `2d04h`: the two largest units, for table cells.
+pub fn short_duration(d: Duration) -> String {
+    let s = d.as_secs();
+    let (days, hours, minutes, seconds) = (s / 86_400, s / 3600 % 24, s / 60 % 60, s % 60);
+    if days > 0 {
+        format!("{days}d{hours:02}h")
+    } else if hours > 0 {
+        format!("{hours}h{minutes:02}m")
+    } else if minutes > 0 {
+        format!("{minutes}m{seconds:02}s")
+    } else {
+        format!("{seconds}s")
+    }
+}
+
+/// `gpuctl ls`: one row per reservation.
+pub fn reservations_table(
+    list: &[Reservation],
+    now: SystemTime,
+    owner_name: &dyn Fn(u32) -> String,
+) -> String {
+    let mut t = Table::new(&[
+        ("ID", Align::Left),
+        ("STATE", Align::Left),
+        ("OWNER", Align::Left),
+        ("GPUS", Align::Left),
+        ("MEMORY/GPU", Align::Right),
+        ("HELD BY", Align::Left),
+        ("AGE", Align::Right),
+        ("LABELS", Align::Left),
+    ]);
+    for r in list {
+        t.row(vec![
+            r.id.as_str().into(),
+            r.state.as_str().into(),
+            owner_name(r.owner_uid).into(),
+            gpu_cell(r).into(),
+            memory_cell(r).into(),
+            lifetime_cell(r, now).into(),
+            age_cell(&r.created_at, now).into(),
+            labels_cell(&r.labels).into(),
+        ]);
+    }
+    t.render(false)
+}
+
+/// `gpuctl show`: one reservation, field by field.
+pub fn reservation_details(
+    r: &Reservation,
+    now: SystemTime,
+    owner_name: &dyn Fn(u32) -> String,
+) -> String {
+    let mut out = String::new();
+    let mut field = |name: &str, value: String| {
+        let _ = writeln!(out, "{:<10} {value}", format!("{name}:"));
+    };
+    field("id", r.id.clone());
+    field("state", r.state.as_str().to_owned());
+    field(
+        "owner",
+        format!(
+            "{} (uid {}, gid {})",
+            owner_name(r.owner_uid),
+            r.owner_uid,
+            r.owner_gid
+        ),
+    );
+    field("held by", lifetime_cell(r, now));
+    let created = match parse_time(&r.created_at).and_then(|t| now.duration_since(t).ok()) {
+        Some(age) => format!("{} ({} ago)", r.created_at, short_duration(age)),
+        None => r.created_at.clone(),
+    };
+    field("created", created);
+    if let Some(expires) = &r.expires_at {
+        let ttl = r
+            .ttl_seconds
+            .map(|s| format!(" (lease {})", short_duration(Duration::from_secs(s))))
+            .unwrap_or_default();
+        field("expires", format!("{expires}{ttl}"));
+    }
+    if let Some(ended) = &r.ended_at {
+        let why = r.end_reason.as_deref().unwrap_or("");
+        field("ended", format!("{ended} ({why})"));
+    }
+    field("memory", format!("{} per GPU", memory_cell(r)));
+    field("labels", labels_cell(&r.labels));
+    let _ = writeln!(out, "gpus:");
+    let mut t = Table::new(&[
+        ("  GPU", Align::Right),
+        ("UUID", Align::Left),
+        ("MEMORY", Align::Right),
+    ]);
+    for g in &r.gpus {
+        t.row(vec![
+            g.index.to_string().into(),
+            g.uuid.as_str().into(),
+            format_bytes(g.memory_bytes).into(),
+        ]);
+    }
+    out.push_str(&t.render(false));
+    let _ = writeln!(out, "env:");
+    for (k, v) in &r.env {
+        let _ = writeln!(out, "  {k}={v}");
+    }
+    out
+}
+
+/// `n` as a whole percentage of `of`, rounded to nearest (0 when `of` is 0).
+pub fn percent(n: u64, of: u64) -> u64 {
+    if of == 0 {
+        return 0;
+    }
+    let p = (u128::from(n) * 200 + u128::from(of)) / (u128::from(of) * 2);
+    u64::try_from(p).unwrap_or(u64::MAX)
+}
+
+/// `gpuctl gpus`: one row per GPU and MIG instance, then the node's totals.
+pub fn gpus_table(list: &GpuList, colour: bool) -> String {
+    let mut t = Table::new(&[
+        ("GPU", Align::Left),
+        ("NAME", Align::Left),
+        ("RESERVED", Align::Right),
+        ("USED", Align::Right),
+        ("TOTAL", Align::Right),
+        ("RESV", Align::Right),
+        ("HEALTH", Align::Left),
+    ]);
+    let (mut reserved, mut used, mut total, mut unaccounted, mut count) =
+        (0u64, 0u64, 0u64, 0u64, 0u64);
+    for g in &list.gpus {
+        reserved = reserved.saturating_add(g.memory_reserved_bytes);
+        used = used.saturating_add(g.memory_used_bytes);
+        total = total.saturating_add(g.memory_total_bytes);
+        unaccounted = unaccounted.saturating_add(g.memory_unaccounted_bytes);
+        count += u64::from(g.reservations);
+        let health = if g.healthy {
+            Cell {
+                text: "ok".to_owned(),
+                colour: Some(GREEN),
+            }
+        } else {
+            Cell {
+                text: "UNHEALTHY".to_owned(),
+                colour: Some(RED),
+            }
+        };
+        t.row(vec![
+            g.index.to_string().into(),
+            g.name.as_str().into(),
+            format_bytes(g.memory_reserved_bytes).into(),
+            format_bytes(g.memory_used_bytes).into(),
+            format_bytes(g.memory_total_bytes).into(),
+            g.reservations.to_string().into(),
+            health,
+        ]);
+        for (i, m) in g.mig_instances.iter().enumerate() {
+            // The profile is what an admin recognises ("3g.40gb"); the GPU's name is above.
+            let profile = m
+                .name
+                .rsplit_once(" MIG ")
+                .map_or(m.name.as_str(), |(_, p)| p);
+            t.row(vec![
+                format!("{}:{i}", g.index).into(),
+                format!("  MIG {profile}").into(),
+                format_bytes(m.memory_reserved_bytes).into(),
+                format_bytes(m.memory_used_bytes).into(),
+                format_bytes(m.memory_total_bytes).into(),
+                m.reservations.to_string().into(),
+                "".into(),
+            ]);
+        }
+    }
+    let mut out = t.render(colour);
+    let _ = write!(
+        out,
+        "TOTAL  reserved {} / {} ({}%), used {} ({}%)",
+        format_bytes(reserved),
+        format_bytes(total),
+        percent(reserved, total),
+        format_bytes(used),
+        percent(used, total),
+    );
+    if unaccounted > 0 {
+        let _ = write!(
+            out,
+            ", {} by processes without a reservation",
+            format_bytes(unaccounted)
+        );
+    }
+    let _ = writeln!(
+        out,
+        "; {count} reservation{}",
+        if count == 1 { "" } else { "s" }
+    );
+    out
+}
+
+/// A short description of what was reserved: `1 GiB on GPU 0`, `whole GPUs 0,1`.
+pub fn summary(r: &Reservation) -> String {
+    let gpus = gpu_cell(r);
+    let plural = if r.gpus.len() == 1 { "" } else { "s" };
+    if r.exclusive {
+        format!("whole GPU{plural} {gpus}")
+    } else {
+        format!("{} on GPU{plural} {gpus}", memory_cell(r))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gpud_schema::{GpuStatus, MigStatus, ReservedGpu};
+
+    const GIB: u64 = 1 << 30;
+
+    fn reservation() -> Reservation {
+        Reservation {
+            id: "r1".into(),
+            state: ReservationState::Active,
+            owner_uid: 1000,
+            owner_gid: 1000,
+            holder_pid: Some(4242),
+            exclusive: false,
+            gpus: vec![ReservedGpu {
+                index: 0,
+                uuid: "GPU-a".into(),
+                memory_bytes: 4 * GIB,
+            }],
+            env: BTreeMap::from([
+                ("CUDA_VISIBLE_DEVICES".to_owned(), "GPU-a".to_owned()),
+                ("GPUD_RESERVATION_ID".to_owned(), "r1".to_owned()),
+            ]),
+            created_at: "2024-05-01T12:00:00Z".into(),
+            expires_at: Some("2024-05-01T13:00:00Z".into()),
+            ttl_seconds: Some(3600),
+            ended_at: None,
+            end_reason: None,
+            labels: BTreeMap::from([("job".to_owned(), "asr".to_owned())]),
+        }
+    }
+
+    fn at(s: &str) -> SystemTime {
+        humantime::parse_rfc3339(s).unwrap()
+    }
+
+    #[test]
+    fn quoting_survives_a_real_shell() {
+        let nasty = "it's $HOME `date` \"q\" \\ \n; rm -rf /";
+        assert_eq!(shell_quote("a'b"), r"'a'\''b'");
+        let env = BTreeMap::from([
+            ("NASTY".to_owned(), nasty.to_owned()),
+            ("bad-name".to_owned(), "x".to_owned()),
+            ("A_1".to_owned(), String::new()),
+        ]);
+        let lines = export_lines(&env);
+        assert_eq!(lines.matches("export ").count(), 2, "{lines}");
+        assert!(lines.starts_with("export A_1=''\nexport NASTY="), "{lines}");
+        for shell in ["sh", "bash"] {
+            let out = std::process::Command::new(shell)
+                .arg("-c")
+                .arg(format!("{lines}printf %s \"$NASTY\""))
+                .output()
+                .unwrap();
+            assert_eq!(String::from_utf8(out.stdout).unwrap(), nasty, "{shell}");
+        }
+    }
+
+    #[test]
+    fn tables_align_without_trailing_blanks() {
+        let mut t = Table::new(&[
+            ("A", Align::Left),
+            ("SIZE", Align::Right),
+            ("Z", Align::Left),
+        ]);
+        t.row(vec!["long name".into(), "4 GiB".into(), "".into()]);
+        t.row(vec!["x".into(), "512 MiB".into(), "end".into()]);
+        assert_eq!(
+            t.render(false),
+            "A             SIZE  Z\nlong name    4 GiB\nx          512 MiB  end\n"
+        );
+    }
+
+    #[test]
+    fn a_listing_row_says_who_holds_it() {
+        let now = at("2024-05-01T12:05:00Z");
+        let table = reservations_table(&[reservation()], now, &|uid| format!("u{uid}"));
+        let row = table.lines().nth(1).unwrap();
+        for part in [
+            "r1",
+            "active",
+            "u1000",
+            "4 GiB",
+            "pid 4242, ttl 55m00s left",
+            "5m00s",
+            "job=asr",
+        ] {
+            assert!(row.contains(part), "{part}: {row}");
+        }
+        let details = reservation_details(&reservation(), now, &|_| "alice".into());
+        assert!(
+            details.contains("owner:     alice (uid 1000, gid 1000)"),
+            "{details}"
+        );
+        assert!(
+            details.contains("  CUDA_VISIBLE_DEVICES=GPU-a"),
+            "{details}"
+        );
+    }
+
+    #[test]
+    fn percentages_round_to_nearest() {
+        assert_eq!(percent(0, 0), 0);
+        assert_eq!(percent(1, 3), 33);
+        assert_eq!(percent(2, 3), 67);
+        assert_eq!(percent(40, 256), 16);
+        assert_eq!(percent(u64::MAX, u64::MAX), 100);
+    }
+
+    #[test]
+    fn gpus_with_totals_and_mig_rows() {
+        let gpu = |index, reserved, used, mig| GpuStatus {
+            index,
+            uuid: format!("GPU-{index}"),
+            name: "NVIDIA A100-SXM4-80GB".into(),
+            pci_bus_id: String::new(),
+            numa_node: None,
+            memory_total_bytes: 80 * GIB,
+            memory_reserved_bytes: reserved,
+            memory_used_bytes: used,
+            memory_unaccounted_bytes: 0,
+            reservations: u32::from(reserved > 0),
+            healthy: index == 0,
+            mig_instances: mig,
+            links: vec![],
+        };
+        let list = GpuList {
+            driver_version: None,
+            gpus: vec![
+                gpu(
+                    0,
+                    40 * GIB,
+                    12 * GIB,
+                    vec![MigStatus {
+                        uuid: "MIG-x".into(),
+                        name: "NVIDIA A100-SXM4-80GB MIG 3g.40gb".into(),
+                        memory_total_bytes: 40 * GIB,
+                        memory_reserved_bytes: 40 * GIB,
+                        memory_used_bytes: 12 * GIB,
+                        reservations: 1,
+                    }],
+                ),
+                gpu(1, 0, 0, vec![]),
+            ],
+        };
+        let text = gpus_table(&list, false);
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 5, "{text}");
+        assert!(lines[1].starts_with("0    NVIDIA A100-SXM4-80GB"), "{text}");
+        assert!(
+            lines[1].ends_with("40 GiB  12 GiB  80 GiB     1  ok"),
+            "{text}"
+        );
+        assert!(lines[2].contains("MIG 3g.40gb"), "{text}");
+        assert!(lines[3].ends_with("UNHEALTHY"), "{text}");
+        assert_eq!(
+            lines[4],
+            "TOTAL  reserved 40 GiB / 160 GiB (25%), used 12 GiB (8%); 1 reservation"
+        );
+        assert!(gpus_table(&list, true).contains("\x1b[31mUNHEALTHY\x1b[0m"));
+        assert!(!text.contains('\x1b'));
+    }
+}

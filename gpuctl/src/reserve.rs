@@ -1,0 +1,404 @@
+//! `gpuctl reserve`: ask gpud, wait if told to, then exec the command or print the env.
+//!
+//! Who holds the reservation decides when it ends, so it is chosen with care:
+//! - with `-- COMMAND`, gpuctl asks with its own pid as the holder and then `exec`s COMMAND
+//!   in the same process; the pid does not change, so the workload itself holds the
+//!   reservation and gpud releases it when the workload exits, however it exits;
+//! - without a command, the holder is gpuctl's parent (the shell that runs
+//!   `eval "$(gpuctl reserve …)"`; `$(…)` runs a lone command without an extra fork in sh
+//!   and bash), or `--holder-pid`; `--ttl` alone makes a lease with no holder.
+//!
+//! A signal (Ctrl-C) while the request is in flight closes the connection, which makes gpud
+//! drop the waiter and give back anything it served in that instant; a reply that had
+//! already arrived is released explicitly. Either way nothing is held afterwards.
+
+use std::convert::Infallible;
+use std::io::{IsTerminal, Write};
+use std::os::unix::process::CommandExt;
+use std::path::Path;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use gpud_schema::{MemoryAmount, MemorySpec, Reservation, ReservationRequest, format_bytes};
+use tokio::runtime::Runtime;
+use tokio::signal::unix::{SignalKind, signal};
+
+use crate::cli::{ReserveArgs, ReserveOutput, whole_seconds};
+use crate::client::Client;
+use crate::error::CliError;
+use crate::output::{export_lines, summary};
+use crate::write_stdout;
+
+/// Who will hold the reservation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Holder {
+    /// gpuctl itself, about to become the command (exec form).
+    SelfThenExec(u32),
+    /// The calling shell (gpuctl's parent).
+    Parent(u32),
+    /// A pid given with `--holder-pid`.
+    Given(u32),
+    /// Nobody: a TTL lease.
+    Lease,
+}
+
+impl Holder {
+    /// The holder for these arguments; `me` and `parent` are this process's pids.
+    pub fn choose(args: &ReserveArgs, me: u32, parent: u32) -> Holder {
+        if !args.command.is_empty() {
+            Holder::SelfThenExec(me)
+        } else if let Some(pid) = args.holder_pid {
+            Holder::Given(pid)
+        } else if args.ttl.is_some() {
+            Holder::Lease
+        } else {
+            Holder::Parent(parent)
+        }
+    }
+
+    fn pid(self) -> Option<u32> {
+        match self {
+            Holder::SelfThenExec(p) | Holder::Parent(p) | Holder::Given(p) => Some(p),
+            Holder::Lease => None,
+        }
+    }
+}
+
+/// The wire request for these arguments.
+pub fn request(args: &ReserveArgs, holder: Holder) -> ReservationRequest {
+    ReservationRequest {
+        gpus: Some(args.gpus),
+        memory: args.mem.map(|m| match m {
+            MemoryAmount::Bytes(b) => MemorySpec::Bytes(b),
+            MemoryAmount::BasisPoints(bp) => MemorySpec::Text(basis_points_text(bp)),
+        }),
+        exclusive: args.exclusive,
+        wait_seconds: args.wait.map(whole_seconds),
+        ttl_seconds: args.ttl.map(whole_seconds),
+        holder_pid: holder.pid(),
+        labels: args.labels.iter().cloned().collect(),
+        policy: args.policy.map(Into::into),
+    }
+}
+
+/// `2500` → `25%`, `1250` → `12.5%`, `1` → `0.01%` (what the size parser reads back).
+fn basis_points_text(bp: u32) -> String {
+    let (whole, frac) = (bp / 100, bp % 100);
+    match frac {
+        0 => format!("{whole}%"),
+        f if f % 10 == 0 => format!("{whole}.{}%", f / 10),
+        f => format!("{whole}.{f:02}%"),
+    }
+}
+
+/// What the request asks for, for the status line: `4 GiB on 1 GPU`, `2 whole GPUs`.
+pub fn describe(request: &ReservationRequest) -> String {
+    let n = request.gpus.unwrap_or(1);
+    let gpus = if n == 1 {
+        "1 GPU".to_owned()
+    } else {
+        format!("each of {n} GPUs")
+    };
+    match &request.memory {
+        _ if request.exclusive => {
+            if n == 1 {
+                "1 whole GPU".to_owned()
+            } else {
+                format!("{n} whole GPUs")
+            }
+        }
+        Some(MemorySpec::Bytes(b)) => format!("{} on {gpus}", format_bytes(*b)),
+        Some(MemorySpec::Text(t)) if t.ends_with('%') => format!("{t} of {gpus}"),
+        Some(MemorySpec::Text(t)) => format!("{t} on {gpus}"),
+        None => gpus,
+    }
+}
+
+/// Runs `gpuctl reserve`. Returns only on failure or in the print form; the exec form
+/// becomes the command.
+pub fn run(args: &ReserveArgs, socket: &Path, rt: &Runtime) -> Result<ExitCode, CliError> {
+    let holder = Holder::choose(
+        args,
+        std::process::id(),
+        std::os::unix::process::parent_id(),
+    );
+    let request = request(args, holder);
+    if holder.pid().is_some() && gpud_sees_our_pids(socket) == Some(false) {
+        return Err(CliError::Usage(
+            "gpud runs in another PID namespace and cannot see this process (is gpuctl in a \
+             container and gpud on the host?), so no pid from here can hold a reservation; \
+             share the host's PID namespace (docker run --pid=host, Kubernetes hostPID: true), \
+             or use --ttl alone for a lease"
+                .to_owned(),
+        ));
+    }
+    let client = Client::new(socket);
+    let show_status = args.wait.is_some() && std::io::stderr().is_terminal();
+    let reservation = rt.block_on(reserve_interruptibly(&client, &request, show_status))?;
+
+    if let [program, rest @ ..] = args.command.as_slice() {
+        // Only returns when exec failed: give the reservation back and say why.
+        let source = std::process::Command::new(program)
+            .args(rest)
+            .envs(&reservation.env)
+            .env("GPUD_RESERVATION_ID", &reservation.id)
+            .env("GPUD_SOCKET", socket)
+            .exec();
+        // Best effort: gpud releases it anyway when this process (the holder) exits.
+        let _ = rt.block_on(client.release(&reservation.id));
+        return Err(CliError::Exec {
+            program: program.clone(),
+            id: reservation.id,
+            source,
+        });
+    }
+
+    let text = match args.output {
+        ReserveOutput::Env => {
+            let mut env = reservation.env.clone();
+            env.entry("GPUD_RESERVATION_ID".to_owned())
+                .or_insert_with(|| reservation.id.clone());
+            export_lines(&env)
+        }
+        ReserveOutput::Json => json(&reservation)?,
+    };
+    // Nobody got the environment (stdout closed): holding the reservation would only
+    // keep others from it.
+    if let Err(e) = write_stdout(&text) {
+        let _ = rt.block_on(client.release(&reservation.id));
+        return Err(CliError::Output(e));
+    }
+    if std::io::stderr().is_terminal() {
+        eprintln!("gpuctl: {}", held_note(&reservation, holder));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn json(r: &Reservation) -> Result<String, CliError> {
+    serde_json::to_string_pretty(r)
+        .map(|mut s| {
+            s.push('\n');
+            s
+        })
+        .map_err(|e| CliError::Output(std::io::Error::other(e)))
+}
+
+/// Whether gpud and gpuctl share a PID namespace, as far as gpuctl can tell: gpud reads a
+/// holder pid in its own namespace, so a pid from a container with a namespace of its own
+/// would name some other process on the host. The kernel reports a peer whose pid is not
+/// visible here as pid 0, which is exactly that case. `None` when gpud cannot be reached
+/// (the request that follows reports it).
+fn gpud_sees_our_pids(socket: &Path) -> Option<bool> {
+    use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
+    let stream = std::os::unix::net::UnixStream::connect(socket).ok()?;
+    let creds = getsockopt(&stream, PeerCredentials).ok()?;
+    Some(creds.pid() != 0)
+}
+
+/// One line for the person at the terminal: what was reserved and what keeps it alive.
+fn held_note(r: &Reservation, holder: Holder) -> String {
+    let kept = match holder {
+        Holder::Parent(pid) => format!("held by your shell (pid {pid}) until it exits"),
+        Holder::Given(pid) => format!("held by pid {pid} until it exits"),
+        Holder::SelfThenExec(pid) => format!("held by pid {pid}"),
+        Holder::Lease => "a lease: renew it with `gpuctl renew` before it ends".to_owned(),
+    };
+    let ttl = match (holder, r.ttl_seconds) {
+        (Holder::Lease, _) | (_, None) => String::new(),
+        (_, Some(s)) => format!(
+            " or its {} lease ends",
+            crate::output::short_duration(Duration::from_secs(s))
+        ),
+    };
+    format!(
+        "reserved {} as {}, {kept}{ttl}; `gpuctl release {}` gives it back",
+        summary(r),
+        r.id,
+        r.id
+    )
+}
+
+/// The signals that cancel a request in flight, with their names.
+const CANCELLING: [(i32, &str); 3] = [(2, "SIGINT"), (15, "SIGTERM"), (1, "SIGHUP")];
+
+/// Sends the request; a signal cancels it and leaves nothing held.
+async fn reserve_interruptibly(
+    client: &Client,
+    request: &ReservationRequest,
+    show_status: bool,
+) -> Result<Reservation, CliError> {
+    let (Ok(mut int), Ok(mut term), Ok(mut hup)) = (
+        signal(SignalKind::interrupt()),
+        signal(SignalKind::terminate()),
+        signal(SignalKind::hangup()),
+    ) else {
+        // No signal handling (should not happen on Linux): the default actions still close
+        // the connection, which cancels the request on gpud's side.
+        return client.reserve(request).await;
+    };
+    let reply = client.reserve(request);
+    tokio::pin!(reply);
+    let status = status_line(client, request, show_status);
+    tokio::pin!(status);
+    let (signo, name) = tokio::select! {
+        r = &mut reply => {
+            clear_status(show_status);
+            return r;
+        }
+        _ = int.recv() => CANCELLING[0],
+        _ = term.recv() => CANCELLING[1],
+        _ = hup.recv() => CANCELLING[2],
+        never = &mut status => match never {},
+    };
+    clear_status(show_status);
+    // gpud may have answered in the same instant: a reply already in the socket is read
+    // and released; otherwise dropping the request closes the connection and gpud drops
+    // the waiter (giving back anything it had just served).
+    if let Ok(Ok(r)) = tokio::time::timeout(Duration::from_millis(50), &mut reply).await {
+        let _ = client.release(&r.id).await;
+    }
+    Err(CliError::Interrupted {
+        signal: signo,
+        name,
+        during: if request.wait_seconds.is_some() {
+            "waiting for capacity"
+        } else {
+            "reserving"
+        },
+    })
+}
+
+/// The live line on a terminal: what is asked for, how many wait, how long it has been.
+/// gpud does not report a waiter's position, so the line shows the queue's length (from
+/// `/v1/health` on a second connection) and nothing it cannot know. Never returns.
+async fn status_line(client: &Client, request: &ReservationRequest, show: bool) -> Infallible {
+    if !show {
+        return std::future::pending().await;
+    }
+    let started = Instant::now();
+    // Grants that need no wait come back at once: no line flickers for them.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let what = describe(request);
+    let limit = request.wait_seconds.map(Duration::from_secs);
+    let mut waiting: Option<u64> = None;
+    let mut tick = tokio::time::interval(Duration::from_millis(250));
+    let mut last_poll: Option<Instant> = None;
+    let mut shown = String::new();
+    loop {
+        tick.tick().await;
+        if last_poll.is_none_or(|t| t.elapsed() >= Duration::from_secs(1)) {
+            last_poll = Some(Instant::now());
+            waiting = client.health().await.ok().map(|h| h.waiting);
+        }
+        let queue = match waiting {
+            Some(1) => "1 request waiting (this one)".to_owned(),
+            Some(n) => format!("{n} requests waiting"),
+            None => "queue unknown".to_owned(),
+        };
+        let elapsed = clock(started.elapsed());
+        let of = limit
+            .map(|l| format!(" of {}", clock(l)))
+            .unwrap_or_default();
+        let line = format!("gpuctl: waiting for {what}; {queue}; {elapsed}{of} (Ctrl-C cancels)");
+        if line != shown {
+            let mut err = std::io::stderr().lock();
+            let _ = write!(err, "\r\x1b[2K{line}");
+            let _ = err.flush();
+            shown = line;
+        }
+    }
+}
+
+fn clear_status(shown: bool) {
+    if shown {
+        let mut err = std::io::stderr().lock();
+        let _ = write!(err, "\r\x1b[2K");
+        let _ = err.flush();
+    }
+}
+
+/// `m:ss`, or `h:mm:ss` past an hour.
+fn clock(d: Duration) -> String {
+    let s = d.as_secs();
+    if s >= 3600 {
+        format!("{}:{:02}:{:02}", s / 3600, s / 60 % 60, s % 60)
+    } else {
+        format!("{}:{:02}", s / 60, s % 60)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cli::{Cli, Command};
+    use clap::Parser;
+
+    fn args(extra: &[&str]) -> ReserveArgs {
+        let cli = Cli::try_parse_from(["gpuctl", "reserve"].iter().chain(extra)).unwrap();
+        match cli.command {
+            Command::Reserve(r) => r,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn the_holder_follows_the_form() {
+        let h = |a: &[&str]| Holder::choose(&args(a), 10, 5);
+        assert_eq!(h(&["--mem", "1G", "--", "true"]), Holder::SelfThenExec(10));
+        assert_eq!(
+            h(&["--mem", "1G", "--ttl", "1m", "--", "true"]),
+            Holder::SelfThenExec(10)
+        );
+        assert_eq!(h(&["--mem", "1G"]), Holder::Parent(5));
+        assert_eq!(h(&["--mem", "1G", "--ttl", "1m"]), Holder::Lease);
+        assert_eq!(h(&["--mem", "1G", "--holder-pid", "7"]), Holder::Given(7));
+        assert_eq!(
+            h(&["--mem", "1G", "--holder-pid", "7", "--ttl", "1m"]),
+            Holder::Given(7)
+        );
+    }
+
+    #[test]
+    fn requests_carry_every_flag() {
+        let a = args(&[
+            "--gpus", "2", "--mem", "12.5%", "--wait", "1500ms", "--ttl", "1h", "--label", "job=x",
+            "--policy", "spread",
+        ]);
+        let r = request(&a, Holder::Lease);
+        assert_eq!(
+            serde_json::to_value(&r).unwrap(),
+            serde_json::json!({"gpus": 2, "memory": "12.5%", "wait_seconds": 2,
+                "ttl_seconds": 3600, "labels": {"job": "x"}, "policy": "spread"})
+        );
+        let r = request(
+            &args(&["--exclusive", "--", "true"]),
+            Holder::SelfThenExec(9),
+        );
+        assert_eq!(
+            serde_json::to_value(&r).unwrap(),
+            serde_json::json!({"gpus": 1, "exclusive": true, "holder_pid": 9})
+        );
+        assert_eq!(describe(&r), "1 whole GPU");
+        let r = request(&args(&["--mem", "4GiB"]), Holder::Parent(1));
+        assert_eq!(r.memory, Some(MemorySpec::Bytes(4 << 30)));
+        assert_eq!(describe(&r), "4 GiB on 1 GPU");
+    }
+
+    #[test]
+    fn percentages_round_trip_through_the_size_parser() {
+        for bp in [1, 10, 99, 100, 1250, 2500, 3333, 10_000] {
+            let text = basis_points_text(bp);
+            assert_eq!(
+                gpud_schema::parse_memory(&text),
+                Ok(MemoryAmount::BasisPoints(bp)),
+                "{text}"
+            );
+        }
+    }
+
+    #[test]
+    fn clocks() {
+        assert_eq!(clock(Duration::from_secs(72)), "1:12");
+        assert_eq!(clock(Duration::from_secs(24 * 3600)), "24:00:00");
+    }
+}

@@ -1,0 +1,696 @@
+//! gpuctl through the real binaries: the real gpud on the fake NVML, driven by the real
+//! gpuctl the way people use it (exec form, `eval` in sh and bash, tables, `-o json`), and
+//! every documented exit status produced at least once.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step should stop with its line
+
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::process::ExitStatusExt;
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use gpud_schema::{GpuList, Reservation, ReservationList, ReservationState};
+use gpud_tests::{Daemon, GIB, SIGKILL, gpuctl_bin, signal, wait_for};
+use serde_json::{Value, json};
+
+/// SIGINT (what Ctrl-C sends).
+const SIGINT: i32 = 2;
+
+fn run(cmd: &mut Command) -> Output {
+    cmd.output().unwrap()
+}
+
+fn gpuctl(d: &Daemon, args: &[&str]) -> Output {
+    run(d.gpuctl().args(args))
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8(bytes.to_vec()).unwrap()
+}
+
+/// Runs gpuctl, expects exit status `code`, returns stdout.
+fn expect(d: &Daemon, args: &[&str], code: i32) -> String {
+    let out = gpuctl(d, args);
+    assert_eq!(
+        out.status.code(),
+        Some(code),
+        "gpuctl {args:?}: stdout {} stderr {}",
+        text(&out.stdout),
+        text(&out.stderr)
+    );
+    if code != 0 {
+        let err = text(&out.stderr);
+        assert_eq!(err.lines().count(), 1, "one line on stderr: {err}");
+        assert!(err.starts_with("gpuctl: "), "{err}");
+    }
+    text(&out.stdout)
+}
+
+/// Runs gpuctl, expects exit status `code`, returns stderr.
+fn expect_err(d: &Daemon, args: &[&str], code: i32) -> String {
+    let out = gpuctl(d, args);
+    assert_eq!(
+        out.status.code(),
+        Some(code),
+        "gpuctl {args:?}: {}",
+        text(&out.stderr)
+    );
+    text(&out.stderr)
+}
+
+fn reservation(d: &Daemon, id: &str) -> Value {
+    let r = d.get(&format!("/v1/reservations/{id}"));
+    assert_eq!(r.status, 200, "{}", r.text);
+    r.body
+}
+
+fn waiting(d: &Daemon) -> u64 {
+    d.get("/v1/health").body["waiting"].as_u64().unwrap()
+}
+
+/// Both T4s held whole by TTL leases; returns their ids.
+fn fill_t4(d: &Daemon) -> [String; 2] {
+    [0, 1].map(|_| {
+        let r: Reservation = serde_json::from_str(&expect(
+            d,
+            &["reserve", "--exclusive", "--ttl", "10m", "-o", "json"],
+            0,
+        ))
+        .unwrap();
+        r.id
+    })
+}
+
+fn active_ids(d: &Daemon) -> Vec<String> {
+    d.active()
+        .iter()
+        .map(|r| r["id"].as_str().unwrap().to_owned())
+        .collect()
+}
+
+#[test]
+fn the_exec_form_runs_the_command_as_the_holder_with_the_environment() {
+    let d = Daemon::start("t4-pair", "");
+    // The command checks, while it runs, that gpud sees it as the holder.
+    let script = r#"
+        echo "$CUDA_VISIBLE_DEVICES|$NVIDIA_VISIBLE_DEVICES|$GPUD_RESERVATION_ID|$GPUD_MEM_LIMIT_BYTES|$$"
+        "$GPUCTL" show "$GPUD_RESERVATION_ID" -o json
+    "#;
+    let child = d
+        .gpuctl()
+        .args([
+            "reserve", "--mem", "1GiB", "--label", "job=exec", "--", "sh", "-c", script,
+        ])
+        .env("GPUCTL", gpuctl_bin())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    let (first, rest) = stdout.split_once('\n').unwrap();
+    let fields: Vec<&str> = first.split('|').collect();
+    let uuid = d.get("/v1/gpus").body["gpus"][0]["uuid"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert_eq!(fields[0], uuid);
+    assert_eq!(fields[1], uuid);
+    assert_eq!(fields[3], (GIB).to_string());
+    assert_eq!(fields[4], pid.to_string(), "exec keeps gpuctl's pid");
+    let during: Reservation = serde_json::from_str(rest).unwrap();
+    assert_eq!(during.id, fields[2]);
+    assert_eq!(during.state, ReservationState::Active);
+    assert_eq!(during.holder_pid, Some(pid));
+    assert_eq!(during.labels["job"], "exec");
+    // Released when the command exited.
+    let after = wait_for(Duration::from_secs(2), || {
+        let r = reservation(&d, &during.id);
+        (r["state"] == "released").then_some(r)
+    })
+    .expect("released when the command exits");
+    assert!(
+        after["end_reason"].as_str().unwrap().contains("exited"),
+        "{after}"
+    );
+
+    // The command's own exit status, and its death by a signal, are gpuctl's.
+    let out = gpuctl(
+        &d,
+        &["reserve", "--mem", "1GiB", "--", "sh", "-c", "exit 7"],
+    );
+    assert_eq!(out.status.code(), Some(7));
+    let out = gpuctl(
+        &d,
+        &[
+            "reserve",
+            "--mem",
+            "1GiB",
+            "--",
+            "sh",
+            "-c",
+            "kill -TERM $$",
+        ],
+    );
+    assert_eq!(out.status.signal(), Some(15));
+    wait_for(Duration::from_secs(2), || {
+        d.active().is_empty().then_some(())
+    })
+    .expect("nothing held after the commands ended");
+}
+
+#[test]
+fn the_exec_form_releases_when_the_command_is_killed() {
+    let d = Daemon::start("t4-pair", "");
+    let mut child = d
+        .gpuctl()
+        .args(["reserve", "--mem", "2GiB", "--", "sleep", "60"])
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    let id = wait_for(Duration::from_secs(5), || {
+        let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+        let active = d.active();
+        let r = active.first()?;
+        (comm.trim() == "sleep" && r["holder_pid"] == pid)
+            .then(|| r["id"].as_str().unwrap().to_owned())
+    })
+    .expect("sleep runs as the holder");
+    signal(pid, SIGKILL);
+    let killed = Instant::now();
+    child.wait().unwrap();
+    wait_for(Duration::from_secs(5), || {
+        (reservation(&d, &id)["state"] == "released").then_some(())
+    })
+    .expect("released after SIGKILL");
+    assert!(
+        killed.elapsed() < Duration::from_secs(1),
+        "{:?}",
+        killed.elapsed()
+    );
+}
+
+#[test]
+fn a_command_that_cannot_run_gives_the_reservation_back() {
+    let d = Daemon::start("t4-pair", "");
+    let err = expect_err(
+        &d,
+        &[
+            "reserve",
+            "--mem",
+            "1GiB",
+            "--",
+            "/nonexistent/gpuctl-test-command",
+        ],
+        127,
+    );
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(
+        err.contains("cannot run \"/nonexistent/gpuctl-test-command\"")
+            && err.contains("released reservation"),
+        "{err}"
+    );
+    let plain = d.dir.path().join("not-executable");
+    std::fs::write(&plain, "#!/bin/sh\n").unwrap();
+    std::fs::set_permissions(&plain, std::fs::Permissions::from_mode(0o644)).unwrap();
+    expect_err(
+        &d,
+        &["reserve", "--mem", "1GiB", "--", plain.to_str().unwrap()],
+        126,
+    );
+    assert!(d.active().is_empty());
+    let all = d.get("/v1/reservations?state=all").body;
+    assert_eq!(all["reservations"].as_array().unwrap().len(), 2);
+}
+
+/// `eval "$(gpuctl reserve …)"` in a shell: the shell holds it until it exits.
+fn eval_in(shell: &str, d: &Daemon) {
+    let script = r#"
+        eval "$("$GPUCTL" reserve --mem 1GiB --label who=shell)" || exit 9
+        echo "$CUDA_VISIBLE_DEVICES"
+        echo "$GPUD_RESERVATION_ID"
+        "$GPUCTL" ls -o json
+    "#;
+    let child = Command::new(shell)
+        .args(["-c", script])
+        .env("GPUCTL", gpuctl_bin())
+        .env("GPUD_SOCKET", &d.socket)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let shell_pid = child.id();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "{shell}: {}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    let mut lines = stdout.splitn(3, '\n');
+    let (visible, id, json) = (
+        lines.next().unwrap(),
+        lines.next().unwrap(),
+        lines.next().unwrap(),
+    );
+    assert!(visible.starts_with("GPU-"), "{shell}: {stdout}");
+    let list: ReservationList = serde_json::from_str(json).unwrap();
+    let r = list.reservations.iter().find(|r| r.id == id).unwrap();
+    assert_eq!(r.state, ReservationState::Active, "{shell}");
+    assert_eq!(r.holder_pid, Some(shell_pid), "{shell}: held by the shell");
+    assert_eq!(r.env["CUDA_VISIBLE_DEVICES"], visible);
+    wait_for(Duration::from_secs(2), || {
+        (reservation(d, id)["state"] == "released").then_some(())
+    })
+    .unwrap_or_else(|| panic!("{shell}: released when the shell exits"));
+}
+
+#[test]
+fn the_eval_form_works_in_sh_and_bash() {
+    let d = Daemon::start("t4-pair", "");
+    eval_in("sh", &d);
+    eval_in("bash", &d);
+
+    // The output is export lines, sorted, single-quoted.
+    let out = gpuctl(&d, &["reserve", "--mem", "512MiB", "--ttl", "5m"]);
+    assert!(out.status.success());
+    let lines: Vec<String> = text(&out.stdout).lines().map(str::to_owned).collect();
+    assert!(
+        lines
+            .iter()
+            .all(|l| l.starts_with("export ") && l.ends_with('\''))
+    );
+    let mut sorted = lines.clone();
+    sorted.sort();
+    assert_eq!(lines, sorted);
+    let id = lines
+        .iter()
+        .find_map(|l| l.strip_prefix("export GPUD_RESERVATION_ID='"))
+        .unwrap()
+        .trim_end_matches('\'');
+    // --ttl alone: a lease nobody holds.
+    let r = reservation(&d, id);
+    assert_eq!(r["holder_pid"], Value::Null);
+    assert_eq!(r["ttl_seconds"], 300);
+
+    // --holder-pid names another of the caller's processes.
+    let mut sleeper = Command::new("sleep").arg("60").spawn().unwrap();
+    let out = expect(
+        &d,
+        &[
+            "reserve",
+            "--mem",
+            "1GiB",
+            "--holder-pid",
+            &sleeper.id().to_string(),
+            "-o",
+            "json",
+        ],
+        0,
+    );
+    let held: Reservation = serde_json::from_str(&out).unwrap();
+    assert_eq!(held.holder_pid, Some(sleeper.id()));
+    sleeper.kill().unwrap();
+    sleeper.wait().unwrap();
+    wait_for(Duration::from_secs(2), || {
+        (reservation(&d, &held.id)["state"] == "released").then_some(())
+    })
+    .expect("released with its holder");
+}
+
+#[test]
+fn json_outputs_parse_and_tables_show_the_same() {
+    let d = Daemon::start("t4-pair", "");
+    let r: Reservation = serde_json::from_str(&expect(
+        &d,
+        &[
+            "reserve", "--mem", "25%", "--ttl", "1m", "--label", "job=asr", "--policy", "spread",
+            "-o", "json",
+        ],
+        0,
+    ))
+    .unwrap();
+    assert_eq!(r.gpus[0].memory_bytes, 16_106_127_360 / 4);
+    assert_eq!(r.ttl_seconds, Some(60));
+
+    let list: ReservationList =
+        serde_json::from_str(&expect(&d, &["ls", "-o", "json"], 0)).unwrap();
+    assert_eq!(list.reservations, std::slice::from_ref(&r));
+    let shown: Reservation =
+        serde_json::from_str(&expect(&d, &["show", &r.id, "-o", "json"], 0)).unwrap();
+    assert_eq!(shown, r);
+    let renewed: Reservation = serde_json::from_str(&expect(
+        &d,
+        &["renew", &r.id, "--ttl", "2m", "-o", "json"],
+        0,
+    ))
+    .unwrap();
+    assert_eq!(renewed.ttl_seconds, Some(120));
+    let gpus: GpuList = serde_json::from_str(&expect(&d, &["gpus", "-o", "json"], 0)).unwrap();
+    assert_eq!(gpus.gpus.len(), 2);
+    assert_eq!(gpus.gpus[0].memory_reserved_bytes, r.gpus[0].memory_bytes);
+
+    // The same, for people.
+    let table = expect(&d, &["ls"], 0);
+    let row = table.lines().nth(1).unwrap();
+    for part in [r.id.as_str(), "active", "0", "3.7 GiB", "ttl 1m", "job=asr"] {
+        assert!(row.contains(part), "{part}: {table}");
+    }
+    let details = expect(&d, &["show", &r.id], 0);
+    assert!(
+        details.contains(&format!("id:        {}", r.id)),
+        "{details}"
+    );
+    assert!(details.contains("CUDA_VISIBLE_DEVICES=GPU-"), "{details}");
+    let line = expect(&d, &["renew", &r.id], 0);
+    assert!(
+        line.starts_with(&format!("renewed {} until ", r.id)),
+        "{line}"
+    );
+    assert_eq!(
+        expect(&d, &["release", &r.id], 0),
+        format!("released {}\n", r.id)
+    );
+
+    let released: ReservationList =
+        serde_json::from_str(&expect(&d, &["ls", "--state", "released", "-o", "json"], 0)).unwrap();
+    assert_eq!(released.reservations[0].id, r.id);
+    assert_eq!(released.reservations[0].state, ReservationState::Released);
+    assert_eq!(expect(&d, &["ls"], 0).lines().count(), 1, "only the header");
+    let again: Reservation = serde_json::from_str(&expect(
+        &d,
+        &["reserve", "--mem", "1GiB", "--ttl", "1m", "-o", "json"],
+        0,
+    ))
+    .unwrap();
+    let gone: Reservation =
+        serde_json::from_str(&expect(&d, &["release", &again.id, "-o", "json"], 0)).unwrap();
+    assert_eq!(gone.state, ReservationState::Released);
+}
+
+/// One GPU row of `gpuctl gpus`, with runs of blanks squeezed.
+fn squeezed(table: &str, first: &str) -> String {
+    table
+        .lines()
+        .find(|l| l.split_whitespace().next() == Some(first))
+        .unwrap_or_else(|| panic!("no row {first}: {table}"))
+        .split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+#[test]
+fn gpus_shows_reserved_and_used_memory_that_match_the_fixture() {
+    let d = Daemon::start("t4-pair", "");
+    // 4 GiB and 1 GiB: binpack puts both on GPU 0.
+    for size in ["4GiB", "1GiB"] {
+        expect(&d, &["reserve", "--mem", size, "--ttl", "5m"], 0);
+    }
+    let mut a = Command::new("sleep").arg("60").spawn().unwrap();
+    let mut b = Command::new("sleep").arg("60").spawn().unwrap();
+    let mut fixture = d.read_fixture();
+    fixture["gpus"][0]["processes"] = json!([{"pid": a.id(), "used_memory_bytes": 3 * GIB}]);
+    fixture["gpus"][1]["processes"] = json!([{"pid": b.id(), "used_memory_bytes": 3 * GIB / 2}]);
+    d.write_fixture(&fixture);
+    wait_for(Duration::from_secs(5), || {
+        let g = d.get("/v1/gpus").body;
+        (g["gpus"][0]["memory_used_bytes"] == 3 * GIB
+            && g["gpus"][1]["memory_used_bytes"] == 3 * GIB / 2)
+            .then_some(())
+    })
+    .expect("gpud sampled the fixture's processes");
+
+    let table = expect(&d, &["gpus"], 0);
+    assert_eq!(
+        table
+            .lines()
+            .next()
+            .unwrap()
+            .split_whitespace()
+            .collect::<Vec<_>>(),
+        ["GPU", "NAME", "RESERVED", "USED", "TOTAL", "RESV", "HEALTH"]
+    );
+    assert_eq!(
+        squeezed(&table, "0"),
+        "0 Tesla T4 5 GiB 3 GiB 15 GiB 2 ok",
+        "{table}"
+    );
+    assert_eq!(
+        squeezed(&table, "1"),
+        "1 Tesla T4 0 B 1.5 GiB 15 GiB 0 ok",
+        "{table}"
+    );
+    assert_eq!(
+        table.lines().last().unwrap(),
+        "TOTAL  reserved 5 GiB / 30 GiB (17%), used 4.5 GiB (15%), 4.5 GiB by processes \
+         without a reservation; 2 reservations",
+        "{table}"
+    );
+    assert!(!table.contains('\x1b'), "no colour into a pipe");
+
+    // A GPU NVML reports lost shows as unhealthy.
+    fixture["errors"] = json!([{"device": 1, "call": "*", "code": "GPU_IS_LOST"}]);
+    d.write_fixture(&fixture);
+    wait_for(Duration::from_secs(5), || {
+        (d.get("/v1/gpus").body["gpus"][1]["healthy"] == false).then_some(())
+    })
+    .expect("GPU 1 marked lost");
+    let table = expect(&d, &["gpus"], 0);
+    assert!(squeezed(&table, "1").ends_with(" UNHEALTHY"), "{table}");
+    for c in [&mut a, &mut b] {
+        c.kill().unwrap();
+        c.wait().unwrap();
+    }
+}
+
+#[test]
+fn gpus_lists_mig_instances_under_their_gpu() {
+    let d = Daemon::start("a100-mig", "");
+    let table = expect(&d, &["gpus"], 0);
+    for (row, profile) in [
+        ("0:0", "3g.40gb"),
+        ("0:1", "2g.20gb"),
+        ("0:2", "1g.10gb"),
+        ("0:3", "1g.10gb"),
+    ] {
+        assert!(
+            squeezed(&table, row).starts_with(&format!("{row} MIG {profile} 0 B 0 B")),
+            "{table}"
+        );
+    }
+    assert!(
+        table.ends_with("TOTAL  reserved 0 B / 160 GiB (0%), used 0 B (0%); 0 reservations\n"),
+        "{table}"
+    );
+}
+
+#[test]
+fn every_exit_status_is_produced() {
+    let d = Daemon::start("t4-pair", "");
+    // 2: usage, caught by gpuctl or by gpud (a holder pid that does not exist).
+    expect(&d, &["reserve", "--mem", "lots"], 2);
+    let err = expect_err(
+        &d,
+        &["reserve", "--mem", "1GiB", "--holder-pid", "999999999"],
+        2,
+    );
+    assert!(err.contains("999999999"), "{err}");
+    // 3: nothing listens there.
+    let err = expect_err(&d, &["--socket", "/nonexistent/gpud.sock", "gpus"], 3);
+    assert!(
+        err.contains("/nonexistent/gpud.sock") && err.contains("gpud may not be running"),
+        "{err}"
+    );
+    // 4: can never fit (422), and does not fit now (409).
+    let err = expect_err(
+        &d,
+        &["reserve", "--gpus", "3", "--exclusive", "--ttl", "1m"],
+        4,
+    );
+    assert!(err.contains("3 GPUs"), "{err}");
+    let [first, _] = fill_t4(&d);
+    expect(&d, &["reserve", "--mem", "1GiB", "--ttl", "1m"], 4);
+    // 5: waited and nothing freed up.
+    let started = Instant::now();
+    let err = expect_err(
+        &d,
+        &["reserve", "--mem", "1GiB", "--ttl", "1m", "--wait", "1s"],
+        5,
+    );
+    assert!(err.contains("waited"), "{err}");
+    assert!(started.elapsed() < Duration::from_secs(5));
+    // 1: not found, and not active any more.
+    expect(&d, &["release", "no-such-reservation"], 1);
+    expect(&d, &["release", &first], 0);
+    let err = expect_err(&d, &["renew", &first], 1);
+    assert!(err.contains("released"), "{err}");
+
+    // 6: over quota.
+    let (uid, _) = gpud_tests::my_ids();
+    let q = Daemon::start(
+        "t4-pair",
+        &format!("[[quotas]]\nuid = {uid}\nmax_reservations = 1\n"),
+    );
+    expect(&q, &["reserve", "--mem", "1GiB", "--ttl", "1m"], 0);
+    let err = expect_err(&q, &["reserve", "--mem", "1GiB", "--ttl", "1m"], 6);
+    assert!(err.contains("allows 1 reservation"), "{err}");
+    // (126, 127: a_command_that_cannot_run_gives_the_reservation_back; 130:
+    // ctrl_c_while_waiting_cancels_and_holds_nothing.)
+}
+
+#[test]
+fn a_daemon_that_dies_during_a_wait_is_exit_3() {
+    let mut d = Daemon::start("t4-pair", "");
+    fill_t4(&d);
+    let child = d
+        .gpuctl()
+        .args(["reserve", "--mem", "1GiB", "--ttl", "1m", "--wait", "30s"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_for(Duration::from_secs(5), || (waiting(&d) == 1).then_some(())).expect("queued");
+    d.kill9();
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(3), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("cannot reach gpud"),
+        "{}",
+        text(&out.stderr)
+    );
+}
+
+#[test]
+fn a_waiter_runs_its_command_when_capacity_frees() {
+    let d = Daemon::start("t4-pair", "");
+    let [first, _] = fill_t4(&d);
+    let child = d
+        .gpuctl()
+        .args([
+            "reserve",
+            "--mem",
+            "4GiB",
+            "--wait",
+            "20s",
+            "--",
+            "sh",
+            "-c",
+            "echo \"got $CUDA_VISIBLE_DEVICES\"",
+        ])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_for(Duration::from_secs(5), || (waiting(&d) == 1).then_some(())).expect("queued");
+    expect(&d, &["release", &first], 0);
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success());
+    assert!(
+        text(&out.stdout).starts_with("got GPU-"),
+        "{}",
+        text(&out.stdout)
+    );
+}
+
+#[test]
+fn ctrl_c_while_waiting_cancels_and_holds_nothing() {
+    let d = Daemon::start("t4-pair", "");
+    let [first, second] = fill_t4(&d);
+    let child = d
+        .gpuctl()
+        .args(["reserve", "--mem", "4GiB", "--ttl", "10m", "--wait", "30s"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_for(Duration::from_secs(5), || (waiting(&d) == 1).then_some(())).expect("queued");
+    signal(child.id(), SIGINT);
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(130));
+    let err = text(&out.stderr);
+    assert_eq!(
+        err,
+        "gpuctl: interrupted by SIGINT while waiting for capacity; nothing is held\n"
+    );
+    assert!(out.stdout.is_empty());
+    wait_for(Duration::from_secs(2), || (waiting(&d) == 0).then_some(()))
+        .expect("gpud dropped the waiter");
+    // What frees up now goes to nobody.
+    expect(&d, &["release", &first], 0);
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(active_ids(&d), [second]);
+}
+
+#[test]
+fn a_terminal_shows_a_live_status_line_while_waiting() {
+    if Command::new("script").arg("--version").output().is_err() {
+        eprintln!("skipped: needs script(1) from util-linux for a pseudo-terminal");
+        return;
+    }
+    let d = Daemon::start("t4-pair", "");
+    fill_t4(&d);
+    let command = format!(
+        "{} reserve --mem 4GiB --ttl 1m --wait 2s",
+        gpuctl_bin().display()
+    );
+    let out = run(Command::new("script")
+        .args(["-qefc", &command, "/dev/null"])
+        .env("GPUD_SOCKET", &d.socket)
+        .stdin(Stdio::null()));
+    assert_eq!(out.status.code(), Some(5));
+    let screen = text(&out.stdout);
+    assert!(
+        screen.contains(
+            "gpuctl: waiting for 4 GiB on 1 GPU; 1 request waiting (this one); 0:01 of 0:02"
+        ),
+        "{screen:?}"
+    );
+    // The line is cleared before the final message.
+    assert!(screen.contains("\r\x1b[2Kgpuctl: waited 2s"), "{screen:?}");
+}
+
+#[test]
+fn gpushare_variables_come_through_when_gpud_sets_them() {
+    let d = Daemon::start("t4-pair", "[env]\ngpushare_compat = true\n");
+    let out = expect(&d, &["reserve", "--mem", "4GiB", "--ttl", "1m"], 0);
+    for line in [
+        "export ALIYUN_COM_GPU_MEM_IDX='0'",
+        "export ALIYUN_COM_GPU_MEM_DEV='15'",
+        "export ALIYUN_COM_GPU_MEM_CONTAINER='4'",
+    ] {
+        assert!(out.lines().any(|l| l == line), "{line}: {out}");
+    }
+}
+
+#[test]
+fn a_holder_pid_from_another_pid_namespace_is_refused() {
+    // gpud reads holder pids in its own PID namespace: from a container with a namespace of
+    // its own, gpuctl's pid would name some other process, so gpuctl refuses to send it.
+    let usable = Command::new("unshare")
+        .args(["-p", "-f", "--mount-proc", "true"])
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !usable {
+        eprintln!("skipped: needs unshare(1) with the right to make a PID namespace (root)");
+        return;
+    }
+    let d = Daemon::start("t4-pair", "");
+    let inside = |args: &[&str]| {
+        run(Command::new("unshare")
+            .args(["-p", "-f", "--mount-proc"])
+            .arg(gpuctl_bin())
+            .args(args)
+            .env("GPUD_SOCKET", &d.socket)
+            .stdin(Stdio::null()))
+    };
+    let out = inside(&["reserve", "--mem", "1GiB", "--", "true"]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("another PID namespace"),
+        "{}",
+        text(&out.stderr)
+    );
+    assert!(d.active().is_empty());
+    // A lease needs no pid and works from there.
+    let out = inside(&["reserve", "--mem", "1GiB", "--ttl", "1m", "-o", "json"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(d.active().len(), 1);
+}
