@@ -20,8 +20,9 @@ use gpud_schema::{self as schema, MemoryAmount, MemorySpec, codes};
 use crate::broker::{Broker, BrokerError, Caller, ReserveOutcome, ReserveRequest};
 use crate::clock::{now_millis, rfc3339};
 use crate::metrics::Metrics;
-use crate::model::{self, MemoryAsk, Policy, ReservationState};
+use crate::model::{self, EventKind, MemoryAsk, Millis, Policy, ReservationState};
 use crate::probe::link_cell;
+use crate::store::EventFilter;
 
 /// Longest reservation id accepted in a path or request.
 const MAX_ID_LEN: usize = 128;
@@ -174,7 +175,8 @@ impl Api {
                 Ok(json(StatusCode::OK, &to_wire(&r)))
             }
             (["metrics"], &Method::GET) => Ok(self.metrics_reply()),
-            (["v1", "health"] | ["v1", "gpus"] | ["metrics"], _)
+            (["v1", "events"], &Method::GET) => self.events(&query).await,
+            (["v1", "health"] | ["v1", "gpus"] | ["v1", "events"] | ["metrics"], _)
             | (["v1", "reservations"], _)
             | (["v1", "reservations", _], _)
             | (["v1", "reservations", _, "renew"], _) => Err(ApiError::new(
@@ -247,6 +249,63 @@ impl Api {
         resp
     }
 
+    /// `GET /metrics` and nothing else (the TCP listener).
+    pub async fn handle_metrics_only(
+        self: Arc<Self>,
+        req: Request<Incoming>,
+    ) -> Result<Reply, Infallible> {
+        if req.method() == Method::GET && req.uri().path() == "/metrics" {
+            return Ok(self.metrics_reply());
+        }
+        Ok(error_reply(&ApiError::new(
+            StatusCode::NOT_FOUND,
+            codes::NOT_FOUND,
+            "only GET /metrics is served on this address",
+        )))
+    }
+
+    async fn events(&self, query: &str) -> Result<Reply, ApiError> {
+        let mut filter = EventFilter::default();
+        for pair in query.split('&').filter(|p| !p.is_empty()) {
+            let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
+            let bad =
+                |what: &str| ApiError::invalid(format!("{key} must be {what}; got {value:?}"));
+            match key {
+                "since" => {
+                    filter.since =
+                        parse_since(value).ok_or_else(|| bad("RFC 3339 or Unix seconds"))?
+                }
+                "after" => filter.after_id = value.parse().map_err(|_| bad("an event id"))?,
+                "kind" => {
+                    filter.kind = Some(EventKind::parse(value).ok_or_else(|| {
+                        bad("unreserved, wrong_gpu, over_limit or gpu_unhealthy")
+                    })?);
+                }
+                "reservation" => filter.reservation = Some(valid_id(value)?),
+                "limit" => {
+                    filter.limit = value
+                        .parse()
+                        .ok()
+                        .filter(|l| (1..=10_000).contains(l))
+                        .ok_or_else(|| bad("1 to 10000"))?;
+                }
+                _ => {
+                    return Err(ApiError::invalid(format!(
+                        "unknown query parameter {key:?}; use since, after, kind, reservation or limit"
+                    )));
+                }
+            }
+        }
+        let broker = self.broker.clone();
+        let events = blocking(move || broker.events(&filter)).await?;
+        Ok(json(
+            StatusCode::OK,
+            &schema::EventList {
+                events: events.iter().map(event_to_wire).collect(),
+            },
+        ))
+    }
+
     async fn list(&self, query: &str) -> Result<Reply, ApiError> {
         let mut state = Some(ReservationState::Active);
         let mut owner = None;
@@ -296,6 +355,36 @@ impl Api {
     }
 }
 
+/// `2026-11-21T05:00:00Z` (RFC 3339, with `%3A` for `:` as URLs may encode it) or Unix seconds.
+fn parse_since(value: &str) -> Option<Millis> {
+    if let Ok(secs) = value.parse::<u64>() {
+        return secs.checked_mul(1000);
+    }
+    let text = value.replace("%3A", ":").replace("%3a", ":");
+    let at = humantime::parse_rfc3339_weak(&text).ok()?;
+    let since_epoch = at.duration_since(std::time::UNIX_EPOCH).ok()?;
+    u64::try_from(since_epoch.as_millis()).ok()
+}
+
+/// The wire form of an event.
+pub fn event_to_wire(e: &model::Event) -> schema::Event {
+    schema::Event {
+        id: e.id,
+        at: rfc3339(e.at),
+        kind: e.kind.as_str().to_owned(),
+        phase: e.phase.as_str().to_owned(),
+        gpu_index: e.gpu_index,
+        unit_uuid: e.unit_uuid.clone(),
+        pid: e.pid,
+        uid: e.uid,
+        reservation_id: e.reservation_id.clone(),
+        used_bytes: e.used_bytes,
+        reserved_bytes: e.reserved_bytes,
+        action: e.action.clone(),
+        message: e.message.clone(),
+    }
+}
+
 /// A low-cardinality name for the metrics label (ids replaced by `{id}`).
 fn route_name(path: &str) -> &'static str {
     let segments: Vec<&str> = path.trim_end_matches('/').split('/').skip(1).collect();
@@ -305,6 +394,7 @@ fn route_name(path: &str) -> &'static str {
         ["v1", "reservations"] => "/v1/reservations",
         ["v1", "reservations", _] => "/v1/reservations/{id}",
         ["v1", "reservations", _, "renew"] => "/v1/reservations/{id}/renew",
+        ["v1", "events"] => "/v1/events",
         ["metrics"] => "/metrics",
         _ => "other",
     }

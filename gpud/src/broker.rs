@@ -18,14 +18,15 @@ use tokio::sync::oneshot;
 
 use gpud_schema::format_bytes;
 
+use crate::audit::AuditedReservation;
 use crate::config::Config;
 use crate::holder::{PinnedProcess, process_info};
 use crate::model::{
-    Gpu, GpuInventory, MemoryAsk, Millis, Policy, Reservation, ReservationState, ReservedUnit,
-    Topology, Unit,
+    Event, Gpu, GpuInventory, MemoryAsk, Millis, Policy, Reservation, ReservationState,
+    ReservedUnit, Topology, Unit,
 };
 use crate::placement::{self, PlacementError, PlacementRequest, PlacementState, UnitLoad};
-use crate::store::{Store, StoreError};
+use crate::store::{EventFilter, Store, StoreError};
 use crate::workload_env::workload_env;
 
 /// Who is asking, as the kernel reports it (SO_PEERCRED).
@@ -297,7 +298,8 @@ impl Broker {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    fn settings(&self) -> BrokerSettings {
+    /// The current settings.
+    pub fn settings(&self) -> BrokerSettings {
         self.settings
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -754,10 +756,56 @@ impl Broker {
         }
     }
 
+    /// What the audit needs: GPUs with health, units, and every active reservation's holder
+    /// and holdings.
+    pub fn audit_view(&self) -> AuditView {
+        let inner = self.lock();
+        AuditView {
+            gpus: inner.gpus.clone(),
+            units: inner.units.clone(),
+            reservations: inner
+                .active
+                .values()
+                .map(|r| AuditedReservation {
+                    id: r.id.clone(),
+                    owner_uid: r.owner_uid,
+                    holder_pid: r.holder.as_ref().map(|h| h.pid),
+                    exclusive: r.exclusive,
+                    units: r
+                        .units
+                        .iter()
+                        .map(|u| (u.uuid.clone(), u.memory_bytes))
+                        .collect(),
+                })
+                .collect(),
+        }
+    }
+
+    /// Stores audit events; returns them with their ids.
+    pub fn record_events(&self, events: &[Event]) -> Result<Vec<Event>, BrokerError> {
+        Ok(self.lock().store.insert_events(events)?)
+    }
+
+    /// Stored events matching `filter`.
+    pub fn events(&self, filter: &EventFilter) -> Result<Vec<Event>, BrokerError> {
+        Ok(self.lock().store.events(filter)?)
+    }
+
     /// Checks the database's integrity (for tests and `gpud` start-up checks).
     pub fn integrity_check(&self) -> Result<(), BrokerError> {
         Ok(self.lock().store.integrity_check()?)
     }
+}
+
+/// What [`Broker::audit_view`] returns.
+#[derive(Debug, Clone)]
+pub struct AuditView {
+    /// GPUs with current health.
+    pub gpus: Vec<Gpu>,
+    /// Allocatable units.
+    pub units: Vec<Unit>,
+    /// Active reservations.
+    pub reservations: Vec<AuditedReservation>,
 }
 
 /// What `snapshot` returns.

@@ -64,6 +64,8 @@ pub struct Config {
     pub audit: AuditConfig,
     /// What the workload's environment contains beyond the defaults.
     pub env: EnvConfig,
+    /// Prometheus metrics.
+    pub metrics: MetricsConfig,
     /// Per-uid and per-gid limits.
     pub quotas: Vec<Quota>,
 }
@@ -81,6 +83,7 @@ impl Default for Config {
             wait: WaitConfig::default(),
             audit: AuditConfig::default(),
             env: EnvConfig::default(),
+            metrics: MetricsConfig::default(),
             quotas: Vec::new(),
         }
     }
@@ -145,14 +148,74 @@ pub struct AuditConfig {
     /// How often NVML is asked what runs on each GPU.
     #[serde(deserialize_with = "duration")]
     pub interval: Duration,
+    /// What to do about findings: record them, or also end the offending processes.
+    pub enforcement: Enforcement,
+    /// Between SIGTERM and SIGKILL under `terminate`.
+    #[serde(deserialize_with = "duration")]
+    pub grace: Duration,
+    /// Whether `terminate` may signal root's processes.
+    pub terminate_root: bool,
+    /// How far a reservation's processes may exceed what it reserved before `over_limit`:
+    /// a percentage of the reservation (`"5%"`) or an absolute size (`"256MiB"`).
+    #[serde(deserialize_with = "tolerance")]
+    pub over_limit_tolerance: Tolerance,
+    /// Consecutive failed NVML queries after which a GPU is marked unhealthy (a GPU NVML
+    /// reports lost is marked at once).
+    pub failures_before_unhealthy: u32,
 }
 
 impl Default for AuditConfig {
     fn default() -> AuditConfig {
         AuditConfig {
             interval: Duration::from_secs(2),
+            enforcement: Enforcement::Observe,
+            grace: Duration::from_secs(10),
+            terminate_root: false,
+            over_limit_tolerance: Tolerance::BasisPoints(500),
+            failures_before_unhealthy: 3,
         }
     }
+}
+
+/// What the audit does about a finding.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Enforcement {
+    /// Record and report only.
+    #[default]
+    Observe,
+    /// Also SIGTERM the offending processes, then SIGKILL after the grace period.
+    Terminate,
+}
+
+/// Slack before `over_limit`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Tolerance {
+    /// A fraction of the reservation, in basis points.
+    BasisPoints(u32),
+    /// Absolute bytes.
+    Bytes(u64),
+}
+
+impl Tolerance {
+    /// The most a reservation of `reserved` bytes may use before it is over its limit.
+    pub fn limit(self, reserved: u64) -> u64 {
+        match self {
+            Tolerance::BasisPoints(bp) => {
+                let extra = u128::from(reserved) * u128::from(bp) / 10_000;
+                reserved.saturating_add(u64::try_from(extra).unwrap_or(u64::MAX))
+            }
+            Tolerance::Bytes(b) => reserved.saturating_add(b),
+        }
+    }
+}
+
+/// Metrics over TCP, besides the socket.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct MetricsConfig {
+    /// Address to serve `GET /metrics` on (e.g. `127.0.0.1:9400`); off when absent.
+    pub listen: Option<std::net::SocketAddr>,
 }
 
 /// Optional parts of the workload environment.
@@ -238,6 +301,14 @@ fn duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
     })
 }
 
+fn tolerance<'de, D: Deserializer<'de>>(d: D) -> Result<Tolerance, D::Error> {
+    let text = String::deserialize(d)?;
+    match parse_memory(&text).map_err(serde::de::Error::custom)? {
+        MemoryAmount::Bytes(b) => Ok(Tolerance::Bytes(b)),
+        MemoryAmount::BasisPoints(bp) => Ok(Tolerance::BasisPoints(bp)),
+    }
+}
+
 fn optional_size<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
     #[derive(Deserialize)]
     #[serde(untagged)]
@@ -299,6 +370,27 @@ mod tests {
                 .contains("soon")
         );
         assert!(Config::parse("[[quotas]]\nuid = 1\nmax_memory = \"25%\"\n").is_err());
+    }
+
+    #[test]
+    fn audit_settings_parse() {
+        let c = Config::parse(
+            "[audit]\nenforcement = \"terminate\"\ngrace = \"3s\"\nover_limit_tolerance = \"256MiB\"\n[metrics]\nlisten = \"127.0.0.1:9400\"\n",
+        )
+        .unwrap();
+        assert_eq!(c.audit.enforcement, Enforcement::Terminate);
+        assert_eq!(c.audit.grace, Duration::from_secs(3));
+        assert_eq!(
+            c.audit.over_limit_tolerance.limit(1 << 30),
+            (1 << 30) + (256 << 20)
+        );
+        assert_eq!(Tolerance::BasisPoints(500).limit(1000), 1050);
+        assert_eq!(c.metrics.listen.unwrap().port(), 9400);
+        assert!(
+            Config::parse("[audit]\nenforcement = \"maim\"\n")
+                .unwrap_err()
+                .contains("maim")
+        );
     }
 
     #[test]

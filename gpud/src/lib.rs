@@ -6,6 +6,7 @@
 //! `server` wires everything together for `main.rs`.
 
 pub mod api;
+pub mod audit;
 pub mod broker;
 pub mod clock;
 pub mod config;

@@ -40,6 +40,11 @@ struct KindLabels {
     kind: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StateLabels {
+    state: String,
+}
+
 /// All of gpud's metrics.
 pub struct Metrics {
     registry: Registry,
@@ -50,7 +55,7 @@ pub struct Metrics {
     memory_used: Family<GpuLabels, Gauge>,
     memory_unaccounted: Family<GpuLabels, Gauge>,
     healthy: Family<GpuLabels, Gauge>,
-    reservations: Family<KindLabels, Gauge>,
+    reservations: Family<StateLabels, Gauge>,
     waiting: Gauge,
     events: Family<KindLabels, Counter>,
     audit_pass: Histogram,
@@ -118,7 +123,7 @@ impl Metrics {
             "1 when the GPU may receive placements",
             healthy.clone(),
         );
-        let reservations = Family::<KindLabels, Gauge>::default();
+        let reservations = Family::<StateLabels, Gauge>::default();
         registry.register(
             "reservations",
             "Reservations by state",
@@ -220,8 +225,8 @@ impl Metrics {
                 .set(i64::from(gpu.healthy));
         }
         self.reservations
-            .get_or_create(&KindLabels {
-                kind: "active".to_owned(),
+            .get_or_create(&StateLabels {
+                state: "active".to_owned(),
             })
             .set(gauge(snap.active as u64));
         self.waiting.set(gauge(snap.waiting as u64));

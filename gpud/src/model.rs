@@ -380,3 +380,103 @@ pub struct Reservation {
     /// Environment handed to the workload.
     pub env: std::collections::BTreeMap<String, String>,
 }
+
+/// What an audit event is about.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EventKind {
+    /// A GPU process that no reservation accounts for.
+    Unreserved,
+    /// A reservation's process on a GPU the reservation does not include.
+    WrongGpu,
+    /// A reservation's processes use more memory than it reserved (beyond the tolerance).
+    OverLimit,
+    /// A GPU NVML reports lost, or whose queries keep failing.
+    GpuUnhealthy,
+}
+
+impl EventKind {
+    /// Every kind.
+    pub const ALL: [EventKind; 4] = [
+        EventKind::Unreserved,
+        EventKind::WrongGpu,
+        EventKind::OverLimit,
+        EventKind::GpuUnhealthy,
+    ];
+
+    /// The stored and wire name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EventKind::Unreserved => "unreserved",
+            EventKind::WrongGpu => "wrong_gpu",
+            EventKind::OverLimit => "over_limit",
+            EventKind::GpuUnhealthy => "gpu_unhealthy",
+        }
+    }
+
+    /// Parses [`EventKind::as_str`]'s output.
+    pub fn parse(s: &str) -> Option<EventKind> {
+        EventKind::ALL.into_iter().find(|k| k.as_str() == s)
+    }
+}
+
+/// Whether an event opens a finding, closes it, or stands alone (an enforcement step).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EventPhase {
+    /// The finding began.
+    Start,
+    /// The finding is over.
+    End,
+    /// A single step, such as a SIGKILL after the grace period.
+    Point,
+}
+
+impl EventPhase {
+    /// The stored and wire name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EventPhase::Start => "start",
+            EventPhase::End => "end",
+            EventPhase::Point => "point",
+        }
+    }
+
+    /// Parses [`EventPhase::as_str`]'s output.
+    pub fn parse(s: &str) -> Option<EventPhase> {
+        [EventPhase::Start, EventPhase::End, EventPhase::Point]
+            .into_iter()
+            .find(|p| p.as_str() == s)
+    }
+}
+
+/// An audit finding or health change, as stored.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Event {
+    /// Sequence number, assigned when stored (0 before).
+    pub id: u64,
+    /// When.
+    pub at: Millis,
+    /// What.
+    pub kind: EventKind,
+    /// Start, end, or a single step.
+    pub phase: EventPhase,
+    /// Physical GPU.
+    pub gpu_index: Option<u32>,
+    /// Unit (GPU or MIG instance) UUID.
+    pub unit_uuid: Option<String>,
+    /// Process concerned.
+    pub pid: Option<u32>,
+    /// Its owner.
+    pub uid: Option<u32>,
+    /// Reservation concerned.
+    pub reservation_id: Option<String>,
+    /// Memory the process (or the reservation's processes) used.
+    pub used_bytes: Option<u64>,
+    /// Memory the reservation holds on that unit.
+    pub reserved_bytes: Option<u64>,
+    /// What gpud did (`none`, `sigterm`, `sigkill`, or why it did nothing).
+    pub action: String,
+    /// For people.
+    pub message: String,
+}

@@ -21,6 +21,7 @@ use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::Semaphore;
 
 use crate::api::Api;
+use crate::audit::{self, Auditor, ProcFs};
 use crate::broker::{Broker, BrokerSettings, Caller};
 use crate::clock::now_millis;
 use crate::config::Config;
@@ -90,11 +91,14 @@ async fn serve(config: Config, _config_path: Option<PathBuf>) -> anyhow::Result<
     });
 
     tokio::spawn(expiry_loop(broker.clone()));
-    tokio::spawn(usage_loop(
-        broker.clone(),
-        nvml.clone(),
-        config.audit.interval,
-    ));
+    let auditor = Auditor::new(broker.clone(), nvml.clone(), ProcFs, metrics.clone());
+    let audit_broker = broker.clone();
+    tokio::spawn(audit::run(auditor, move || {
+        audit_broker.settings().config.audit
+    }));
+    if let Some(addr) = config.metrics.listen {
+        tokio::spawn(serve_metrics_tcp(addr, api.clone()));
+    }
 
     let _ = sd_notify::notify(&[sd_notify::NotifyState::Ready]);
     tracing::info!(socket = %config.socket.display(), "serving");
@@ -228,48 +232,29 @@ async fn expiry_loop(broker: Arc<Broker>) {
     }
 }
 
-/// Samples memory use per unit from NVML, and GPU health.
-async fn usage_loop(broker: Arc<Broker>, nvml: Arc<Nvml>, interval: Duration) {
-    let mut tick = tokio::time::interval(interval);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tick.tick().await;
-        let (b, n) = (broker.clone(), nvml.clone());
-        let _ = tokio::task::spawn_blocking(move || sample_usage(&b, &n)).await;
-    }
-}
-
-fn sample_usage(broker: &Broker, nvml: &Nvml) {
-    let snap = broker.snapshot();
-    let mut used = vec![0u64; snap.units.len()];
-    let mut changed = false;
-    for gpu in &snap.gpus {
-        let healthy = match nvml.processes(gpu) {
-            Ok(procs) => {
-                for p in procs {
-                    if let Some(i) = snap.units.iter().position(|u| u.uuid == p.unit_uuid) {
-                        used[i] += p.used_bytes.unwrap_or(0);
-                    }
-                }
-                true
-            }
-            Err(e) => {
-                tracing::debug!(gpu = gpu.index, error = %e, "usage query failed");
-                !e.is_gpu_lost()
-            }
-        };
-        if broker.set_gpu_health(gpu.index, healthy) {
-            changed = true;
-            if healthy {
-                tracing::info!(gpu = gpu.index, "GPU is healthy again");
-            } else {
-                tracing::warn!(gpu = gpu.index, "GPU is lost; no new placements on it");
-            }
+/// Serves `GET /metrics` (only) on a TCP address, for a Prometheus server that cannot reach
+/// the Unix socket. Off unless `[metrics] listen` is set.
+async fn serve_metrics_tcp(addr: std::net::SocketAddr, api: Arc<Api>) {
+    let listener = match tokio::net::TcpListener::bind(addr).await {
+        Ok(l) => l,
+        Err(e) => {
+            tracing::error!(%addr, error = %e, "cannot serve metrics over TCP");
+            return;
         }
-    }
-    let unaccounted = vec![(0, false); snap.units.len()];
-    broker.set_usage(&used, &unaccounted);
-    if changed {
-        broker.poke_waiters(now_millis());
+    };
+    tracing::info!(%addr, "serving /metrics over TCP");
+    loop {
+        let Ok((stream, _)) = listener.accept().await else {
+            continue;
+        };
+        let api = api.clone();
+        tokio::spawn(async move {
+            let service = service_fn(move |req| api.clone().handle_metrics_only(req));
+            let _ = http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(Duration::from_secs(5))
+                .serve_connection(TokioIo::new(stream), service)
+                .await;
+        });
     }
 }

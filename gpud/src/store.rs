@@ -11,13 +11,21 @@ use std::path::{Path, PathBuf};
 
 use rusqlite::{Connection, Row, Transaction, params};
 
-use crate::model::{Holder, Millis, Reservation, ReservationState, ReservedUnit};
+use crate::model::{
+    Event, EventKind, EventPhase, Holder, Millis, Reservation, ReservationState, ReservedUnit,
+};
 
 /// The migrations, in order. Number `n` brings the schema to `user_version = n`.
-const MIGRATIONS: &[(&str, &str)] = &[(
-    "0001_reservations",
-    include_str!("../../schema/migrations/0001_reservations.sql"),
-)];
+const MIGRATIONS: &[(&str, &str)] = &[
+    (
+        "0001_reservations",
+        include_str!("../../schema/migrations/0001_reservations.sql"),
+    ),
+    (
+        "0002_events",
+        include_str!("../../schema/migrations/0002_events.sql"),
+    ),
+];
 
 /// File name of the database inside the state directory.
 pub const DB_FILE: &str = "gpud.db";
@@ -436,6 +444,129 @@ impl Store {
         })
     }
 
+    /// Records events in one transaction and returns them with their ids.
+    pub fn insert_events(&mut self, events: &[Event]) -> Result<Vec<Event>, StoreError> {
+        let (tx, path) = self.transaction()?;
+        let err = |source| StoreError::Sqlite {
+            op: "insert event",
+            path: path.clone(),
+            source,
+        };
+        let mut out = Vec::with_capacity(events.len());
+        {
+            let mut stmt = tx
+                .prepare_cached(
+                    "INSERT INTO events (at, kind, phase, gpu_index, unit_uuid, pid, uid, reservation_id,
+                         used_bytes, reserved_bytes, action, message)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12)",
+                )
+                .map_err(err)?;
+            for e in events {
+                stmt.execute(params![
+                    to_sql_int(e.at),
+                    e.kind.as_str(),
+                    e.phase.as_str(),
+                    e.gpu_index,
+                    e.unit_uuid,
+                    e.pid,
+                    e.uid,
+                    e.reservation_id,
+                    e.used_bytes.map(to_sql_int),
+                    e.reserved_bytes.map(to_sql_int),
+                    e.action,
+                    e.message,
+                ])
+                .map_err(err)?;
+                let mut stored = e.clone();
+                stored.id = from_sql_int(tx.last_insert_rowid());
+                out.push(stored);
+            }
+        }
+        tx.commit().map_err(err)?;
+        Ok(out)
+    }
+
+    /// Events matching the filter, oldest first, at most `filter.limit`.
+    pub fn events(&self, filter: &EventFilter) -> Result<Vec<Event>, StoreError> {
+        let mut stmt = self
+            .conn
+            .prepare_cached(
+                "SELECT id, at, kind, phase, gpu_index, unit_uuid, pid, uid, reservation_id,
+                        used_bytes, reserved_bytes, action, message
+                 FROM events
+                 WHERE id > ?1 AND at >= ?2 AND (?3 IS NULL OR kind = ?3)
+                       AND (?4 IS NULL OR reservation_id = ?4)
+                 ORDER BY id LIMIT ?5",
+            )
+            .map_err(self.err("query events"))?;
+        let rows = stmt
+            .query_map(
+                params![
+                    to_sql_int(filter.after_id),
+                    to_sql_int(filter.since),
+                    filter.kind.map(EventKind::as_str),
+                    filter.reservation,
+                    filter.limit,
+                ],
+                |row| {
+                    Ok((
+                        row.get::<_, i64>(0)?,
+                        row.get::<_, i64>(1)?,
+                        row.get::<_, String>(2)?,
+                        row.get::<_, String>(3)?,
+                        row.get::<_, Option<u32>>(4)?,
+                        row.get::<_, Option<String>>(5)?,
+                        row.get::<_, Option<u32>>(6)?,
+                        (
+                            row.get::<_, Option<u32>>(7)?,
+                            row.get::<_, Option<String>>(8)?,
+                        ),
+                        (
+                            row.get::<_, Option<i64>>(9)?,
+                            row.get::<_, Option<i64>>(10)?,
+                        ),
+                        (row.get::<_, String>(11)?, row.get::<_, String>(12)?),
+                    ))
+                },
+            )
+            .map_err(self.err("query events"))?;
+        let mut out = Vec::new();
+        for row in rows {
+            let (
+                id,
+                at,
+                kind,
+                phase,
+                gpu_index,
+                unit_uuid,
+                pid,
+                (uid, reservation_id),
+                (used, reserved),
+                (action, message),
+            ) = row.map_err(self.err("read event"))?;
+            let corrupt = |what: &str| StoreError::Corrupt {
+                path: self.path.clone(),
+                detail: format!("event {id}: {what}"),
+            };
+            out.push(Event {
+                id: from_sql_int(id),
+                at: from_sql_int(at),
+                kind: EventKind::parse(&kind).ok_or_else(|| corrupt(&kind))?,
+                phase: EventPhase::parse(&phase).ok_or_else(|| corrupt(&phase))?,
+                gpu_index,
+                unit_uuid,
+                pid,
+                uid,
+                reservation_id,
+                used_bytes: used.map(from_sql_int),
+                reserved_bytes: reserved.map(from_sql_int),
+                action,
+                message,
+            });
+        }
+        Ok(out)
+    }
+
     /// Runs `PRAGMA integrity_check`; `Ok(())` when the database is sound.
     pub fn integrity_check(&self) -> Result<(), StoreError> {
         let result: String = self
@@ -449,6 +580,33 @@ impl Store {
                 path: self.path.clone(),
                 detail: result,
             })
+        }
+    }
+}
+
+/// Which events to return.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EventFilter {
+    /// Only events with a larger id (for following).
+    pub after_id: u64,
+    /// Only events at or after this time.
+    pub since: Millis,
+    /// Only this kind.
+    pub kind: Option<EventKind>,
+    /// Only events about this reservation.
+    pub reservation: Option<String>,
+    /// At most this many.
+    pub limit: u32,
+}
+
+impl Default for EventFilter {
+    fn default() -> EventFilter {
+        EventFilter {
+            after_id: 0,
+            since: 0,
+            kind: None,
+            reservation: None,
+            limit: 1000,
         }
     }
 }
@@ -593,6 +751,78 @@ mod tests {
         dup.units[0].uuid = "GPU-z".to_owned();
         assert!(store.insert(&dup).is_err());
         assert_eq!(store.active().unwrap(), vec![a]);
+    }
+
+    #[test]
+    fn events_round_trip_and_filter() {
+        let mut store = Store::open_in_memory().unwrap();
+        let event = |at, kind, reservation: Option<&str>| Event {
+            id: 0,
+            at,
+            kind,
+            phase: EventPhase::Start,
+            gpu_index: Some(1),
+            unit_uuid: Some("GPU-b".to_owned()),
+            pid: Some(42),
+            uid: Some(1000),
+            reservation_id: reservation.map(str::to_owned),
+            used_bytes: Some(5 << 30),
+            reserved_bytes: Some(4 << 30),
+            action: "none".to_owned(),
+            message: "m".to_owned(),
+        };
+        let stored = store
+            .insert_events(&[
+                event(10, EventKind::Unreserved, None),
+                event(20, EventKind::OverLimit, Some("r1")),
+                event(30, EventKind::OverLimit, Some("r2")),
+            ])
+            .unwrap();
+        assert_eq!(stored.iter().map(|e| e.id).collect::<Vec<_>>(), [1, 2, 3]);
+        assert_eq!(store.events(&EventFilter::default()).unwrap(), stored);
+        let only = |f: EventFilter| {
+            store
+                .events(&f)
+                .unwrap()
+                .iter()
+                .map(|e| e.id)
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            only(EventFilter {
+                kind: Some(EventKind::OverLimit),
+                ..EventFilter::default()
+            }),
+            [2, 3]
+        );
+        assert_eq!(
+            only(EventFilter {
+                since: 20,
+                ..EventFilter::default()
+            }),
+            [2, 3]
+        );
+        assert_eq!(
+            only(EventFilter {
+                after_id: 2,
+                ..EventFilter::default()
+            }),
+            [3]
+        );
+        assert_eq!(
+            only(EventFilter {
+                reservation: Some("r1".into()),
+                ..EventFilter::default()
+            }),
+            [2]
+        );
+        assert_eq!(
+            only(EventFilter {
+                limit: 1,
+                ..EventFilter::default()
+            }),
+            [1]
+        );
     }
 
     #[test]

@@ -236,6 +236,44 @@ pub struct Health {
     pub waiting: u64,
 }
 
+/// An audit finding or health change (`GET /v1/events`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct Event {
+    /// Sequence number; pass the last one seen as `after` to follow.
+    pub id: u64,
+    /// When, RFC 3339 UTC.
+    pub at: String,
+    /// `unreserved`, `wrong_gpu`, `over_limit` or `gpu_unhealthy`.
+    pub kind: String,
+    /// `start` (the finding began), `end` (it is over) or `point` (one enforcement step).
+    pub phase: String,
+    /// Physical GPU index.
+    pub gpu_index: Option<u32>,
+    /// GPU or MIG instance UUID.
+    pub unit_uuid: Option<String>,
+    /// Process concerned.
+    pub pid: Option<u32>,
+    /// Its owner.
+    pub uid: Option<u32>,
+    /// Reservation concerned.
+    pub reservation_id: Option<String>,
+    /// Memory used.
+    pub used_bytes: Option<u64>,
+    /// Memory reserved.
+    pub reserved_bytes: Option<u64>,
+    /// What gpud did about it.
+    pub action: String,
+    /// For people.
+    pub message: String,
+}
+
+/// `GET /v1/events` response.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct EventList {
+    /// Matching events, oldest first.
+    pub events: Vec<Event>,
+}
+
 /// Error response: `{"error": {"code": "...", "message": "..."}}`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct ErrorBody {

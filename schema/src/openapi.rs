@@ -9,7 +9,8 @@ use schemars::generate::{SchemaGenerator, SchemaSettings};
 use serde_json::{Value, json};
 
 use crate::{
-    ErrorBody, GpuList, Health, RenewRequest, Reservation, ReservationList, ReservationRequest,
+    ErrorBody, EventList, GpuList, Health, RenewRequest, Reservation, ReservationList,
+    ReservationRequest,
 };
 
 /// Builds the whole document.
@@ -24,6 +25,7 @@ pub fn document() -> Value {
     let gpu_list = r(&mut generator, |g| g.subschema_for::<GpuList>());
     let health = r(&mut generator, |g| g.subschema_for::<Health>());
     let error = r(&mut generator, |g| g.subschema_for::<ErrorBody>());
+    let event_list = r(&mut generator, |g| g.subschema_for::<EventList>());
     let components = generator.take_definitions(true);
 
     let body = |schema: &Value| json!({"content": {"application/json": {"schema": schema}}});
@@ -112,6 +114,23 @@ pub fn document() -> Value {
                     "409": error_reply("No longer active"),
                     "503": error_reply("State cannot be written")
                 }
+            }},
+            "/v1/events": {"get": {
+                "summary": "Audit events and violations",
+                "parameters": [
+                    {"name": "since", "in": "query", "required": false,
+                     "description": "Only events at or after this time (RFC 3339, or Unix seconds)",
+                     "schema": {"type": "string"}},
+                    {"name": "after", "in": "query", "required": false,
+                     "description": "Only events with a larger id (to follow)",
+                     "schema": {"type": "integer", "format": "uint64", "minimum": 0}},
+                    {"name": "kind", "in": "query", "required": false,
+                     "schema": {"type": "string", "enum": ["unreserved", "wrong_gpu", "over_limit", "gpu_unhealthy"]}},
+                    {"name": "reservation", "in": "query", "required": false, "schema": {"type": "string"}},
+                    {"name": "limit", "in": "query", "required": false,
+                     "schema": {"type": "integer", "format": "uint32", "minimum": 1, "maximum": 10000}}
+                ],
+                "responses": {"200": reply("Events", &event_list), "400": error_reply("Bad filter")}
             }},
             "/metrics": {"get": {
                 "summary": "Prometheus text exposition",

@@ -1,0 +1,1147 @@
+//! The usage check: every interval, what NVML says runs on each GPU is compared with what
+//! was reserved, and the differences become events, metrics, enforcement and input to
+//! placement.
+//!
+//! Depends on `broker`, `gpu`, `holder`, `config`. One pass, in order:
+//! 1. ask NVML for the processes on every GPU (a GPU whose query fails keeps its previous
+//!    findings; NVML reporting it lost, or `failures_before_unhealthy` failures in a row,
+//!    make it unhealthy — one bad GPU never stops the others from being checked);
+//! 2. attribute each process to a reservation: the holder itself or one of its descendants
+//!    (walking `/proc/<pid>/stat` parents), or a process in the holder's cgroup when that
+//!    cgroup is the holder's own (a container's), not a shared one like gpud's or `/`;
+//! 3. findings: `unreserved` (no reservation), `wrong_gpu` (a reservation's process on a GPU
+//!    it does not hold), `over_limit` (a reservation's processes on one GPU use more than it
+//!    reserved there, beyond the tolerance; exclusive reservations own the whole GPU);
+//! 4. a finding is recorded once when it starts and once when it ends, with the action
+//!    taken; under `terminate`, offending processes get SIGTERM, and SIGKILL after the
+//!    grace period if the same process (pid and start time) still runs — never gpud itself,
+//!    never root's processes unless `terminate_root`;
+//! 5. memory used by processes no reservation accounts for on that GPU is handed to the
+//!    broker, so placement does not promise it again.
+//!
+//! The pass runs on a blocking thread and takes the broker's lock only to read a view and to
+//! write results, so NVML latency never blocks the API.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::Instant;
+
+use gpud_schema::format_bytes;
+
+use crate::broker::Broker;
+use crate::config::{AuditConfig, Enforcement};
+use crate::gpu::{GpuProcess, Nvml};
+use crate::holder::process_info;
+use crate::metrics::Metrics;
+use crate::model::{Event, EventKind, EventPhase, Gpu, Millis};
+
+/// How deep to walk a process's ancestors looking for a holder.
+const MAX_ANCESTRY: usize = 64;
+
+/// What the audit needs to know about one active reservation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AuditedReservation {
+    /// Id.
+    pub id: String,
+    /// Owner.
+    pub owner_uid: u32,
+    /// Holder process, if any.
+    pub holder_pid: Option<u32>,
+    /// Whole units.
+    pub exclusive: bool,
+    /// Units held and the memory reserved on each.
+    pub units: Vec<(String, u64)>,
+}
+
+/// One GPU's process listing, or why it failed (`true`: NVML says the GPU is lost).
+pub type Listing = Result<Vec<GpuProcess>, (bool, String)>;
+
+/// Where NVML process lists come from (the real `gpu::Nvml`; a stand-in in unit tests).
+pub trait ProcessSource {
+    /// The processes on `gpu`, or why they could not be listed (`true`: the GPU is lost).
+    fn processes(&self, gpu: &Gpu) -> Listing;
+}
+
+impl ProcessSource for Nvml {
+    fn processes(&self, gpu: &Gpu) -> Listing {
+        Nvml::processes(self, gpu).map_err(|e| (e.is_gpu_lost(), e.to_string()))
+    }
+}
+
+/// Where process facts come from (`/proc`; a stand-in in unit tests).
+pub trait ProcessTable {
+    /// Parent pid, owner uid and start time of `pid`, if it exists.
+    fn info(&self, pid: u32) -> Option<(u32, u32, u64)>;
+    /// The cgroup `pid` belongs to, as one comparable string.
+    fn cgroup(&self, pid: u32) -> Option<String>;
+    /// Sends `signal` to `pid` if it still has `start_time`; false when it is gone.
+    fn signal(&self, pid: u32, start_time: u64, signal: nix::sys::signal::Signal) -> bool;
+}
+
+/// The real process table.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct ProcFs;
+
+impl ProcessTable for ProcFs {
+    fn info(&self, pid: u32) -> Option<(u32, u32, u64)> {
+        process_info(pid)
+            .ok()
+            .map(|i| (i.ppid, i.uid, i.start_time))
+    }
+
+    fn cgroup(&self, pid: u32) -> Option<String> {
+        std::fs::read_to_string(format!("/proc/{pid}/cgroup"))
+            .ok()
+            .and_then(|text| cgroup_key(&text))
+    }
+
+    fn signal(&self, pid: u32, start_time: u64, signal: nix::sys::signal::Signal) -> bool {
+        if self.info(pid).map(|(_, _, st)| st) != Some(start_time) {
+            return false;
+        }
+        let Ok(raw) = i32::try_from(pid) else {
+            return false;
+        };
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(raw), signal).is_ok()
+    }
+}
+
+/// One comparable cgroup identity from `/proc/<pid>/cgroup`: the unified (v2) path when it
+/// is set, else the memory controller's, else the named systemd hierarchy's. Hybrid hosts
+/// list several lines; pure v2 hosts one `0::/path` line.
+pub fn cgroup_key(text: &str) -> Option<String> {
+    let mut unified = None;
+    let mut memory = None;
+    let mut systemd = None;
+    for line in text.lines() {
+        let mut parts = line.splitn(3, ':');
+        let (Some(_id), Some(controllers), Some(path)) = (parts.next(), parts.next(), parts.next())
+        else {
+            continue;
+        };
+        if controllers.is_empty() {
+            unified = Some(path);
+        } else if controllers.split(',').any(|c| c == "memory") {
+            memory = Some(path);
+        } else if controllers == "name=systemd" {
+            systemd = Some(path);
+        }
+    }
+    [unified, memory, systemd]
+        .into_iter()
+        .flatten()
+        .find(|p| !p.is_empty() && *p != "/")
+        .map(str::to_owned)
+}
+
+/// Identity of an open finding.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+struct FindingKey {
+    kind: EventKind,
+    unit: String,
+    pid: Option<u32>,
+    reservation: Option<String>,
+}
+
+/// A process enforcement may signal: pid, start time (to recognise it later) and owner.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Target {
+    pid: u32,
+    start_time: Option<u64>,
+    uid: Option<u32>,
+}
+
+/// Processes of one finding, keyed by the finding.
+type Findings = BTreeMap<FindingKey, (Event, Vec<Target>)>;
+
+/// Per reservation and unit: bytes used, GPU index, and its processes.
+type ReservationUse = BTreeMap<(usize, String), (u64, u32, Vec<Target>)>;
+
+/// A process whose SIGKILL is due unless it exits first.
+#[derive(Debug, Clone)]
+struct PendingKill {
+    pid: u32,
+    start_time: u64,
+    due: Millis,
+    key: FindingKey,
+    gpu_index: u32,
+}
+
+/// The outcome of one pass (for tests and the benchmark).
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct PassReport {
+    /// Processes seen.
+    pub processes: usize,
+    /// Findings open after the pass.
+    pub open_findings: usize,
+    /// Events recorded.
+    pub events: Vec<Event>,
+}
+
+/// The auditor's memory between passes.
+pub struct Auditor<S, T> {
+    broker: Arc<Broker>,
+    source: S,
+    procs: T,
+    metrics: Arc<Metrics>,
+    open: BTreeMap<FindingKey, Event>,
+    failures: HashMap<u32, u32>,
+    kills: Vec<PendingKill>,
+    self_pid: u32,
+}
+
+impl<S, T> std::fmt::Debug for Auditor<S, T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Auditor")
+            .field("open", &self.open.len())
+            .finish_non_exhaustive()
+    }
+}
+
+/// A process as attributed in one pass.
+struct Seen<'a> {
+    process: &'a GpuProcess,
+    gpu_index: u32,
+    uid: Option<u32>,
+    start_time: Option<u64>,
+    owner: Option<usize>,
+}
+
+impl<S: ProcessSource, T: ProcessTable> Auditor<S, T> {
+    /// An auditor for `broker`'s reservations, reading GPUs from `source`.
+    pub fn new(broker: Arc<Broker>, source: S, procs: T, metrics: Arc<Metrics>) -> Self {
+        Auditor {
+            broker,
+            source,
+            procs,
+            metrics,
+            open: BTreeMap::new(),
+            failures: HashMap::new(),
+            kills: Vec::new(),
+            self_pid: std::process::id(),
+        }
+    }
+
+    /// One audit pass at time `now`.
+    pub fn pass(&mut self, config: &AuditConfig, now: Millis) -> PassReport {
+        let started = Instant::now();
+        let view = self.broker.audit_view();
+        let mut events = Vec::new();
+
+        // 1. Processes per GPU, and health.
+        let mut listed: Vec<(u32, Vec<GpuProcess>)> = Vec::new();
+        let mut unlisted: Vec<u32> = Vec::new();
+        for gpu in &view.gpus {
+            match self.source.processes(gpu) {
+                Ok(procs) => {
+                    self.failures.remove(&gpu.index);
+                    self.set_health(gpu, true, "NVML answers again", now, &mut events);
+                    listed.push((gpu.index, procs));
+                }
+                Err((lost, why)) => {
+                    let failures = self.failures.entry(gpu.index).or_insert(0);
+                    *failures += 1;
+                    unlisted.push(gpu.index);
+                    if lost || *failures >= config.failures_before_unhealthy {
+                        let reason = if lost {
+                            format!("NVML reports GPU {} lost: {why}", gpu.index)
+                        } else {
+                            format!(
+                                "GPU {} failed {failures} NVML queries in a row: {why}",
+                                gpu.index
+                            )
+                        };
+                        self.set_health(gpu, false, &reason, now, &mut events);
+                    }
+                }
+            }
+        }
+
+        // 2. Attribution.
+        let holders: HashMap<u32, usize> = view
+            .reservations
+            .iter()
+            .enumerate()
+            .filter_map(|(i, r)| r.holder_pid.map(|p| (p, i)))
+            .collect();
+        let own_cgroup = self.procs.cgroup(self.self_pid);
+        let mut by_cgroup: HashMap<String, Vec<usize>> = HashMap::new();
+        for (i, r) in view.reservations.iter().enumerate() {
+            if let Some(cg) = r.holder_pid.and_then(|p| self.procs.cgroup(p))
+                && Some(&cg) != own_cgroup.as_ref()
+            {
+                by_cgroup.entry(cg).or_default().push(i);
+            }
+        }
+        let mut seen: Vec<Seen<'_>> = Vec::new();
+        for (gpu_index, procs) in &listed {
+            for p in procs {
+                let info = self.procs.info(p.pid);
+                let owner = self.attribute(p, &holders, &by_cgroup, &view.reservations);
+                seen.push(Seen {
+                    process: p,
+                    gpu_index: *gpu_index,
+                    uid: info.map(|(_, uid, _)| uid),
+                    start_time: info.map(|(_, _, st)| st),
+                    owner,
+                });
+            }
+        }
+
+        // 3. Findings and usage.
+        let unit_index: HashMap<&str, usize> = view
+            .units
+            .iter()
+            .enumerate()
+            .map(|(i, u)| (u.uuid.as_str(), i))
+            .collect();
+        let mut used = vec![0u64; view.units.len()];
+        let mut unaccounted = vec![(0u64, false); view.units.len()];
+        let mut current = Findings::new();
+        let mut per_reservation = ReservationUse::new();
+        for s in &seen {
+            let bytes = s.process.used_bytes.unwrap_or(0);
+            let unit = s.process.unit_uuid.clone();
+            let slot = unit_index.get(unit.as_str()).copied();
+            if let Some(i) = slot {
+                used[i] += bytes;
+            }
+            let target = Target {
+                pid: s.process.pid,
+                start_time: s.start_time,
+                uid: s.uid,
+            };
+            let holds_unit = s.owner.and_then(|o| {
+                view.reservations[o]
+                    .units
+                    .iter()
+                    .find(|(u, _)| *u == unit)
+                    .map(|(_, reserved)| (o, *reserved))
+            });
+            match (s.owner, holds_unit) {
+                (_, Some((o, _))) => {
+                    let entry = per_reservation.entry((o, unit.clone())).or_insert((
+                        0,
+                        s.gpu_index,
+                        Vec::new(),
+                    ));
+                    entry.0 += bytes;
+                    entry.2.push(target);
+                }
+                (owner, None) => {
+                    if let Some(i) = slot {
+                        unaccounted[i].0 += bytes;
+                        unaccounted[i].1 = true;
+                    }
+                    let (kind, reservation, message) = match owner {
+                        None => (
+                            EventKind::Unreserved,
+                            None,
+                            format!(
+                                "process {} uses {} on GPU {} without a reservation",
+                                s.process.pid,
+                                format_bytes(bytes),
+                                s.gpu_index
+                            ),
+                        ),
+                        Some(o) => {
+                            let r = &view.reservations[o];
+                            (
+                                EventKind::WrongGpu,
+                                Some(r.id.clone()),
+                                format!(
+                                    "process {} of reservation {} uses {} on GPU {}, which the reservation does not hold",
+                                    s.process.pid,
+                                    r.id,
+                                    format_bytes(bytes),
+                                    s.gpu_index
+                                ),
+                            )
+                        }
+                    };
+                    let key = FindingKey {
+                        kind,
+                        unit: unit.clone(),
+                        pid: Some(s.process.pid),
+                        reservation: reservation.clone(),
+                    };
+                    let event = Event {
+                        id: 0,
+                        at: now,
+                        kind,
+                        phase: EventPhase::Start,
+                        gpu_index: Some(s.gpu_index),
+                        unit_uuid: Some(unit.clone()),
+                        pid: Some(s.process.pid),
+                        uid: s.uid,
+                        reservation_id: reservation,
+                        used_bytes: Some(bytes),
+                        reserved_bytes: None,
+                        action: String::new(),
+                        message,
+                    };
+                    current.insert(key, (event, vec![target]));
+                }
+            }
+        }
+        for ((o, unit), (bytes, gpu_index, targets)) in per_reservation {
+            let r = &view.reservations[o];
+            let reserved = r
+                .units
+                .iter()
+                .find(|(u, _)| *u == unit)
+                .map_or(0, |(_, b)| *b);
+            if r.exclusive || bytes <= config.over_limit_tolerance.limit(reserved) {
+                continue;
+            }
+            let key = FindingKey {
+                kind: EventKind::OverLimit,
+                unit: unit.clone(),
+                pid: None,
+                reservation: Some(r.id.clone()),
+            };
+            let event = Event {
+                id: 0,
+                at: now,
+                kind: EventKind::OverLimit,
+                phase: EventPhase::Start,
+                gpu_index: Some(gpu_index),
+                unit_uuid: Some(unit),
+                pid: targets.first().map(|t| t.pid),
+                uid: Some(r.owner_uid),
+                reservation_id: Some(r.id.clone()),
+                used_bytes: Some(bytes),
+                reserved_bytes: Some(reserved),
+                action: String::new(),
+                message: format!(
+                    "reservation {} uses {} on GPU {}, more than the {} it reserved",
+                    r.id,
+                    format_bytes(bytes),
+                    gpu_index,
+                    format_bytes(reserved)
+                ),
+            };
+            current.insert(key, (event, targets));
+        }
+
+        // 4. Open, keep, and close findings; enforcement.
+        for (key, (mut event, targets)) in current {
+            if self.open.contains_key(&key) {
+                continue;
+            }
+            event.action = self.enforce(config, &key, event.gpu_index.unwrap_or(0), &targets, now);
+            self.metrics.count_event(event.kind.as_str());
+            self.open.insert(key, event.clone());
+            events.push(event);
+        }
+        let still: Vec<FindingKey> = self.open.keys().cloned().collect();
+        for key in still {
+            if key.kind == EventKind::GpuUnhealthy {
+                continue;
+            }
+            let on_unlisted_gpu = self
+                .open
+                .get(&key)
+                .and_then(|e| e.gpu_index)
+                .is_some_and(|g| unlisted.contains(&g));
+            let reappears = seen_key(&key, &seen, &view.reservations, config);
+            if on_unlisted_gpu || reappears {
+                continue;
+            }
+            if let Some(start) = self.open.remove(&key) {
+                self.kills.retain(|k| k.key != key);
+                events.push(Event {
+                    phase: EventPhase::End,
+                    at: now,
+                    action: "none".to_owned(),
+                    message: format!("over: {}", start.message),
+                    ..start
+                });
+            }
+        }
+        events.extend(self.due_kills(now));
+
+        // 5. Hand usage to placement; store events.
+        self.broker.set_usage(&used, &unaccounted);
+        let events = if events.is_empty() {
+            events
+        } else {
+            match self.broker.record_events(&events) {
+                Ok(stored) => stored,
+                Err(e) => {
+                    tracing::error!(error = %e, "could not store audit events");
+                    events
+                }
+            }
+        };
+        for e in &events {
+            log_event(e);
+        }
+        self.metrics.observe_audit_pass(started.elapsed());
+        PassReport {
+            processes: seen.len(),
+            open_findings: self.open.len(),
+            events,
+        }
+    }
+
+    fn attribute(
+        &self,
+        p: &GpuProcess,
+        holders: &HashMap<u32, usize>,
+        by_cgroup: &HashMap<String, Vec<usize>>,
+        reservations: &[AuditedReservation],
+    ) -> Option<usize> {
+        let mut pid = p.pid;
+        for _ in 0..MAX_ANCESTRY {
+            if let Some(&i) = holders.get(&pid) {
+                return Some(i);
+            }
+            match self.procs.info(pid) {
+                Some((ppid, _, _)) if ppid > 1 && ppid != pid => pid = ppid,
+                _ => break,
+            }
+        }
+        let candidates = by_cgroup.get(&self.procs.cgroup(p.pid)?)?;
+        // Several reservations from one container: the one holding this GPU, else the first.
+        candidates
+            .iter()
+            .copied()
+            .find(|&i| reservations[i].units.iter().any(|(u, _)| *u == p.unit_uuid))
+            .or_else(|| candidates.first().copied())
+    }
+
+    fn set_health(
+        &mut self,
+        gpu: &Gpu,
+        healthy: bool,
+        reason: &str,
+        now: Millis,
+        events: &mut Vec<Event>,
+    ) {
+        if !self.broker.set_gpu_health(gpu.index, healthy) {
+            return;
+        }
+        let key = FindingKey {
+            kind: EventKind::GpuUnhealthy,
+            unit: gpu.uuid.clone(),
+            pid: None,
+            reservation: None,
+        };
+        let event = Event {
+            id: 0,
+            at: now,
+            kind: EventKind::GpuUnhealthy,
+            phase: if healthy {
+                EventPhase::End
+            } else {
+                EventPhase::Start
+            },
+            gpu_index: Some(gpu.index),
+            unit_uuid: Some(gpu.uuid.clone()),
+            pid: None,
+            uid: None,
+            reservation_id: None,
+            used_bytes: None,
+            reserved_bytes: None,
+            action: if healthy {
+                "placements resumed"
+            } else {
+                "no new placements on this GPU"
+            }
+            .to_owned(),
+            message: if healthy {
+                format!("GPU {} is healthy again ({reason})", gpu.index)
+            } else {
+                reason.to_owned()
+            },
+        };
+        if healthy {
+            self.open.remove(&key);
+        } else {
+            self.metrics.count_event(EventKind::GpuUnhealthy.as_str());
+            self.open.insert(key, event.clone());
+        }
+        events.push(event);
+    }
+
+    /// Applies the enforcement policy to a new finding; returns the action taken, in words.
+    fn enforce(
+        &mut self,
+        config: &AuditConfig,
+        key: &FindingKey,
+        gpu_index: u32,
+        targets: &[Target],
+        now: Millis,
+    ) -> String {
+        if config.enforcement == Enforcement::Observe {
+            return "none (enforcement = observe)".to_owned();
+        }
+        let mut done = Vec::new();
+        for &Target {
+            pid,
+            start_time,
+            uid,
+        } in targets
+        {
+            let Some(start_time) = start_time else {
+                done.push(format!("{pid}: gone"));
+                continue;
+            };
+            if pid == self.self_pid {
+                done.push(format!("{pid}: spared (gpud itself)"));
+                continue;
+            }
+            if uid == Some(0) && !config.terminate_root {
+                done.push(format!(
+                    "{pid}: spared (root's process; terminate_root = false)"
+                ));
+                continue;
+            }
+            if self
+                .procs
+                .signal(pid, start_time, nix::sys::signal::Signal::SIGTERM)
+            {
+                let grace = u64::try_from(config.grace.as_millis()).unwrap_or(u64::MAX);
+                self.kills.push(PendingKill {
+                    pid,
+                    start_time,
+                    due: now.saturating_add(grace),
+                    key: key.clone(),
+                    gpu_index,
+                });
+                done.push(format!(
+                    "{pid}: sigterm, sigkill in {}",
+                    humantime::format_duration(config.grace)
+                ));
+            } else {
+                done.push(format!("{pid}: gone"));
+            }
+        }
+        done.join("; ")
+    }
+
+    fn due_kills(&mut self, now: Millis) -> Vec<Event> {
+        let (due, later): (Vec<PendingKill>, Vec<PendingKill>) =
+            self.kills.drain(..).partition(|k| k.due <= now);
+        self.kills = later;
+        due.into_iter()
+            .filter(|k| {
+                self.procs
+                    .signal(k.pid, k.start_time, nix::sys::signal::Signal::SIGKILL)
+            })
+            .map(|k| Event {
+                id: 0,
+                at: now,
+                kind: k.key.kind,
+                phase: EventPhase::Point,
+                gpu_index: Some(k.gpu_index),
+                unit_uuid: Some(k.key.unit.clone()),
+                pid: Some(k.pid),
+                uid: None,
+                reservation_id: k.key.reservation.clone(),
+                used_bytes: None,
+                reserved_bytes: None,
+                action: "sigkill".to_owned(),
+                message: format!("process {} outlived its grace period after SIGTERM", k.pid),
+            })
+            .collect()
+    }
+}
+
+/// Whether the finding `key` is still present in this pass's processes.
+fn seen_key(
+    key: &FindingKey,
+    seen: &[Seen<'_>],
+    reservations: &[AuditedReservation],
+    config: &AuditConfig,
+) -> bool {
+    match key.kind {
+        EventKind::Unreserved => seen.iter().any(|s| {
+            Some(s.process.pid) == key.pid && s.process.unit_uuid == key.unit && s.owner.is_none()
+        }),
+        EventKind::WrongGpu => seen.iter().any(|s| {
+            Some(s.process.pid) == key.pid
+                && s.process.unit_uuid == key.unit
+                && s.owner.map(|o| &reservations[o].id) == key.reservation.as_ref()
+        }),
+        EventKind::OverLimit => {
+            let Some(r) = reservations
+                .iter()
+                .position(|r| Some(&r.id) == key.reservation.as_ref())
+            else {
+                return false;
+            };
+            let reserved = reservations[r]
+                .units
+                .iter()
+                .find(|(u, _)| *u == key.unit)
+                .map_or(0, |(_, b)| *b);
+            let used: u64 = seen
+                .iter()
+                .filter(|s| s.owner == Some(r) && s.process.unit_uuid == key.unit)
+                .map(|s| s.process.used_bytes.unwrap_or(0))
+                .sum();
+            used > config.over_limit_tolerance.limit(reserved)
+        }
+        EventKind::GpuUnhealthy => true,
+    }
+}
+
+fn log_event(e: &Event) {
+    let reservation = e.reservation_id.as_deref().unwrap_or("-");
+    match e.phase {
+        EventPhase::End => tracing::info!(reservation, kind = e.kind.as_str(), "{}", e.message),
+        _ => {
+            tracing::warn!(reservation, kind = e.kind.as_str(), action = %e.action, "{}", e.message)
+        }
+    }
+}
+
+/// Runs passes forever at the configured interval (re-read each pass, so a reload applies).
+pub async fn run(
+    auditor: Auditor<Arc<Nvml>, ProcFs>,
+    settings: impl Fn() -> AuditConfig + Send + Sync + 'static,
+) {
+    let auditor = Arc::new(std::sync::Mutex::new(auditor));
+    loop {
+        let config = settings();
+        let a = auditor.clone();
+        let pass_config = config.clone();
+        let _ = tokio::task::spawn_blocking(move || {
+            let mut a = a.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            a.pass(&pass_config, crate::clock::now_millis())
+        })
+        .await;
+        tokio::time::sleep(config.interval).await;
+    }
+}
+
+impl ProcessSource for Arc<Nvml> {
+    fn processes(&self, gpu: &Gpu) -> Listing {
+        ProcessSource::processes(self.as_ref(), gpu)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Mutex;
+    use std::time::Duration;
+
+    use nix::sys::signal::Signal;
+
+    use crate::broker::{BrokerSettings, Caller, ReserveOutcome, ReserveRequest};
+    use crate::config::{Config, Tolerance};
+    use crate::model::{GpuInventory, Link, MemoryAsk, PcieLevel, Topology};
+    use crate::store::Store;
+
+    const GIB: u64 = 1 << 30;
+    const ME: u32 = 1000;
+
+    #[derive(Default)]
+    struct FakeNvml(Mutex<BTreeMap<u32, Listing>>);
+
+    impl ProcessSource for &FakeNvml {
+        fn processes(&self, gpu: &Gpu) -> Listing {
+            self.0
+                .lock()
+                .unwrap()
+                .get(&gpu.index)
+                .cloned()
+                .unwrap_or(Ok(Vec::new()))
+        }
+    }
+
+    #[derive(Default)]
+    struct FakeProcs {
+        table: Mutex<HashMap<u32, (u32, u32, u64)>>,
+        cgroups: Mutex<HashMap<u32, String>>,
+        signals: Mutex<Vec<(u32, Signal)>>,
+    }
+
+    impl ProcessTable for &FakeProcs {
+        fn info(&self, pid: u32) -> Option<(u32, u32, u64)> {
+            self.table.lock().unwrap().get(&pid).copied()
+        }
+        fn cgroup(&self, pid: u32) -> Option<String> {
+            self.cgroups.lock().unwrap().get(&pid).cloned()
+        }
+        fn signal(&self, pid: u32, start_time: u64, signal: Signal) -> bool {
+            if self.info(pid).map(|i| i.2) != Some(start_time) {
+                return false;
+            }
+            self.signals.lock().unwrap().push((pid, signal));
+            true
+        }
+    }
+
+    fn inventory() -> GpuInventory {
+        let gpu = |index: u32| Gpu {
+            index,
+            uuid: format!("GPU-{index}"),
+            name: "Tesla T4".into(),
+            pci_bus_id: String::new(),
+            minor_number: None,
+            memory_total_bytes: 16 * GIB,
+            numa_node: None,
+            cpu_affinity: vec![],
+            mig_instances: vec![],
+            mig_enabled: false,
+            healthy: true,
+        };
+        GpuInventory {
+            driver_version: None,
+            cuda_driver_version: None,
+            gpus: vec![gpu(0), gpu(1)],
+            topology: Topology::uniform(
+                2,
+                Link {
+                    pcie: PcieLevel::System,
+                    nvlinks: 0,
+                },
+            ),
+        }
+    }
+
+    fn broker() -> Arc<Broker> {
+        let settings = BrokerSettings {
+            admin_gids: vec![],
+            config: Config::default(),
+        };
+        Broker::open(Store::open_in_memory().unwrap(), &inventory(), settings, 0)
+            .unwrap()
+            .0
+    }
+
+    /// Reserves `gib` on one GPU, held by this test process (a real, live pid).
+    fn reserve(b: &Broker, memory: MemoryAsk) -> (String, Vec<String>) {
+        let request = ReserveRequest {
+            gpus: 1,
+            memory,
+            policy: None,
+            wait: None,
+            ttl_seconds: None,
+            holder_pid: Some(std::process::id()),
+            labels: BTreeMap::new(),
+            id: None,
+        };
+        let caller = Caller {
+            uid: 0,
+            gid: 0,
+            pid: None,
+        };
+        match b.reserve(caller, request, 0).unwrap() {
+            ReserveOutcome::Reserved(r) => (r.id, r.units.into_iter().map(|u| u.uuid).collect()),
+            ReserveOutcome::Queued(_) => panic!("queued"),
+        }
+    }
+
+    fn process(pid: u32, unit: &str, gib: u64) -> GpuProcess {
+        GpuProcess {
+            pid,
+            used_bytes: Some(gib * GIB),
+            unit_uuid: unit.to_owned(),
+        }
+    }
+
+    fn kinds(report: &PassReport) -> Vec<(EventKind, EventPhase)> {
+        report.events.iter().map(|e| (e.kind, e.phase)).collect()
+    }
+
+    #[test]
+    fn a_foreign_process_is_recorded_once_while_it_lasts_and_shrinks_placement() {
+        let b = broker();
+        let (nvml, procs) = (FakeNvml::default(), FakeProcs::default());
+        procs.table.lock().unwrap().insert(4242, (1, ME, 7));
+        nvml.0
+            .lock()
+            .unwrap()
+            .insert(0, Ok(vec![process(4242, "GPU-0", 10)]));
+        nvml.0
+            .lock()
+            .unwrap()
+            .insert(1, Ok(vec![process(4243, "GPU-1", 10)]));
+        let mut a = Auditor::new(b.clone(), &nvml, &procs, Arc::new(Metrics::new()));
+        let config = AuditConfig::default();
+        let first = a.pass(&config, 1);
+        assert_eq!(
+            kinds(&first),
+            [(EventKind::Unreserved, EventPhase::Start); 2]
+        );
+        assert_eq!(first.events[0].uid, Some(ME));
+        assert!(
+            first.events[0].message.contains("10 GiB on GPU 0"),
+            "{}",
+            first.events[0].message
+        );
+        assert!(
+            a.pass(&config, 2).events.is_empty(),
+            "recorded once, not every pass"
+        );
+        // 10 GiB of each 16 GiB T4 is taken by processes nobody reserved: 7 GiB no longer fits.
+        let snap = b.snapshot();
+        assert_eq!(snap.loads[0].unaccounted_bytes, 10 * GIB);
+        let request = ReserveRequest {
+            gpus: 1,
+            memory: MemoryAsk::Bytes(7 * GIB),
+            policy: None,
+            wait: None,
+            ttl_seconds: Some(60),
+            holder_pid: None,
+            labels: BTreeMap::new(),
+            id: None,
+        };
+        let e = b
+            .reserve(
+                Caller {
+                    uid: ME,
+                    gid: ME,
+                    pid: None,
+                },
+                request,
+                3,
+            )
+            .unwrap_err();
+        assert!(e.to_string().contains("largest free block is 6 GiB"), "{e}");
+        nvml.0.lock().unwrap().insert(0, Ok(vec![]));
+        let ended = a.pass(&config, 4);
+        assert_eq!(kinds(&ended), [(EventKind::Unreserved, EventPhase::End)]);
+        assert_eq!(b.snapshot().loads[0].unaccounted_bytes, 0);
+        assert_eq!(
+            b.events(&crate::store::EventFilter::default())
+                .unwrap()
+                .len(),
+            3,
+            "stored"
+        );
+    }
+
+    #[test]
+    fn descendants_count_for_their_holder_and_overuse_is_over_limit() {
+        let b = broker();
+        let (id, units) = reserve(&b, MemoryAsk::Bytes(4 * GIB));
+        let (nvml, procs) = (FakeNvml::default(), FakeProcs::default());
+        let me = std::process::id();
+        // me -> 5000 -> 5001 (a grandchild of the holder).
+        procs
+            .table
+            .lock()
+            .unwrap()
+            .extend([(5000, (me, ME, 1)), (5001, (5000, ME, 2))]);
+        nvml.0
+            .lock()
+            .unwrap()
+            .insert(0, Ok(vec![process(5001, &units[0], 4)]));
+        let mut a = Auditor::new(b.clone(), &nvml, &procs, Arc::new(Metrics::new()));
+        let config = AuditConfig::default();
+        assert!(
+            a.pass(&config, 1).events.is_empty(),
+            "within the reservation"
+        );
+        assert_eq!(b.snapshot().loads[0].unaccounted_bytes, 0);
+        // 4.1 GiB is within 5 % of 4 GiB; 5 GiB is not.
+        nvml.0.lock().unwrap().insert(
+            0,
+            Ok(vec![GpuProcess {
+                used_bytes: Some(4 * GIB + GIB / 10),
+                ..process(5001, &units[0], 0)
+            }]),
+        );
+        assert!(a.pass(&config, 2).events.is_empty(), "tolerance");
+        nvml.0
+            .lock()
+            .unwrap()
+            .insert(0, Ok(vec![process(5001, &units[0], 5)]));
+        let over = a.pass(&config, 3);
+        assert_eq!(kinds(&over), [(EventKind::OverLimit, EventPhase::Start)]);
+        assert_eq!(over.events[0].reservation_id.as_deref(), Some(id.as_str()));
+        assert_eq!(
+            (over.events[0].used_bytes, over.events[0].reserved_bytes),
+            (Some(5 * GIB), Some(4 * GIB))
+        );
+        let strict = AuditConfig {
+            over_limit_tolerance: Tolerance::Bytes(0),
+            ..AuditConfig::default()
+        };
+        nvml.0
+            .lock()
+            .unwrap()
+            .insert(0, Ok(vec![process(5001, &units[0], 4)]));
+        assert_eq!(
+            kinds(&a.pass(&strict, 4)),
+            [(EventKind::OverLimit, EventPhase::End)]
+        );
+    }
+
+    #[test]
+    fn a_reservations_process_on_another_gpu_is_wrong_gpu() {
+        let b = broker();
+        let (id, units) = reserve(&b, MemoryAsk::Bytes(GIB));
+        let other = if units[0] == "GPU-0" {
+            (1, "GPU-1")
+        } else {
+            (0, "GPU-0")
+        };
+        let (nvml, procs) = (FakeNvml::default(), FakeProcs::default());
+        nvml.0
+            .lock()
+            .unwrap()
+            .insert(other.0, Ok(vec![process(std::process::id(), other.1, 1)]));
+        procs
+            .table
+            .lock()
+            .unwrap()
+            .insert(std::process::id(), (1, ME, 9));
+        let mut a = Auditor::new(b.clone(), &nvml, &procs, Arc::new(Metrics::new()));
+        let report = a.pass(&AuditConfig::default(), 1);
+        assert_eq!(kinds(&report), [(EventKind::WrongGpu, EventPhase::Start)]);
+        assert_eq!(
+            report.events[0].reservation_id.as_deref(),
+            Some(id.as_str())
+        );
+        assert_eq!(
+            b.snapshot().loads[usize::try_from(other.0).unwrap()].unaccounted_bytes,
+            GIB
+        );
+    }
+
+    #[test]
+    fn a_container_process_is_attributed_by_cgroup() {
+        let b = broker();
+        let (_, units) = reserve(&b, MemoryAsk::Bytes(GIB));
+        let (nvml, procs) = (FakeNvml::default(), FakeProcs::default());
+        procs.cgroups.lock().unwrap().extend([
+            (std::process::id(), "/kubepods/pod-a/ctr".to_owned()),
+            (7000, "/kubepods/pod-a/ctr".to_owned()),
+        ]);
+        nvml.0
+            .lock()
+            .unwrap()
+            .insert(0, Ok(vec![process(7000, &units[0], 1)]));
+        let mut a = Auditor::new(b, &nvml, &procs, Arc::new(Metrics::new()));
+        // In this test the holder is the test process, which is also the auditor's own pid;
+        // pretend gpud is another process so the holder's cgroup is not gpud's.
+        a.self_pid = 1;
+        assert!(a.pass(&AuditConfig::default(), 1).events.is_empty());
+        // A process in gpud's own (shared) cgroup is not attributed that way.
+        procs
+            .cgroups
+            .lock()
+            .unwrap()
+            .insert(1, "/kubepods/pod-a/ctr".to_owned());
+        assert_eq!(
+            kinds(&a.pass(&AuditConfig::default(), 2)),
+            [(EventKind::Unreserved, EventPhase::Start)]
+        );
+    }
+
+    #[test]
+    fn terminate_signals_term_then_kill_and_spares_root_and_gpud() {
+        let b = broker();
+        let (nvml, procs) = (FakeNvml::default(), FakeProcs::default());
+        procs
+            .table
+            .lock()
+            .unwrap()
+            .extend([(6000, (1, ME, 5)), (6001, (1, 0, 6))]);
+        nvml.0.lock().unwrap().insert(
+            0,
+            Ok(vec![process(6000, "GPU-0", 1), process(6001, "GPU-0", 1)]),
+        );
+        let mut a = Auditor::new(b, &nvml, &procs, Arc::new(Metrics::new()));
+        let config = AuditConfig {
+            enforcement: Enforcement::Terminate,
+            grace: Duration::from_millis(500),
+            ..AuditConfig::default()
+        };
+        let report = a.pass(&config, 1_000);
+        let actions: Vec<&str> = report.events.iter().map(|e| e.action.as_str()).collect();
+        assert!(
+            actions[0].contains("6000: sigterm, sigkill in 500ms"),
+            "{actions:?}"
+        );
+        assert!(actions[1].contains("spared (root's process"), "{actions:?}");
+        assert_eq!(*procs.signals.lock().unwrap(), [(6000, Signal::SIGTERM)]);
+        assert!(
+            a.pass(&config, 1_200).events.is_empty(),
+            "grace period not over"
+        );
+        let killed = a.pass(&config, 1_600);
+        assert_eq!(kinds(&killed), [(EventKind::Unreserved, EventPhase::Point)]);
+        assert_eq!(killed.events[0].action, "sigkill");
+        assert_eq!(
+            *procs.signals.lock().unwrap(),
+            [(6000, Signal::SIGTERM), (6000, Signal::SIGKILL)]
+        );
+        // Observe mode never signals.
+        let observe = AuditConfig::default();
+        nvml.0
+            .lock()
+            .unwrap()
+            .insert(1, Ok(vec![process(6002, "GPU-1", 1)]));
+        procs.table.lock().unwrap().insert(6002, (1, ME, 8));
+        let seen = a.pass(&observe, 2_000);
+        assert!(
+            seen.events
+                .iter()
+                .any(|e| e.pid == Some(6002) && e.action.contains("observe"))
+        );
+        assert_eq!(procs.signals.lock().unwrap().len(), 2);
+    }
+
+    #[test]
+    fn a_lost_gpu_turns_unhealthy_at_once_and_recovers() {
+        let b = broker();
+        let (nvml, procs) = (FakeNvml::default(), FakeProcs::default());
+        let mut a = Auditor::new(b.clone(), &nvml, &procs, Arc::new(Metrics::new()));
+        let config = AuditConfig::default();
+        nvml.0
+            .lock()
+            .unwrap()
+            .insert(1, Err((true, "GPU is lost".into())));
+        let lost = a.pass(&config, 1);
+        assert_eq!(kinds(&lost), [(EventKind::GpuUnhealthy, EventPhase::Start)]);
+        assert!(!b.snapshot().gpus[1].healthy);
+        assert!(
+            b.snapshot().gpus[0].healthy,
+            "one bad GPU does not affect the others"
+        );
+        assert!(a.pass(&config, 2).events.is_empty());
+        nvml.0.lock().unwrap().insert(1, Ok(vec![]));
+        assert_eq!(
+            kinds(&a.pass(&config, 3)),
+            [(EventKind::GpuUnhealthy, EventPhase::End)]
+        );
+        assert!(b.snapshot().gpus[1].healthy);
+        // A GPU whose queries fail turns unhealthy only after several failures in a row.
+        nvml.0
+            .lock()
+            .unwrap()
+            .insert(0, Err((false, "Unknown Error".into())));
+        assert!(a.pass(&config, 4).events.is_empty());
+        assert!(a.pass(&config, 5).events.is_empty());
+        assert_eq!(
+            kinds(&a.pass(&config, 6)),
+            [(EventKind::GpuUnhealthy, EventPhase::Start)]
+        );
+    }
+
+    #[test]
+    fn cgroup_keys_from_v1_v2_and_hybrid() {
+        assert_eq!(
+            cgroup_key("0::/kubepods/pod1/abc\n"),
+            Some("/kubepods/pod1/abc".into())
+        );
+        assert_eq!(cgroup_key("0::/\n"), None);
+        let hybrid = "12:memory:/docker/abc\n1:name=systemd:/docker/abc\n0::/\n";
+        assert_eq!(cgroup_key(hybrid), Some("/docker/abc".into()));
+        let hybrid_unified = "12:memory:/docker/abc\n0::/system.slice/docker-abc.scope\n";
+        assert_eq!(
+            cgroup_key(hybrid_unified),
+            Some("/system.slice/docker-abc.scope".into())
+        );
+        assert_eq!(cgroup_key("5:cpu,cpuacct:/x\n"), None);
+        assert_eq!(cgroup_key("garbage"), None);
+    }
+}

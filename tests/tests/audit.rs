@@ -1,0 +1,305 @@
+//! The usage audit through the real gpud on the fake NVML, with real processes spawned by
+//! the test and written into the fixture while gpud runs (audit interval 200 ms).
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step should stop with its line
+
+use std::process::{Child, Command};
+use std::time::Duration;
+
+use gpud_tests::{Daemon, GIB, Reply, wait_for};
+use serde_json::{Value, json};
+
+/// Two audit intervals (200 ms each in tests), with room for a loaded machine.
+const TWO_INTERVALS: Duration = Duration::from_millis(400);
+const PATIENCE: Duration = Duration::from_secs(5);
+
+fn sleeper() -> Child {
+    Command::new("sleep").arg("60").spawn().unwrap()
+}
+
+/// Puts `(pid, bytes)` processes on GPU `gpu` of the daemon's fixture.
+fn set_processes(d: &Daemon, gpu: usize, procs: &[(u32, u64)]) {
+    let mut fixture = d.read_fixture();
+    fixture["gpus"][gpu]["processes"] = procs
+        .iter()
+        .map(|(pid, bytes)| json!({"pid": pid, "used_memory_bytes": bytes}))
+        .collect();
+    d.write_fixture(&fixture);
+}
+
+fn events(d: &Daemon, query: &str) -> Vec<Value> {
+    let r = d.get(&format!("/v1/events{query}"));
+    assert_eq!(r.status, 200, "{}", r.text);
+    r.body["events"].as_array().unwrap().clone()
+}
+
+/// Waits for an event of `kind` and `phase` and returns it with how long it took.
+fn wait_event(d: &Daemon, kind: &str, phase: &str, pid: Option<u32>) -> (Value, Duration) {
+    let started = std::time::Instant::now();
+    let event = wait_for(PATIENCE, || {
+        events(d, &format!("?kind={kind}"))
+            .into_iter()
+            .find(|e| e["phase"] == phase && pid.is_none_or(|p| e["pid"] == p))
+    })
+    .unwrap_or_else(|| panic!("no {kind} {phase} event; have {:?}", events(d, "")));
+    (event, started.elapsed())
+}
+
+fn reserve(d: &Daemon, body: Value) -> Reply {
+    let r = d.post("/v1/reservations", &body.to_string());
+    assert_eq!(r.status, 201, "{}", r.text);
+    r
+}
+
+#[test]
+fn an_unreserved_process_is_recorded_once_and_its_end_too() {
+    let d = Daemon::start("t4-pair", "");
+    let mut rogue = sleeper();
+    set_processes(&d, 0, &[(rogue.id(), 3 * GIB)]);
+    let (event, took) = wait_event(&d, "unreserved", "start", Some(rogue.id()));
+    println!("unreserved seen after {took:?}");
+    assert!(
+        took <= TWO_INTERVALS + Duration::from_millis(300),
+        "{took:?}"
+    );
+    assert_eq!(event["gpu_index"], 0);
+    assert_eq!(event["used_bytes"], 3 * GIB);
+    assert!(event["action"].as_str().unwrap().contains("observe"));
+    std::thread::sleep(TWO_INTERVALS);
+    assert_eq!(
+        events(&d, "?kind=unreserved").len(),
+        1,
+        "recorded once while it lasts"
+    );
+    set_processes(&d, 0, &[]);
+    wait_event(&d, "unreserved", "end", Some(rogue.id()));
+    assert!(rogue.try_wait().unwrap().is_none(), "observe never kills");
+    rogue.kill().unwrap();
+    rogue.wait().unwrap();
+}
+
+#[test]
+fn a_holders_child_is_accounted_and_overuse_is_over_limit() {
+    let d = Daemon::start("t4-pair", "");
+    // sh (the holder) runs sleep: the GPU process is the holder's child.
+    let mut holder = Command::new("sh")
+        .args(["-c", "sleep 60 & wait"])
+        .spawn()
+        .unwrap();
+    let r = reserve(&d, json!({"memory": "2GiB", "holder_pid": holder.id()}));
+    let id = r.body["id"].as_str().unwrap().to_owned();
+    let child = wait_for(PATIENCE, || {
+        let children = std::fs::read_to_string(format!(
+            "/proc/{}/task/{}/children",
+            holder.id(),
+            holder.id()
+        ))
+        .ok()?;
+        children.split_whitespace().next()?.parse::<u32>().ok()
+    })
+    .expect("the holder's child");
+    let gpu = usize::try_from(r.body["gpus"][0]["index"].as_u64().unwrap()).unwrap();
+    set_processes(&d, gpu, &[(child, 2 * GIB)]);
+    std::thread::sleep(TWO_INTERVALS * 2);
+    assert!(
+        events(&d, "").is_empty(),
+        "a holder's child within its reservation is fine: {:?}",
+        events(&d, "")
+    );
+    let gpus = d.get("/v1/gpus").body;
+    assert_eq!(gpus["gpus"][gpu]["memory_used_bytes"], 2 * GIB);
+    assert_eq!(gpus["gpus"][gpu]["memory_unaccounted_bytes"], 0);
+    set_processes(&d, gpu, &[(child, 3 * GIB)]);
+    let (event, _) = wait_event(&d, "over_limit", "start", None);
+    assert_eq!(event["reservation_id"], id.as_str());
+    assert_eq!(event["reserved_bytes"], 2 * GIB);
+    assert_eq!(events(&d, &format!("?reservation={id}")).len(), 1);
+    holder.kill().unwrap();
+    holder.wait().unwrap();
+}
+
+#[test]
+fn a_process_on_a_gpu_its_reservation_does_not_hold_is_wrong_gpu() {
+    let d = Daemon::start("t4-pair", "");
+    let mut holder = sleeper();
+    let r = reserve(&d, json!({"memory": "1GiB", "holder_pid": holder.id()}));
+    let gpu = usize::try_from(r.body["gpus"][0]["index"].as_u64().unwrap()).unwrap();
+    set_processes(&d, 1 - gpu, &[(holder.id(), GIB)]);
+    let (event, _) = wait_event(&d, "wrong_gpu", "start", Some(holder.id()));
+    assert_eq!(event["reservation_id"], r.body["id"]);
+    assert_eq!(event["gpu_index"], 1 - gpu);
+    holder.kill().unwrap();
+    holder.wait().unwrap();
+}
+
+#[test]
+fn terminate_ends_the_offender_and_says_so() {
+    // The test runs as root, so root's processes must be fair game here (the default spares
+    // them; the unit tests check that).
+    let d = Daemon::start(
+        "t4-pair",
+        "[audit]\ninterval = \"200ms\"\nenforcement = \"terminate\"\ngrace = \"1s\"\nterminate_root = true\n",
+    );
+    // A process that ignores SIGTERM: SIGKILL must follow after the grace period.
+    let mut stubborn = Command::new("sh")
+        .args(["-c", "trap '' TERM; while :; do sleep 0.1; done"])
+        .spawn()
+        .unwrap();
+    let mut polite = sleeper();
+    set_processes(&d, 0, &[(stubborn.id(), GIB), (polite.id(), GIB)]);
+    let (event, _) = wait_event(&d, "unreserved", "start", Some(polite.id()));
+    assert!(
+        event["action"].as_str().unwrap().contains("sigterm"),
+        "{event}"
+    );
+    let status = wait_for(PATIENCE, || polite.try_wait().unwrap()).expect("SIGTERM ends it");
+    assert_eq!(
+        std::os::unix::process::ExitStatusExt::signal(&status),
+        Some(15)
+    );
+    let (kill, _) = wait_event(&d, "unreserved", "point", Some(stubborn.id()));
+    assert_eq!(kill["action"], "sigkill");
+    let status = wait_for(PATIENCE, || stubborn.try_wait().unwrap()).expect("SIGKILL ends it");
+    assert_eq!(
+        std::os::unix::process::ExitStatusExt::signal(&status),
+        Some(9)
+    );
+    // gpud itself is never signalled, even if NVML lists it.
+    set_processes(&d, 1, &[(d.pid(), GIB)]);
+    let (spared, _) = wait_event(&d, "unreserved", "start", Some(d.pid()));
+    assert!(
+        spared["action"].as_str().unwrap().contains("gpud itself"),
+        "{spared}"
+    );
+    assert_eq!(d.get("/v1/health").status, 200);
+}
+
+#[test]
+fn unaccounted_usage_shrinks_what_can_be_reserved() {
+    let d = Daemon::start("t4-pair", "");
+    let mut rogue = sleeper();
+    set_processes(&d, 0, &[(rogue.id(), 10 * GIB)]);
+    set_processes(&d, 1, &[(rogue.id(), 10 * GIB)]);
+    wait_for(PATIENCE, || {
+        let g = d.get("/v1/gpus").body;
+        (g["gpus"][0]["memory_unaccounted_bytes"] == 10 * GIB
+            && g["gpus"][1]["memory_unaccounted_bytes"] == 10 * GIB)
+            .then_some(())
+    })
+    .expect("usage measured");
+    let r = d.post(
+        "/v1/reservations",
+        &json!({"memory": "6GiB", "ttl_seconds": 60}).to_string(),
+    );
+    assert_eq!(
+        r.status, 409,
+        "only 5 GiB is really free on each T4: {}",
+        r.text
+    );
+    assert!(
+        r.body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("5 GiB"),
+        "{}",
+        r.text
+    );
+    reserve(&d, json!({"memory": "5GiB", "ttl_seconds": 60}));
+    rogue.kill().unwrap();
+    rogue.wait().unwrap();
+}
+
+#[test]
+fn a_gpu_fails_and_recovers_without_affecting_the_others() {
+    let d = Daemon::start("dgx1-v100", "");
+    let mut fixture = d.read_fixture();
+    fixture["errors"] = json!([{"device": 3, "call": "*", "code": "GPU_IS_LOST"}]);
+    d.write_fixture(&fixture);
+    let (event, took) = wait_event(&d, "gpu_unhealthy", "start", None);
+    println!("GPU 3 marked unhealthy after {took:?}");
+    assert_eq!(event["gpu_index"], 3);
+    let gpus = d.get("/v1/gpus").body;
+    let healthy: Vec<bool> = gpus["gpus"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|g| g["healthy"].as_bool().unwrap())
+        .collect();
+    assert_eq!(healthy, [true, true, true, false, true, true, true, true]);
+    assert_eq!(d.get("/v1/health").body["status"], "degraded");
+    // Whole-GPU requests go around it: all 7 others can still be had, not an 8th.
+    let r = reserve(&d, json!({"gpus": 7, "exclusive": true, "ttl_seconds": 60}));
+    let indices: Vec<u64> = r.body["gpus"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|g| g["index"].as_u64().unwrap())
+        .collect();
+    assert!(!indices.contains(&3), "{indices:?}");
+    fixture["errors"] = json!([]);
+    d.write_fixture(&fixture);
+    wait_event(&d, "gpu_unhealthy", "end", None);
+    assert_eq!(d.get("/v1/health").body["status"], "ok");
+    let r = reserve(&d, json!({"exclusive": true, "ttl_seconds": 60}));
+    assert_eq!(r.body["gpus"][0]["index"], 3);
+}
+
+#[test]
+fn metrics_parse_as_prometheus_text() {
+    let d = Daemon::start("t4-pair", "");
+    reserve(&d, json!({"memory": "2GiB", "ttl_seconds": 60}));
+    let mut rogue = sleeper();
+    set_processes(&d, 1, &[(rogue.id(), GIB)]);
+    wait_event(&d, "unreserved", "start", Some(rogue.id()));
+    std::thread::sleep(TWO_INTERVALS);
+    let r = d.get("/metrics");
+    assert_eq!(r.status, 200);
+    let lines = r.text.lines().map(|l| Ok(l.to_owned()));
+    let scrape = prometheus_parse::Scrape::parse(lines).unwrap();
+    let value = |name: &str, label: Option<(&str, &str)>| -> f64 {
+        scrape
+            .samples
+            .iter()
+            .find(|s| s.metric == name && label.is_none_or(|(k, v)| s.labels.get(k) == Some(v)))
+            .map(|s| match s.value {
+                prometheus_parse::Value::Gauge(v)
+                | prometheus_parse::Value::Counter(v)
+                | prometheus_parse::Value::Untyped(v) => v,
+                _ => f64::NAN,
+            })
+            .unwrap_or_else(|| panic!("no {name} {label:?} in\n{}", r.text))
+    };
+    assert_eq!(
+        value("gpud_gpu_memory_total_bytes", Some(("gpu", "0"))),
+        16106127360.0
+    );
+    assert_eq!(
+        value("gpud_gpu_memory_reserved_bytes", Some(("gpu", "0"))),
+        2.0 * 1073741824.0
+    );
+    assert_eq!(
+        value("gpud_gpu_memory_used_bytes", Some(("gpu", "1"))),
+        1073741824.0
+    );
+    assert_eq!(value("gpud_gpu_healthy", Some(("gpu", "1"))), 1.0);
+    assert_eq!(value("gpud_reservations", Some(("state", "active"))), 1.0);
+    assert_eq!(value("gpud_waiting_requests", None), 0.0);
+    assert_eq!(
+        value("gpud_audit_events_total", Some(("kind", "unreserved"))),
+        1.0
+    );
+    assert!(
+        scrape
+            .samples
+            .iter()
+            .any(|s| s.metric.starts_with("gpud_http_request_duration_seconds"))
+    );
+    assert!(
+        scrape
+            .samples
+            .iter()
+            .any(|s| s.metric.starts_with("gpud_audit_pass_duration_seconds"))
+    );
+    rogue.kill().unwrap();
+    rogue.wait().unwrap();
+}
