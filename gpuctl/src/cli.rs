@@ -99,6 +99,10 @@ pub enum Command {
     /// Per GPU (and MIG instance): memory reserved, used and total, reservations, health.
     #[command(after_help = EXIT_CODES_HELP)]
     Gpus(TableArgs),
+    /// Audit events: processes nobody reserved for, on the wrong GPU, or over their limit;
+    /// GPUs lost and recovered.
+    #[command(after_help = EXIT_CODES_HELP)]
+    Events(EventsArgs),
     /// Print a shell completion script to stdout.
     #[command(
         after_help = "Examples:\n  gpuctl completions bash > /etc/bash_completion.d/gpuctl\n  \
@@ -242,6 +246,51 @@ pub struct ListArgs {
     /// Output format.
     #[arg(short, long, value_enum, default_value_t)]
     pub output: Output,
+}
+
+/// `gpuctl events`.
+#[derive(Debug, Args)]
+pub struct EventsArgs {
+    /// Only events of the last DURATION (`10m`, `2h`) or since a time (`2026-11-21T05:00:00Z`).
+    #[arg(long, value_name = "WHEN")]
+    pub since: Option<String>,
+    /// Only this kind.
+    #[arg(long, value_enum)]
+    pub kind: Option<EventKindArg>,
+    /// Only events about this reservation.
+    #[arg(long, value_name = "ID")]
+    pub reservation: Option<String>,
+    /// Keep printing new events as they happen (Ctrl-C to stop); with `-o json`, one object a line.
+    #[arg(short, long)]
+    pub follow: bool,
+    /// Output format.
+    #[arg(short, long, value_enum, default_value_t)]
+    pub output: Output,
+}
+
+/// `events --kind`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum EventKindArg {
+    /// A GPU process no reservation accounts for.
+    Unreserved,
+    /// A reservation's process on a GPU it does not hold.
+    WrongGpu,
+    /// A reservation using more than it reserved.
+    OverLimit,
+    /// A GPU lost or failing.
+    GpuUnhealthy,
+}
+
+impl EventKindArg {
+    /// The API's name for it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EventKindArg::Unreserved => "unreserved",
+            EventKindArg::WrongGpu => "wrong_gpu",
+            EventKindArg::OverLimit => "over_limit",
+            EventKindArg::GpuUnhealthy => "gpu_unhealthy",
+        }
+    }
 }
 
 /// `ls --state`.

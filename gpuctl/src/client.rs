@@ -17,7 +17,8 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use gpud_schema::{
-    ErrorBody, GpuList, Health, RenewRequest, Reservation, ReservationList, ReservationRequest,
+    ErrorBody, EventList, GpuList, Health, RenewRequest, Reservation, ReservationList,
+    ReservationRequest,
 };
 
 use crate::error::CliError;
@@ -73,6 +74,12 @@ impl Client {
             path.push_str(&format!("&owner={uid}"));
         }
         self.call::<(), _>(Method::GET, &path, None).await
+    }
+
+    /// `GET /v1/events?…` with the query already built (`since=…&kind=…`).
+    pub async fn events(&self, query: &str) -> Result<EventList, CliError> {
+        self.call::<(), _>(Method::GET, &format!("/v1/events?{query}"), None)
+            .await
     }
 
     /// `GET /v1/gpus`.

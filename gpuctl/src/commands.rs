@@ -14,10 +14,10 @@ use clap::CommandFactory;
 use serde::Serialize;
 use tokio::runtime::Runtime;
 
-use crate::cli::{Cli, IdArgs, ListArgs, Output, RenewArgs, TableArgs, whole_seconds};
+use crate::cli::{Cli, EventsArgs, IdArgs, ListArgs, Output, RenewArgs, TableArgs, whole_seconds};
 use crate::client::Client;
 use crate::error::CliError;
-use crate::output::{gpus_table, reservation_details, reservations_table};
+use crate::output::{events_table, gpus_table, reservation_details, reservations_table};
 use crate::print;
 
 /// Pretty JSON with a final newline.
@@ -91,6 +91,71 @@ pub fn gpus(args: &TableArgs, socket: &Path, rt: &Runtime) -> Result<ExitCode, C
         Output::Table => print(&gpus_table(&list, colour()))?,
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// `gpuctl events`: what the audit found, once or following.
+pub fn events(
+    args: &EventsArgs,
+    socket: &Path,
+    rt: &Runtime,
+    now: SystemTime,
+) -> Result<ExitCode, CliError> {
+    let mut filters = Vec::new();
+    if let Some(since) = &args.since {
+        filters.push(format!("since={}", since_query(since, now)?));
+    }
+    if let Some(kind) = args.kind {
+        filters.push(format!("kind={}", kind.as_str()));
+    }
+    if let Some(id) = &args.reservation {
+        filters.push(format!("reservation={id}"));
+    }
+    let client = Client::new(socket);
+    let mut after = 0u64;
+    let mut first = true;
+    loop {
+        let mut query = filters.clone();
+        query.push(format!("after={after}"));
+        let list = rt.block_on(client.events(&query.join("&")))?;
+        if let Some(last) = list.events.last() {
+            after = last.id;
+        }
+        match (args.output, args.follow) {
+            (Output::Json, false) => print(&json(&list)?)?,
+            (Output::Json, true) => {
+                for e in &list.events {
+                    print(&format!(
+                        "{}\n",
+                        serde_json::to_string(e)
+                            .map_err(|e| CliError::Output(std::io::Error::other(e)))?
+                    ))?;
+                }
+            }
+            (Output::Table, _) => print(&events_table(&list.events, first))?,
+        }
+        if !args.follow {
+            return Ok(ExitCode::SUCCESS);
+        }
+        first = false;
+        std::thread::sleep(std::time::Duration::from_secs(1));
+    }
+}
+
+/// `--since`: a duration back from now (`10m`) becomes Unix seconds; a time passes through.
+fn since_query(since: &str, now: SystemTime) -> Result<String, CliError> {
+    if let Ok(back) = crate::cli::parse_duration(since) {
+        let at = now
+            .checked_sub(back)
+            .and_then(|t| t.duration_since(SystemTime::UNIX_EPOCH).ok())
+            .map_or(0, |d| d.as_secs());
+        return Ok(at.to_string());
+    }
+    if humantime::parse_rfc3339_weak(since).is_ok() {
+        return Ok(since.replace(':', "%3A"));
+    }
+    Err(CliError::Usage(format!(
+        "--since {since:?}: give a duration back from now (10m, 2h) or a time (2026-11-21T05:00:00Z)"
+    )))
 }
 
 /// `gpuctl completions SHELL`.

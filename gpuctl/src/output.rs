@@ -419,6 +419,44 @@ pub fn summary(r: &Reservation) -> String {
     }
 }
 
+/// Events as a table; `header: false` leaves the column titles off (later pages of
+/// `--follow`).
+pub fn events_table(events: &[gpud_schema::Event], header: bool) -> String {
+    if events.is_empty() {
+        return String::new();
+    }
+    let mut t = Table::new(&[
+        ("TIME", Align::Left),
+        ("KIND", Align::Left),
+        ("PHASE", Align::Left),
+        ("GPU", Align::Right),
+        ("PID", Align::Right),
+        ("RESERVATION", Align::Left),
+        ("WHAT", Align::Left),
+        ("ACTION", Align::Left),
+    ]);
+    let dash = |v: Option<String>| v.unwrap_or_else(|| "-".to_owned());
+    for e in events {
+        t.row(vec![
+            e.at.as_str().into(),
+            e.kind.as_str().into(),
+            e.phase.as_str().into(),
+            dash(e.gpu_index.map(|g| g.to_string())).into(),
+            dash(e.pid.map(|p| p.to_string())).into(),
+            dash(e.reservation_id.clone()).into(),
+            e.message.as_str().into(),
+            e.action.as_str().into(),
+        ]);
+    }
+    let text = t.render(false);
+    if header {
+        text
+    } else {
+        text.split_once('\n')
+            .map_or(String::new(), |(_, rest)| rest.to_owned())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -123,15 +123,6 @@ pub fn run(args: &ReserveArgs, socket: &Path, rt: &Runtime) -> Result<ExitCode, 
         std::os::unix::process::parent_id(),
     );
     let request = request(args, holder);
-    if holder.pid().is_some() && gpud_sees_our_pids(socket) == Some(false) {
-        return Err(CliError::Usage(
-            "gpud runs in another PID namespace and cannot see this process (is gpuctl in a \
-             container and gpud on the host?), so no pid from here can hold a reservation; \
-             share the host's PID namespace (docker run --pid=host, Kubernetes hostPID: true), \
-             or use --ttl alone for a lease"
-                .to_owned(),
-        ));
-    }
     let client = Client::new(socket);
     let show_status = args.wait.is_some() && std::io::stderr().is_terminal();
     let reservation = rt.block_on(reserve_interruptibly(&client, &request, show_status))?;
@@ -181,18 +172,6 @@ fn json(r: &Reservation) -> Result<String, CliError> {
             s
         })
         .map_err(|e| CliError::Output(std::io::Error::other(e)))
-}
-
-/// Whether gpud and gpuctl share a PID namespace, as far as gpuctl can tell: gpud reads a
-/// holder pid in its own namespace, so a pid from a container with a namespace of its own
-/// would name some other process on the host. The kernel reports a peer whose pid is not
-/// visible here as pid 0, which is exactly that case. `None` when gpud cannot be reached
-/// (the request that follows reports it).
-fn gpud_sees_our_pids(socket: &Path) -> Option<bool> {
-    use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
-    let stream = std::os::unix::net::UnixStream::connect(socket).ok()?;
-    let creds = getsockopt(&stream, PeerCredentials).ok()?;
-    Some(creds.pid() != 0)
 }
 
 /// One line for the person at the terminal: what was reserved and what keeps it alive.

@@ -423,6 +423,24 @@ impl Broker {
     }
 
     fn pin_holder(&self, caller: &Caller, pid: u32) -> Result<PinnedProcess, BrokerError> {
+        // The caller names the holder as it sees it; a caller in a container with its own
+        // PID namespace sees other numbers than gpud does.
+        let seen_as = pid;
+        let pid = match caller.pid.filter(|&p| p != 0) {
+            Some(caller_pid) => crate::holder::translate_pid(caller_pid, pid).map_err(|e| {
+                BrokerError::Invalid(format!(
+                    "holder_pid {seen_as} cannot hold a reservation: {e} in your PID namespace"
+                ))
+            })?,
+            // The kernel reports pid 0 for a peer outside gpud's PID namespace.
+            None => {
+                return Err(BrokerError::Invalid(format!(
+                    "holder_pid {seen_as} cannot be checked: gpud cannot see your processes (it runs \
+                     in a PID namespace that does not include yours; run it with the host's, e.g. \
+                     hostPID: true); use ttl_seconds for a lease instead"
+                )));
+            }
+        };
         let pinned = PinnedProcess::pin(pid).map_err(|e| {
             BrokerError::Invalid(format!("holder_pid {pid} cannot hold a reservation: {e}"))
         })?;

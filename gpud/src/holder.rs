@@ -123,6 +123,73 @@ fn stat_fields(pid: u32) -> Result<(u64, u32), HolderError> {
     Ok((start, ppid))
 }
 
+/// The PID namespace `pid` (a number, or `self`) lives in, as the `/proc/<pid>/ns/pid` link.
+fn pid_namespace(pid: &str) -> Option<std::path::PathBuf> {
+    fs::read_link(format!("/proc/{pid}/ns/pid")).ok()
+}
+
+/// The pid `pid` has in its own, innermost PID namespace (the last `NSpid:` field).
+fn innermost_pid(pid: u32) -> Option<u32> {
+    let status = fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("NSpid:"))?
+        .split_whitespace()
+        .last()?
+        .parse()
+        .ok()
+}
+
+/// Translates `pid`, as the caller `caller_pid` sees it, into gpud's PID namespace.
+///
+/// A client in a container with a PID namespace of its own names processes by the pids it
+/// sees (often 1 for itself), while the kernel hands gpud the caller's pid in gpud's
+/// namespace. When the two namespaces differ, the process meant is the one in the
+/// caller's namespace whose innermost pid is `pid`: the caller itself or one of its
+/// ancestors is checked first (the exec and eval forms of `gpuctl reserve`), then all of
+/// `/proc`. When they are the same (or cannot be read), `pid` is returned as it is.
+pub fn translate_pid(caller_pid: u32, pid: u32) -> Result<u32, HolderError> {
+    let theirs = pid_namespace(&caller_pid.to_string());
+    let same = match (pid_namespace("self"), &theirs) {
+        (Some(mine), Some(theirs)) => mine == *theirs,
+        _ => true,
+    };
+    if same {
+        return Ok(pid);
+    }
+    let in_their_namespace = |p: u32| pid_namespace(&p.to_string()) == theirs;
+    let mut candidate = caller_pid;
+    for _ in 0..64 {
+        if !in_their_namespace(candidate) {
+            break;
+        }
+        if innermost_pid(candidate) == Some(pid) {
+            return Ok(candidate);
+        }
+        match stat_fields(candidate) {
+            Ok((_, ppid)) if ppid > 0 && ppid != candidate => candidate = ppid,
+            _ => break,
+        }
+    }
+    let entries = fs::read_dir("/proc").map_err(|e| HolderError::Proc {
+        pid,
+        detail: e.to_string(),
+    })?;
+    for entry in entries.flatten() {
+        let Some(host_pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if innermost_pid(host_pid) == Some(pid) && in_their_namespace(host_pid) {
+            return Ok(host_pid);
+        }
+    }
+    Err(HolderError::NoSuchProcess { pid })
+}
+
 /// This boot's id; empty when unreadable (then every restart check compares start times only).
 pub fn boot_id() -> String {
     fs::read_to_string("/proc/sys/kernel/random/boot_id")
@@ -239,6 +306,17 @@ mod tests {
         assert_eq!(info.uid, unsafe { libc::getuid() });
         assert!(info.start_time > 0);
         assert_eq!(info.ppid, std::os::unix::process::parent_id());
+    }
+
+    #[test]
+    fn pids_in_the_same_namespace_are_unchanged() {
+        let me = std::process::id();
+        assert_eq!(translate_pid(me, 12345).unwrap(), 12345);
+        assert_eq!(
+            innermost_pid(me),
+            Some(me),
+            "tests run in gpud's own namespace"
+        );
     }
 
     #[test]

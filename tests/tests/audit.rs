@@ -303,3 +303,59 @@ fn metrics_parse_as_prometheus_text() {
     rogue.kill().unwrap();
     rogue.wait().unwrap();
 }
+
+#[test]
+fn gpuctl_events_lists_filters_and_follows() {
+    use std::io::BufRead;
+    let d = Daemon::start("t4-pair", "");
+    let mut follower = d
+        .gpuctl()
+        .args(["events", "--follow", "-o", "json"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut rogue = sleeper();
+    set_processes(&d, 0, &[(rogue.id(), GIB)]);
+    // --follow prints the new event as one JSON line.
+    let mut line = String::new();
+    std::io::BufReader::new(follower.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let followed: Value = serde_json::from_str(&line).unwrap();
+    assert_eq!(followed["kind"], "unreserved");
+    assert_eq!(followed["pid"], rogue.id());
+    follower.kill().unwrap();
+    follower.wait().unwrap();
+
+    let out = d
+        .gpuctl()
+        .args(["events", "-o", "json", "--since", "10m"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let list: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(list["events"].as_array().unwrap().len(), 1);
+    let out = d
+        .gpuctl()
+        .args(["events", "-o", "json", "--kind", "over-limit"])
+        .output()
+        .unwrap();
+    let list: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(list["events"].as_array().unwrap().is_empty());
+    let table = d.gpuctl().args(["events"]).output().unwrap();
+    let text = String::from_utf8(table.stdout).unwrap();
+    assert!(text.starts_with("TIME"), "{text}");
+    assert!(text.contains("without a reservation"), "{text}");
+    let bad = d
+        .gpuctl()
+        .args(["events", "--since", "yesterday-ish"])
+        .output()
+        .unwrap();
+    assert_eq!(bad.status.code(), Some(2));
+    rogue.kill().unwrap();
+    rogue.wait().unwrap();
+}

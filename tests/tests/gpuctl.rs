@@ -660,9 +660,10 @@ fn gpushare_variables_come_through_when_gpud_sets_them() {
 }
 
 #[test]
-fn a_holder_pid_from_another_pid_namespace_is_refused() {
-    // gpud reads holder pids in its own PID namespace: from a container with a namespace of
-    // its own, gpuctl's pid would name some other process, so gpuctl refuses to send it.
+fn a_container_with_its_own_pid_namespace_holds_its_reservation() {
+    // Inside a PID namespace of its own (a container without hostPID), gpuctl is pid 1 and
+    // names itself (exec form) or its shell (eval form) by pids gpud cannot see; gpud
+    // translates them to the host's through /proc, and watches the right process.
     let usable = Command::new("unshare")
         .args(["-p", "-f", "--mount-proc", "true"])
         .stderr(Stdio::null())
@@ -673,24 +674,43 @@ fn a_holder_pid_from_another_pid_namespace_is_refused() {
         return;
     }
     let d = Daemon::start("t4-pair", "");
-    let inside = |args: &[&str]| {
-        run(Command::new("unshare")
-            .args(["-p", "-f", "--mount-proc"])
-            .arg(gpuctl_bin())
-            .args(args)
+    let spawn_inside = |script: &str| {
+        Command::new("unshare")
+            .args(["-p", "-f", "--mount-proc", "sh", "-c", script])
+            .env("GPUCTL", gpuctl_bin())
             .env("GPUD_SOCKET", &d.socket)
-            .stdin(Stdio::null()))
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
     };
-    let out = inside(&["reserve", "--mem", "1GiB", "--", "true"]);
-    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
-    assert!(
-        text(&out.stderr).contains("another PID namespace"),
-        "{}",
-        text(&out.stderr)
-    );
-    assert!(d.active().is_empty());
-    // A lease needs no pid and works from there.
-    let out = inside(&["reserve", "--mem", "1GiB", "--ttl", "1m", "-o", "json"]);
-    assert!(out.status.success(), "{}", text(&out.stderr));
-    assert_eq!(d.active().len(), 1);
+    for script in [
+        // exec form: the workload itself (pid 2 inside: sh is 1) holds it.
+        r#""$GPUCTL" reserve --mem 1GiB -- sh -c 'sleep 1'"#,
+        // eval form: the shell (pid 1 inside) holds it.
+        r#"eval "$("$GPUCTL" reserve --mem 1GiB)" && sleep 1"#,
+    ] {
+        let child = spawn_inside(script);
+        let held = wait_for(Duration::from_secs(5), || d.active().first().cloned())
+            .unwrap_or_else(|| panic!("nothing reserved by {script}"));
+        let host_pid = held["holder_pid"].as_u64().unwrap();
+        let nspid = std::fs::read_to_string(format!("/proc/{host_pid}/status")).unwrap();
+        let nspid = nspid
+            .lines()
+            .find(|l| l.starts_with("NSpid:"))
+            .unwrap()
+            .to_owned();
+        assert_eq!(
+            nspid.split_whitespace().count(),
+            3,
+            "the holder lives in the inner namespace: {nspid}"
+        );
+        let out = child.wait_with_output().unwrap();
+        assert!(out.status.success(), "{script}: {}", text(&out.stderr));
+        wait_for(Duration::from_secs(2), || {
+            d.active().is_empty().then_some(())
+        })
+        .unwrap_or_else(|| panic!("{script}: released when the holder exits"));
+    }
 }
