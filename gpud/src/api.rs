@@ -494,11 +494,7 @@ pub fn to_request(wire: schema::ReservationRequest) -> Result<ReserveRequest, Ap
 pub fn to_wire(r: &model::Reservation) -> schema::Reservation {
     schema::Reservation {
         id: r.id.clone(),
-        state: match r.state {
-            ReservationState::Active => schema::ReservationState::Active,
-            ReservationState::Released => schema::ReservationState::Released,
-            ReservationState::Expired => schema::ReservationState::Expired,
-        },
+        state: r.state,
         owner_uid: r.owner_uid,
         owner_gid: r.owner_gid,
         holder_pid: r.holder.as_ref().map(|h| h.pid),

@@ -829,7 +829,7 @@ mod tests {
         let caller = Caller {
             uid: 0,
             gid: 0,
-            pid: None,
+            pid: Some(std::process::id()),
         };
         match b.reserve(caller, request, 0).unwrap() {
             ReserveOutcome::Reserved(r) => (r.id, r.units.into_iter().map(|u| u.uuid).collect()),

@@ -1,8 +1,9 @@
 //! The vocabulary every other module speaks: GPUs and MIG instances, the pairwise
 //! topology, and what a reservation asks for.
 //!
-//! Depends on std and serde only. Nothing here does I/O; the `gpu` module fills these
-//! types from NVML, `placement` reasons about them, `store` persists them.
+//! Depends on std, serde, and `gpud-schema` for the one type both sides share
+//! (`ReservationState`). Nothing here does I/O; the `gpu` module fills these types from
+//! NVML, `placement` reasons about them, `store` persists them.
 
 use std::fmt;
 
@@ -290,39 +291,8 @@ pub enum Policy {
 /// lease and wait logic can be tested without sleeping.
 pub type Millis = u64;
 
-/// Lifecycle state of a reservation.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ReservationState {
-    /// Holding GPU memory.
-    Active,
-    /// Released by a person or because its holder exited.
-    Released,
-    /// Its TTL lease ran out.
-    Expired,
-}
-
-impl ReservationState {
-    /// The name stored in the database and sent on the wire.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            ReservationState::Active => "active",
-            ReservationState::Released => "released",
-            ReservationState::Expired => "expired",
-        }
-    }
-
-    /// Parses [`ReservationState::as_str`]'s output.
-    pub fn parse(s: &str) -> Option<ReservationState> {
-        [
-            ReservationState::Active,
-            ReservationState::Released,
-            ReservationState::Expired,
-        ]
-        .into_iter()
-        .find(|st| st.as_str() == s)
-    }
-}
+/// Lifecycle state of a reservation: the wire type itself, so the two cannot drift.
+pub use gpud_schema::ReservationState;
 
 /// The process whose life holds a reservation. The start time (field 22 of
 /// `/proc/<pid>/stat`, in clock ticks since boot) tells a reused pid from the original, and
