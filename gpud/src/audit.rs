@@ -74,6 +74,8 @@ pub trait ProcessTable {
     fn info(&self, pid: u32) -> Option<(u32, u32, u64)>;
     /// The cgroup `pid` belongs to, as one comparable string.
     fn cgroup(&self, pid: u32) -> Option<String>;
+    /// The `GPUD_RESERVATION_ID` in `pid`'s environment (as it was started), if any.
+    fn reservation_env(&self, pid: u32) -> Option<String>;
     /// Sends `signal` to `pid` if it still has `start_time`; false when it is gone.
     fn signal(&self, pid: u32, start_time: u64, signal: nix::sys::signal::Signal) -> bool;
 }
@@ -93,6 +95,14 @@ impl ProcessTable for ProcFs {
         std::fs::read_to_string(format!("/proc/{pid}/cgroup"))
             .ok()
             .and_then(|text| cgroup_key(&text))
+    }
+
+    fn reservation_env(&self, pid: u32) -> Option<String> {
+        let environ = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+        environ
+            .split(|&b| b == 0)
+            .find_map(|kv| kv.strip_prefix(b"GPUD_RESERVATION_ID="))
+            .map(|id| String::from_utf8_lossy(id).into_owned())
     }
 
     fn signal(&self, pid: u32, start_time: u64, signal: nix::sys::signal::Signal) -> bool {
@@ -502,6 +512,19 @@ impl<S: ProcessSource, T: ProcessTable> Auditor<S, T> {
                 _ => break,
             }
         }
+        // Started with a reservation's environment (a Kubernetes pod's container, or any
+        // child of a workload that lost its parent). Honoured for reservations without a
+        // holder process (external ones), or when the process belongs to the owner, so
+        // nobody can book their usage to someone else's reservation.
+        if let Some(id) = self.procs.reservation_env(p.pid)
+            && let Some(i) = reservations.iter().position(|r| r.id == id)
+        {
+            let r = &reservations[i];
+            let uid = self.procs.info(p.pid).map(|(_, uid, _)| uid);
+            if r.holder_pid.is_none() || uid == Some(r.owner_uid) {
+                return Some(i);
+            }
+        }
         let candidates = by_cgroup.get(&self.procs.cgroup(p.pid)?)?;
         // Several reservations from one container: the one holding this GPU, else the first.
         candidates
@@ -757,6 +780,7 @@ mod tests {
     struct FakeProcs {
         table: Mutex<HashMap<u32, (u32, u32, u64)>>,
         cgroups: Mutex<HashMap<u32, String>>,
+        environ: Mutex<HashMap<u32, String>>,
         signals: Mutex<Vec<(u32, Signal)>>,
     }
 
@@ -766,6 +790,9 @@ mod tests {
         }
         fn cgroup(&self, pid: u32) -> Option<String> {
             self.cgroups.lock().unwrap().get(&pid).cloned()
+        }
+        fn reservation_env(&self, pid: u32) -> Option<String> {
+            self.environ.lock().unwrap().get(&pid).cloned()
         }
         fn signal(&self, pid: u32, start_time: u64, signal: Signal) -> bool {
             if self.info(pid).map(|i| i.2) != Some(start_time) {
@@ -1034,6 +1061,37 @@ mod tests {
             kinds(&a.pass(&AuditConfig::default(), 2)),
             [(EventKind::Unreserved, EventPhase::Start)]
         );
+    }
+
+    #[test]
+    fn a_process_started_with_a_reservations_environment_is_its_own() {
+        let b = broker();
+        let (id, units) = reserve(&b, MemoryAsk::Bytes(GIB));
+        let (nvml, procs) = (FakeNvml::default(), FakeProcs::default());
+        // Not a descendant of the holder (reparented to init), but started with its env.
+        procs
+            .table
+            .lock()
+            .unwrap()
+            .extend([(8000, (1, ME, 1)), (8001, (1, 0, 2))]);
+        procs
+            .environ
+            .lock()
+            .unwrap()
+            .extend([(8000, id.clone()), (8001, id.clone())]);
+        nvml.0.lock().unwrap().insert(
+            0,
+            Ok(vec![
+                process(8000, &units[0], 1),
+                process(8001, &units[0], 1),
+            ]),
+        );
+        let mut a = Auditor::new(b, &nvml, &procs, Arc::new(Metrics::new()));
+        let report = a.pass(&AuditConfig::default(), 1);
+        // The reservation is owned by uid 0 (the test reserves as root): 8001 (root) is
+        // accounted; 8000 (uid 1000) claims someone else's reservation and is not.
+        assert_eq!(kinds(&report), [(EventKind::Unreserved, EventPhase::Start)]);
+        assert_eq!(report.events[0].pid, Some(8000));
     }
 
     #[test]

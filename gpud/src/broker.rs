@@ -61,6 +61,20 @@ pub struct ReserveRequest {
     pub id: Option<String>,
 }
 
+/// A reservation of named units ([`Broker::reserve_exact`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExactRequest {
+    /// The id, chosen by the caller.
+    pub id: String,
+    /// Units by UUID, with the memory to reserve on each (ignored when exclusive and for MIG
+    /// instances: those are reserved whole).
+    pub units: Vec<(String, u64)>,
+    /// Whole units.
+    pub exclusive: bool,
+    /// Labels.
+    pub labels: BTreeMap<String, String>,
+}
+
 /// Why a broker operation failed. Each variant maps to one HTTP status in `api`.
 #[derive(Debug, thiserror::Error)]
 pub enum BrokerError {
@@ -401,6 +415,8 @@ impl Broker {
                 inner.next_ticket += 1;
                 let ticket = inner.next_ticket;
                 let wait = request.wait.unwrap_or_default();
+                // The id is known here only when the caller chose it.
+                tracing::debug!(ticket, reservation = request.id.as_deref(), %why, "request queued");
                 inner.waiters.push_back(Waiter {
                     ticket,
                     caller,
@@ -409,7 +425,6 @@ impl Broker {
                     since: now,
                     reply,
                 });
-                tracing::debug!(ticket, %why, "request queued");
                 Ok(ReserveOutcome::Queued(WaitTicket {
                     ticket,
                     rx: Some(rx),
@@ -464,11 +479,23 @@ impl Broker {
         handle.spawn(async move {
             let pid = pinned.holder.pid;
             pinned.wait_exit().await;
-            let task = tokio::task::spawn_blocking(move || {
-                broker.holder_exited(&id, pid, crate::clock::now_millis())
-            });
-            if let Ok(Err(e)) = task.await {
-                tracing::error!(error = %e, "could not release a reservation whose holder exited");
+            // The holder is gone for good, so the release must happen eventually: when it
+            // cannot be committed (disk full, read-only), try again until it can, instead of
+            // leaving the reservation active until the next restart.
+            let mut backoff = std::time::Duration::from_millis(100);
+            loop {
+                let (b, reservation) = (broker.clone(), id.clone());
+                let task = tokio::task::spawn_blocking(move || {
+                    b.holder_exited(&reservation, pid, crate::clock::now_millis())
+                });
+                match task.await {
+                    Ok(Err(e)) => {
+                        tracing::error!(reservation = %id, error = %e, "could not release a reservation whose holder exited; will retry");
+                        tokio::time::sleep(backoff).await;
+                        backoff = (backoff * 2).min(std::time::Duration::from_secs(5));
+                    }
+                    _ => break,
+                }
             }
         });
     }
@@ -522,6 +549,154 @@ impl Broker {
             .into_iter()
             .next()
             .ok_or_else(|| BrokerError::NotFound(id.to_owned()))
+    }
+
+    /// Reserves exactly the named units, for the kubelet integration: the kubelet has already
+    /// chosen the devices (and promised them to a pod), so there is no placement and no wait
+    /// queue, only the capacity check. Nothing is ever overcommitted: a memory ask must fit in
+    /// what reservations leave of the unit, an exclusive ask (and any MIG instance, which is
+    /// reserved whole) needs a unit nothing else holds, and the unit must be healthy.
+    /// Memory used by processes that no reservation accounts for is not held against it: the
+    /// pod's own processes are among them, and the audit reports the rest. The reservation
+    /// has no holder and no lease; its owner (the kubelet integration) ends it with
+    /// [`Broker::release_with_reason`].
+    pub fn reserve_exact(
+        &self,
+        caller: Caller,
+        request: ExactRequest,
+        now: Millis,
+    ) -> Result<Reservation, BrokerError> {
+        let settings = self.settings();
+        let mut inner = self.lock();
+        if inner.shutting_down {
+            return Err(BrokerError::ShuttingDown);
+        }
+        if request.units.is_empty() {
+            return Err(BrokerError::Invalid(
+                "an exact reservation names at least one unit".to_owned(),
+            ));
+        }
+        if inner.active.contains_key(&request.id) || inner.store.get(&request.id)?.is_some() {
+            return Err(BrokerError::Invalid(format!(
+                "reservation id {:?} is already taken",
+                request.id
+            )));
+        }
+        let mut chosen: Vec<(ReservedUnit, u64)> = Vec::new();
+        for (uuid, bytes) in &request.units {
+            let i = *inner.unit_by_uuid.get(uuid).ok_or_else(|| {
+                BrokerError::Invalid(format!(
+                    "{uuid} is not a GPU or MIG instance of this machine"
+                ))
+            })?;
+            if chosen.iter().any(|(u, _)| &u.uuid == uuid) {
+                return Err(BrokerError::Invalid(format!("{uuid} is named twice")));
+            }
+            let (unit, load) = (&inner.units[i], &inner.loads[i]);
+            let name = match unit.mig_index {
+                Some(m) => format!("MIG instance {m} of GPU {}", unit.gpu_index),
+                None => format!("GPU {}", unit.gpu_index),
+            };
+            if !load.healthy {
+                return Err(BrokerError::NoCapacity(format!("{name} is unhealthy")));
+            }
+            if load.exclusive {
+                return Err(BrokerError::NoCapacity(format!(
+                    "{name} is held exclusively by another reservation"
+                )));
+            }
+            let total = unit.memory_total_bytes;
+            let memory = if request.exclusive || unit.is_mig() {
+                if load.reservations > 0 || load.reserved_bytes > 0 {
+                    return Err(BrokerError::NoCapacity(format!(
+                        "{name} is not free: {} reserved by {} other reservation(s)",
+                        format_bytes(load.reserved_bytes),
+                        load.reservations
+                    )));
+                }
+                total
+            } else {
+                let free = total.saturating_sub(load.reserved_bytes);
+                if *bytes == 0 {
+                    return Err(BrokerError::Invalid(
+                        "memory must be at least 1 byte".into(),
+                    ));
+                }
+                if *bytes > free {
+                    return Err(BrokerError::NoCapacity(format!(
+                        "{name} has {} unreserved; asked for {}",
+                        format_bytes(free),
+                        format_bytes(*bytes)
+                    )));
+                }
+                *bytes
+            };
+            chosen.push((
+                ReservedUnit {
+                    uuid: unit.uuid.clone(),
+                    gpu_index: unit.gpu_index,
+                    memory_bytes: memory,
+                },
+                total,
+            ));
+        }
+        chosen.sort_by(|(a, _), (b, _)| (a.gpu_index, &a.uuid).cmp(&(b.gpu_index, &b.uuid)));
+        let (units, totals): (Vec<ReservedUnit>, Vec<u64>) = chosen.into_iter().unzip();
+        inner.check_quota(&caller, &units, &settings.config.quotas)?;
+        let env = workload_env(
+            &request.id,
+            &units,
+            &totals,
+            request.exclusive,
+            &inner.gpus,
+            &settings.config.env,
+        );
+        let r = Reservation {
+            id: request.id,
+            state: ReservationState::Active,
+            owner_uid: caller.uid,
+            owner_gid: caller.gid,
+            holder: None,
+            exclusive: request.exclusive,
+            units,
+            ttl_seconds: None,
+            expires_at: None,
+            created_at: now,
+            ended_at: None,
+            end_reason: None,
+            labels: request.labels,
+            env,
+        };
+        inner.store.insert(&r)?;
+        tracing::info!(
+            reservation = %r.id,
+            gpus = %r.units.iter().map(|u| u.gpu_index.to_string()).collect::<Vec<_>>().join(","),
+            memory = %format_bytes(r.units.first().map_or(0, |u| u.memory_bytes)),
+            "reserved exactly"
+        );
+        inner.add_active(r.clone());
+        Ok(r)
+    }
+
+    /// Ends `id` on gpud's own authority (the kubelet integration: its pod is gone), with
+    /// `reason` recorded. `Ok(None)` when it was not active.
+    pub fn release_with_reason(
+        &self,
+        id: &str,
+        reason: &str,
+        now: Millis,
+    ) -> Result<Option<Reservation>, BrokerError> {
+        let mut inner = self.lock();
+        if !inner.active.contains_key(id) {
+            return Ok(None);
+        }
+        let ended = inner.end(
+            &[(id.to_owned(), ReservationState::Released, reason.to_owned())],
+            now,
+        )?;
+        tracing::info!(reservation = %id, %reason, "released");
+        self.serve_waiters(&mut inner, now);
+        Ok(ended.into_iter().next())
     }
 
     /// Extends the lease of `id` by `ttl_seconds` from now (default: its own TTL).

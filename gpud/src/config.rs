@@ -68,6 +68,8 @@ pub struct Config {
     pub metrics: MetricsConfig,
     /// Per-uid and per-gid limits.
     pub quotas: Vec<Quota>,
+    /// Kubelet device plugin (off unless enabled).
+    pub kubelet: KubeletConfig,
 }
 
 impl Default for Config {
@@ -85,6 +87,7 @@ impl Default for Config {
             env: EnvConfig::default(),
             metrics: MetricsConfig::default(),
             quotas: Vec::new(),
+            kubelet: KubeletConfig::default(),
         }
     }
 }
@@ -229,6 +232,62 @@ pub struct EnvConfig {
     pub mps_gpus: Vec<String>,
 }
 
+/// The kubelet device plugin (`gpud::kubelet`): pods ask for `gpud.io/gpu-mem` (and, with
+/// `whole_gpus`, `gpud.io/gpu`) and gpud reserves what the kubelet hands them.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct KubeletConfig {
+    /// Register with the kubelet and serve the device plugin API.
+    pub enabled: bool,
+    /// The kubelet's device-plugin directory: gpud's plugin sockets are created here.
+    pub device_plugin_dir: PathBuf,
+    /// The kubelet's registration socket; default `<device_plugin_dir>/kubelet.sock`.
+    pub kubelet_socket: Option<PathBuf>,
+    /// The kubelet's pod-resources socket, asked which pods hold which devices.
+    pub pod_resources_socket: PathBuf,
+    /// Memory per advertised `gpud.io/gpu-mem` device (`"1GiB"`): a GPU of 16 GiB offers 16.
+    #[serde(deserialize_with = "size")]
+    pub mem_unit: u64,
+    /// Also advertise `gpud.io/gpu`: whole GPUs (and MIG instances), reserved exclusively.
+    pub whole_gpus: bool,
+    /// How often pod-resources is asked which devices pods still hold.
+    #[serde(deserialize_with = "duration")]
+    pub reconcile_interval: Duration,
+    /// A reservation made by `Allocate` is kept at least this long even if no pod shows it
+    /// yet (pod-resources lists a pod's devices only once its containers exist).
+    #[serde(deserialize_with = "duration")]
+    pub allocation_grace: Duration,
+    /// The directory of gpud's socket as the host sees it, mounted into pods at the
+    /// directory of `socket`; default: that same directory (gpud's container mounts it at
+    /// the same path).
+    pub socket_host_dir: Option<PathBuf>,
+}
+
+impl Default for KubeletConfig {
+    fn default() -> KubeletConfig {
+        KubeletConfig {
+            enabled: false,
+            device_plugin_dir: PathBuf::from("/var/lib/kubelet/device-plugins"),
+            kubelet_socket: None,
+            pod_resources_socket: PathBuf::from("/var/lib/kubelet/pod-resources/kubelet.sock"),
+            mem_unit: 1 << 30,
+            whole_gpus: false,
+            reconcile_interval: Duration::from_secs(10),
+            allocation_grace: Duration::from_secs(60),
+            socket_host_dir: None,
+        }
+    }
+}
+
+impl KubeletConfig {
+    /// The kubelet's registration socket.
+    pub fn kubelet_socket(&self) -> PathBuf {
+        self.kubelet_socket
+            .clone()
+            .unwrap_or_else(|| self.device_plugin_dir.join("kubelet.sock"))
+    }
+}
+
 /// A limit on what one uid, or all uids of one primary gid, may hold at once.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -288,6 +347,12 @@ impl Config {
         if self.audit.interval < Duration::from_millis(100) {
             return Err("audit.interval must be at least 100ms".to_owned());
         }
+        if self.kubelet.mem_unit < 1 << 20 {
+            return Err("kubelet.mem_unit must be at least 1MiB".to_owned());
+        }
+        if self.kubelet.reconcile_interval < Duration::from_millis(100) {
+            return Err("kubelet.reconcile_interval must be at least 100ms".to_owned());
+        }
         Ok(())
     }
 }
@@ -299,6 +364,13 @@ fn duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
             "invalid duration {text:?}: {e} (write e.g. 2s, 500ms, 1m)"
         ))
     })
+}
+
+fn size<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
+    match optional_size(d)? {
+        Some(b) => Ok(b),
+        None => Err(serde::de::Error::custom("a size such as 1GiB")),
+    }
 }
 
 fn tolerance<'de, D: Deserializer<'de>>(d: D) -> Result<Tolerance, D::Error> {
@@ -339,7 +411,20 @@ mod tests {
         assert_eq!(config.socket, PathBuf::from("/run/gpud/gpud.sock"));
         assert_eq!(config.state_dir, PathBuf::from("/var/lib/gpud"));
         assert_eq!(config.audit.interval, Duration::from_secs(2));
-        assert!(!config.quotas.is_empty(), "the example shows a quota");
+        // Installed as /etc/gpud/gpud.toml, it must limit nobody; its commented-out quota
+        // example must be valid once uncommented.
+        assert!(
+            config.quotas.is_empty(),
+            "the installed example sets a quota"
+        );
+        let example: Vec<&str> = text
+            .lines()
+            .skip_while(|l| *l != "# [[quotas]]")
+            .take_while(|l| l.starts_with('#'))
+            .map(|l| l.trim_start_matches('#').trim_start())
+            .collect();
+        let quotas = Config::parse(&example.join("\n")).unwrap().quotas;
+        assert_eq!(quotas.len(), 2, "the example shows a uid and a gid quota");
     }
 
     #[test]
@@ -390,6 +475,28 @@ mod tests {
             Config::parse("[audit]\nenforcement = \"maim\"\n")
                 .unwrap_err()
                 .contains("maim")
+        );
+    }
+
+    #[test]
+    fn kubelet_section_parses_with_defaults_and_units() {
+        let c = Config::parse(
+            "[kubelet]\nenabled = true\nmem_unit = \"512MiB\"\nallocation_grace = \"2s\"\n",
+        )
+        .unwrap();
+        assert!(c.kubelet.enabled);
+        assert_eq!(c.kubelet.mem_unit, 512 << 20);
+        assert_eq!(c.kubelet.allocation_grace, Duration::from_secs(2));
+        assert_eq!(
+            c.kubelet.kubelet_socket(),
+            PathBuf::from("/var/lib/kubelet/device-plugins/kubelet.sock")
+        );
+        assert!(Config::parse("[kubelet]\nmem_unit = \"10%\"\n").is_err());
+        assert!(Config::parse("[kubelet]\nmem_unit = 1024\n").is_err());
+        assert!(
+            Config::parse("[kubelet]\nenable = true\n")
+                .unwrap_err()
+                .contains("enable")
         );
     }
 

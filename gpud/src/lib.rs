@@ -2,8 +2,9 @@
 //!
 //! Modules, dependencies pointing one way (see DESIGN.md): `model` is the vocabulary;
 //! `placement` (pure), `gpu` (NVML), `store` (SQLite) and `holder` (process liveness) use
-//! only `model`; `broker` is the application on top of them; `api` serves it over HTTP;
-//! `server` wires everything together for `main.rs`.
+//! only `model`; `broker` is the application on top of them; `audit` checks what runs
+//! against it through `gpu` and `holder`; `api` serves it over HTTP and `kubelet` over the
+//! kubelet's device-plugin gRPC API; `server` wires everything together for `main.rs`.
 
 pub mod api;
 pub mod audit;
@@ -12,6 +13,7 @@ pub mod clock;
 pub mod config;
 pub mod gpu;
 pub mod holder;
+pub mod kubelet;
 pub mod logging;
 pub mod metrics;
 pub mod model;

@@ -1,24 +1,103 @@
 //! Logging to stderr for journald: plain text without colours unless stderr is a terminal,
-//! no timestamps under systemd (journald stamps each line itself), level from `GPUD_LOG`
-//! (`info` by default; e.g. `GPUD_LOG=gpud=debug`).
+//! level from `GPUD_LOG` (`info` by default; e.g. `GPUD_LOG=gpud=debug`).
+//!
+//! When stderr is the journal (systemd sets `JOURNAL_STREAM` to its device and inode), lines
+//! carry no timestamp (journald stamps each one) and, instead of the level name, start with
+//! a syslog priority prefix (`<3>` error, `<4>` warning, `<6>` info, `<7>` debug), which
+//! journald strips and stores as the entry's priority: `journalctl -u gpud -p warning` shows
+//! warnings and errors only, and journalctl highlights them.
+//! Every line about one reservation has a `reservation=<id>` field (`journalctl -u gpud
+//! --grep <id>` follows one reservation's life).
 
+use std::fmt;
 use std::io::IsTerminal;
 
+use tracing::{Event, Level, Subscriber};
 use tracing_subscriber::EnvFilter;
+use tracing_subscriber::fmt::format::Writer;
+use tracing_subscriber::fmt::{FmtContext, FormatEvent, FormatFields};
+use tracing_subscriber::registry::LookupSpan;
 
 /// Installs the global subscriber. Safe to call once per process; later calls do nothing.
 pub fn init() {
     let filter = EnvFilter::try_from_env("GPUD_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
     let terminal = std::io::stderr().is_terminal();
-    let under_journald = std::env::var_os("JOURNAL_STREAM").is_some();
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .with_ansi(terminal)
         .with_target(false);
-    let _ = if under_journald {
-        builder.without_time().try_init()
+    let _ = if stderr_is_journal() {
+        // The level is the prefix (journalctl shows it as the entry's priority), not text.
+        let format = tracing_subscriber::fmt::format()
+            .without_time()
+            .with_level(false)
+            .with_ansi(false)
+            .with_target(false);
+        builder.event_format(JournalPriority(format)).try_init()
     } else {
         builder.try_init()
     };
+}
+
+/// Whether stderr is the journal stream systemd connected (`JOURNAL_STREAM=<dev>:<inode>`
+/// matches stderr). Checking the inode, not just the variable, keeps a child started from
+/// a service (a shell, a test) from writing prefixes to a terminal or a file.
+fn stderr_is_journal() -> bool {
+    let Some(value) = std::env::var_os("JOURNAL_STREAM") else {
+        return false;
+    };
+    let Some((dev, ino)) = value.to_str().and_then(|v| v.split_once(':')) else {
+        return false;
+    };
+    let (Ok(dev), Ok(ino)) = (dev.parse::<u64>(), ino.parse::<u64>()) else {
+        return false;
+    };
+    match nix::sys::stat::fstat(std::io::stderr()) {
+        Ok(st) => st.st_dev == dev && st.st_ino == ino,
+        Err(_) => false,
+    }
+}
+
+/// Prefixes each line with its syslog priority for journald (`sd-daemon(3)`).
+struct JournalPriority<F>(F);
+
+/// The `sd-daemon(3)` prefix for a level.
+fn priority(level: Level) -> &'static str {
+    match level {
+        Level::ERROR => "<3>",
+        Level::WARN => "<4>",
+        Level::INFO => "<6>",
+        Level::DEBUG | Level::TRACE => "<7>",
+    }
+}
+
+impl<S, N, F> FormatEvent<S, N> for JournalPriority<F>
+where
+    S: Subscriber + for<'a> LookupSpan<'a>,
+    N: for<'a> FormatFields<'a> + 'static,
+    F: FormatEvent<S, N>,
+{
+    fn format_event(
+        &self,
+        ctx: &FmtContext<'_, S, N>,
+        mut writer: Writer<'_>,
+        event: &Event<'_>,
+    ) -> fmt::Result {
+        writer.write_str(priority(*event.metadata().level()))?;
+        self.0.format_event(ctx, writer, event)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn priorities_follow_sd_daemon() {
+        assert_eq!(priority(Level::ERROR), "<3>");
+        assert_eq!(priority(Level::WARN), "<4>");
+        assert_eq!(priority(Level::INFO), "<6>");
+        assert_eq!(priority(Level::DEBUG), "<7>");
+    }
 }

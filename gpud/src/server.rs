@@ -1,11 +1,15 @@
 //! Wires everything together: config, NVML discovery, the database, the broker, the socket,
-//! background tasks (lease expiry, usage sampling), readiness and graceful stop.
+//! background tasks (lease expiry, usage sampling), and the systemd contract: the socket
+//! handed over by `gpud.socket` (`LISTEN_FDS`) or bound here, `READY=1` once state is
+//! loaded and the socket is served, watchdog keep-alives while the broker answers, `SIGHUP`
+//! to reload the settings that can change safely, and a graceful stop on `SIGTERM`.
 //!
 //! The accept loop is our own (not hyperlocal's server): each connection is served on its
 //! own task so one slow client cannot hold up others, the peer's uid/gid/pid are read from
 //! the kernel before the first byte is parsed, headers must arrive within a timeout, and a
 //! semaphore caps the connections served at once.
 
+use std::os::fd::{BorrowedFd, FromRawFd, RawFd};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -24,7 +28,7 @@ use crate::api::Api;
 use crate::audit::{self, Auditor, ProcFs};
 use crate::broker::{Broker, BrokerSettings, Caller};
 use crate::clock::now_millis;
-use crate::config::Config;
+use crate::config::{Config, ConfigError};
 use crate::gpu::Nvml;
 use crate::metrics::Metrics;
 use crate::store::Store;
@@ -55,7 +59,16 @@ pub fn resolve_groups(names: &[String]) -> anyhow::Result<Vec<u32>> {
         .collect()
 }
 
-async fn serve(config: Config, _config_path: Option<PathBuf>) -> anyhow::Result<()> {
+async fn serve(config: Config, config_path: Option<PathBuf>) -> anyhow::Result<()> {
+    // Caught from the start, so that a `systemctl reload` during startup cannot kill gpud
+    // (SIGHUP's default action); it is acted on once gpud serves.
+    let sighup = signal(SignalKind::hangup()).context("cannot install the SIGHUP handler")?;
+    // What the file said at start, before command-line overrides: reloads compare
+    // restart-only keys against this, so `--socket` is never reported as a change.
+    let at_start = config_path
+        .as_deref()
+        .and_then(|path| Config::load(path, false).ok())
+        .unwrap_or_else(|| config.clone());
     let admin_gids = resolve_groups(&config.admin_groups)?;
     let lib = config.nvml_lib.clone();
     let nvml = tokio::task::spawn_blocking(move || Nvml::open(lib.as_deref())).await??;
@@ -82,7 +95,10 @@ async fn serve(config: Config, _config_path: Option<PathBuf>) -> anyhow::Result<
     let (broker, watches) = Broker::open(store, &inventory, settings, now_millis())?;
     broker.watch_holders(watches);
 
-    let listener = listen(&config)?;
+    let Listening {
+        listener,
+        activated,
+    } = listen(&config)?;
     let metrics = Arc::new(Metrics::new());
     let api = Arc::new(Api {
         broker: broker.clone(),
@@ -99,9 +115,29 @@ async fn serve(config: Config, _config_path: Option<PathBuf>) -> anyhow::Result<
     if let Some(addr) = config.metrics.listen {
         tokio::spawn(serve_metrics_tcp(addr, api.clone()));
     }
+    if config.kubelet.enabled {
+        tokio::spawn(crate::kubelet::run(broker.clone(), config.clone()));
+    }
 
-    let _ = sd_notify::notify(&[sd_notify::NotifyState::Ready]);
-    tracing::info!(socket = %config.socket.display(), "serving");
+    // State is loaded and the socket accepts: tell systemd (a no-op without NOTIFY_SOCKET).
+    if let Err(e) = sd_notify::notify(&[sd_notify::NotifyState::Ready]) {
+        tracing::warn!(error = %e, "cannot send the readiness notification to systemd");
+    }
+    let served = listener
+        .local_addr()
+        .ok()
+        .and_then(|a| a.as_pathname().map(Path::to_path_buf))
+        .unwrap_or_else(|| config.socket.clone());
+    tracing::info!(socket = %served.display(), activated, "serving");
+    if let Some(every) = sd_notify::watchdog_enabled() {
+        tokio::spawn(watchdog(broker.clone(), every / 2));
+    }
+    match config_path {
+        Some(path) => {
+            tokio::spawn(reload_on_hangup(sighup, broker.clone(), path, at_start));
+        }
+        None => tracing::debug!("no config file: SIGHUP has nothing to reload"),
+    }
 
     let mut sigterm =
         signal(SignalKind::terminate()).context("cannot install the SIGTERM handler")?;
@@ -144,11 +180,14 @@ async fn serve(config: Config, _config_path: Option<PathBuf>) -> anyhow::Result<
             drop(permit);
         });
     }
+    let _ = sd_notify::notify(&[sd_notify::NotifyState::Stopping]);
     tracing::info!("stopping: finishing requests in flight");
     broker.shut_down();
     drop(listener);
-    if !config.socket.as_os_str().is_empty() && std::env::var_os("LISTEN_FDS").is_none() {
-        let _ = std::fs::remove_file(&config.socket);
+    // An activated socket belongs to systemd, which keeps it (and queues connections on it)
+    // while gpud is down; a socket gpud bound itself goes with it.
+    if !activated {
+        let _ = std::fs::remove_file(&served);
     }
     tokio::select! {
         () = graceful.shutdown() => {}
@@ -171,22 +210,79 @@ fn peer(stream: &UnixStream) -> Option<Caller> {
     }
 }
 
+/// The socket gpud serves on, and whether systemd handed it over.
+#[derive(Debug)]
+struct Listening {
+    listener: UnixListener,
+    activated: bool,
+}
+
+/// The name `gpud.socket` gives its socket (`FileDescriptorName=`).
+const FD_NAME: &str = "gpud";
+
 /// The listening socket: handed over by systemd (`LISTEN_FDS`), or bound at `config.socket`.
-fn listen(config: &Config) -> anyhow::Result<UnixListener> {
-    if let Ok(mut fds) = sd_notify::listen_fds()
-        && let Some(fd) = fds.next()
-    {
-        use std::os::fd::FromRawFd;
-        // SAFETY: systemd passed us this fd (LISTEN_FDS/LISTEN_PID matched) and nothing else
-        // in the process owns it.
-        let std_listener = unsafe { std::os::unix::net::UnixListener::from_raw_fd(fd) };
-        std_listener
-            .set_nonblocking(true)
-            .context("cannot make the activated socket non-blocking")?;
-        tracing::info!("using the socket handed over by systemd");
-        return UnixListener::from_std(std_listener).context("cannot use the activated socket");
+/// When systemd hands over several, the one named `gpud` (or `gpud.socket`, systemd's
+/// default name) is used; the others are left alone.
+fn listen(config: &Config) -> anyhow::Result<Listening> {
+    let fds: Vec<(RawFd, String)> = sd_notify::listen_fds_with_names()
+        .context("systemd's LISTEN_FDS/LISTEN_FDNAMES are malformed")?
+        .collect();
+    if fds.is_empty() {
+        return Ok(Listening {
+            listener: bind(&config.socket, config.socket_mode)?,
+            activated: false,
+        });
     }
-    bind(&config.socket, config.socket_mode)
+    let named = fds
+        .iter()
+        .find(|(_, name)| name == FD_NAME || name == "gpud.socket");
+    let fd = match (named, fds.as_slice()) {
+        (Some((fd, _)), _) | (None, [(fd, _)]) => *fd,
+        (None, _) => anyhow::bail!(
+            "systemd passed {} sockets ({}) and none is named {FD_NAME:?}; \
+             set FileDescriptorName={FD_NAME} in the socket unit",
+            fds.len(),
+            fds.iter()
+                .map(|(_, n)| n.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    };
+    check_activated(fd)?;
+    // SAFETY: systemd passed us this fd (LISTEN_PID is our pid), it is a listening Unix
+    // stream socket (checked above), and nothing else in the process owns it.
+    let std_listener = unsafe { std::os::unix::net::UnixListener::from_raw_fd(fd) };
+    std_listener
+        .set_nonblocking(true)
+        .context("cannot make the activated socket non-blocking")?;
+    tracing::info!(fd, "using the socket handed over by systemd");
+    Ok(Listening {
+        listener: UnixListener::from_std(std_listener)
+            .context("cannot use the activated socket")?,
+        activated: true,
+    })
+}
+
+/// Refuses an activated fd that is not a listening Unix stream socket (a socket unit with
+/// `ListenStream=0.0.0.0:…` or `ListenDatagram=` by mistake), naming what it is instead.
+fn check_activated(fd: RawFd) -> anyhow::Result<()> {
+    use nix::sys::socket::{AddressFamily, SockType, SockaddrLike, SockaddrStorage, sockopt};
+    // SAFETY: the fd stays open for the duration of this function (it is only borrowed).
+    let borrowed = unsafe { BorrowedFd::borrow_raw(fd) };
+    let kind = nix::sys::socket::getsockopt(&borrowed, sockopt::SockType)
+        .with_context(|| format!("fd {fd} from systemd is not a socket"))?;
+    let family = nix::sys::socket::getsockname::<SockaddrStorage>(fd)
+        .ok()
+        .and_then(|a| a.family());
+    let listening = nix::sys::socket::getsockopt(&borrowed, sockopt::AcceptConn).unwrap_or(false);
+    if kind != SockType::Stream || family != Some(AddressFamily::Unix) || !listening {
+        anyhow::bail!(
+            "the socket systemd passed (fd {fd}) is {kind:?} {family:?}{}; gpud needs a \
+             listening Unix stream socket (ListenStream=/run/gpud/gpud.sock)",
+            if listening { "" } else { ", not listening" }
+        );
+    }
+    Ok(())
 }
 
 /// Binds `path`, replacing a stale socket file left by a crash but never one that another
@@ -211,6 +307,189 @@ pub fn bind(path: &Path, mode: u32) -> anyhow::Result<UnixListener> {
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
         .with_context(|| format!("cannot set permissions on {}", path.display()))?;
     Ok(listener)
+}
+
+/// Sends `WATCHDOG=1` every `every` (half of `WatchdogSec=`), each time only after a cheap
+/// broker call has returned: a wedged broker (a lock never released, a database write that
+/// never finishes) stops the keep-alives, and systemd restarts gpud rather than leave it
+/// accepting connections it can no longer answer.
+async fn watchdog(broker: Arc<Broker>, every: Duration) {
+    let every = every.max(Duration::from_millis(10));
+    tracing::info!(every = %humantime::format_duration(every), "sending watchdog keep-alives");
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let b = broker.clone();
+        if tokio::task::spawn_blocking(move || drop(b.snapshot()))
+            .await
+            .is_err()
+        {
+            continue;
+        }
+        if let Err(e) = sd_notify::notify(&[sd_notify::NotifyState::Watchdog]) {
+            tracing::warn!(error = %e, "cannot send a watchdog keep-alive");
+        }
+    }
+}
+
+/// Config sections that take effect on `SIGHUP`: each is read afresh on every request or
+/// audit pass, so swapping them cannot leave anything half-applied.
+pub const RELOADABLE: &[&str] = &[
+    "quotas",
+    "admin_groups",
+    "placement",
+    "wait",
+    "audit",
+    "env",
+];
+
+/// What a reload would do: the configuration to run with, the reloadable sections that
+/// changed (with their new values, for the log), and the keys that changed in the file but
+/// only take effect on a restart.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReloadPlan {
+    /// The running configuration with the reloadable sections replaced.
+    pub config: Config,
+    /// `(section, new value)` for each reloadable section that changed.
+    pub changed: Vec<(&'static str, String)>,
+    /// Restart-only keys whose value in the file differs from the one gpud started with.
+    pub needs_restart: Vec<&'static str>,
+}
+
+/// Plans a reload. `running` is the configuration in force (command-line overrides
+/// included), `at_start` what the file said when gpud started, `file` what it says now.
+/// Restart-only keys are compared file against file, so an override such as `--socket`
+/// is neither lost nor reported as a change.
+pub fn plan_reload(running: &Config, at_start: &Config, file: &Config) -> ReloadPlan {
+    let mut config = running.clone();
+    let mut changed = Vec::new();
+    macro_rules! take {
+        ($($field:ident).+, $name:literal) => {
+            if config.$($field).+ != file.$($field).+ {
+                config.$($field).+ = file.$($field).+.clone();
+                changed.push(($name, format!("{:?}", config.$($field).+)));
+            }
+        };
+    }
+    take!(quotas, "quotas");
+    take!(admin_groups, "admin_groups");
+    take!(placement, "placement");
+    take!(wait, "wait");
+    take!(audit, "audit");
+    take!(env, "env");
+
+    let mut needs_restart = Vec::new();
+    // The file as it is now, with everything named here set back to the start: whatever
+    // still differs is a key this function does not know (a section added later), which
+    // cannot be applied safely either.
+    let mut rest = file.clone();
+    macro_rules! restart_only {
+        ($field:ident) => {
+            if file.$field != at_start.$field {
+                needs_restart.push(stringify!($field));
+            }
+            rest.$field = at_start.$field.clone();
+        };
+    }
+    restart_only!(socket);
+    restart_only!(socket_mode);
+    restart_only!(state_dir);
+    restart_only!(nvml_lib);
+    restart_only!(server);
+    restart_only!(metrics);
+    restart_only!(kubelet);
+    rest.quotas = at_start.quotas.clone();
+    rest.admin_groups = at_start.admin_groups.clone();
+    rest.placement = at_start.placement.clone();
+    rest.wait = at_start.wait.clone();
+    rest.audit = at_start.audit.clone();
+    rest.env = at_start.env.clone();
+    if rest != *at_start {
+        needs_restart.push("other sections");
+    }
+    ReloadPlan {
+        config,
+        changed,
+        needs_restart,
+    }
+}
+
+/// Why a reload was refused (the running configuration stays).
+#[derive(Debug, thiserror::Error)]
+pub enum ReloadError {
+    /// The file is missing, unreadable or invalid.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// An admin group does not resolve.
+    #[error("{path}: {source:#}")]
+    Groups {
+        /// The config file.
+        path: PathBuf,
+        /// Which group, and why.
+        #[source]
+        source: anyhow::Error,
+    },
+}
+
+/// Re-reads `path` and applies its reloadable sections to the broker, logging each change.
+/// A file that does not load (including a missing one: that is a mistake, not a request to
+/// drop every quota) is refused as a whole and the running configuration stays.
+pub fn reload(broker: &Broker, path: &Path, at_start: &Config) -> Result<ReloadPlan, ReloadError> {
+    let file = Config::load(path, true)?;
+    let admin_gids = resolve_groups(&file.admin_groups).map_err(|source| ReloadError::Groups {
+        path: path.to_owned(),
+        source,
+    })?;
+    let running = broker.settings();
+    let plan = plan_reload(&running.config, at_start, &file);
+    broker.set_settings(BrokerSettings {
+        admin_gids,
+        config: plan.config.clone(),
+    });
+    // A larger quota or a new policy may let queued requests through now.
+    broker.poke_waiters(now_millis());
+    for (section, value) in &plan.changed {
+        tracing::info!(config = %path.display(), section, now = %value, "config section changed on reload");
+    }
+    if plan.changed.is_empty() {
+        tracing::info!(config = %path.display(), "config reloaded: no reloadable section changed");
+    }
+    for key in &plan.needs_restart {
+        tracing::warn!(
+            config = %path.display(),
+            key,
+            "changed in the file but takes effect only after a restart; still running with the old value"
+        );
+    }
+    Ok(plan)
+}
+
+/// Reloads on every `SIGHUP`, telling systemd (`RELOADING=1` … `READY=1`) around it.
+async fn reload_on_hangup(
+    mut sighup: tokio::signal::unix::Signal,
+    broker: Arc<Broker>,
+    path: PathBuf,
+    at_start: Config,
+) {
+    while sighup.recv().await.is_some() {
+        let mut states = vec![sd_notify::NotifyState::Reloading];
+        if let Ok(now) = sd_notify::NotifyState::monotonic_usec_now() {
+            states.push(now);
+        }
+        let _ = sd_notify::notify(&states);
+        tracing::info!(config = %path.display(), "SIGHUP: reloading the configuration");
+        let (b, p, s) = (broker.clone(), path.clone(), at_start.clone());
+        match tokio::task::spawn_blocking(move || reload(&b, &p, &s)).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => tracing::error!(
+                error = %e,
+                "config reload rejected; still running with the previous configuration"
+            ),
+            Err(e) => tracing::error!(error = %e, "config reload failed"),
+        }
+        let _ = sd_notify::notify(&[sd_notify::NotifyState::Ready]);
+    }
 }
 
 /// Ends leases when they run out (checked every 100 ms; cheap when none is due).
@@ -256,5 +535,52 @@ async fn serve_metrics_tcp(addr: std::net::SocketAddr, api: Arc<Api>) {
                 .serve_connection(TokioIo::new(stream), service)
                 .await;
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Config {
+        Config::parse(text).unwrap()
+    }
+
+    #[test]
+    fn reload_applies_reloadable_sections_and_keeps_overrides() {
+        let at_start = parse("[[quotas]]\nuid = 1\nmax_gpus = 1\n");
+        // Started with --socket and --state-dir.
+        let mut running = at_start.clone();
+        running.socket = PathBuf::from("/tmp/test.sock");
+        running.state_dir = PathBuf::from("/tmp/state");
+        let file =
+            parse("[[quotas]]\nuid = 1\nmax_gpus = 2\n[placement]\ndefault_policy = \"spread\"\n");
+        let plan = plan_reload(&running, &at_start, &file);
+        let changed: Vec<&str> = plan.changed.iter().map(|(s, _)| *s).collect();
+        assert_eq!(changed, ["quotas", "placement"]);
+        assert_eq!(plan.config.quotas[0].max_gpus, Some(2));
+        assert_eq!(plan.config.socket, PathBuf::from("/tmp/test.sock"));
+        assert_eq!(plan.config.state_dir, PathBuf::from("/tmp/state"));
+        assert!(plan.needs_restart.is_empty(), "{:?}", plan.needs_restart);
+    }
+
+    #[test]
+    fn restart_only_keys_are_reported_and_not_applied() {
+        let at_start = parse("");
+        let file = parse(
+            "socket = \"/run/other.sock\"\n[server]\nmax_body_bytes = 1024\n[kubelet]\nenabled = true\n",
+        );
+        let plan = plan_reload(&at_start, &at_start, &file);
+        assert_eq!(plan.needs_restart, ["socket", "server", "kubelet"]);
+        assert_eq!(plan.config, at_start);
+        assert!(plan.changed.is_empty());
+    }
+
+    #[test]
+    fn an_unchanged_file_changes_nothing() {
+        let c = parse("[audit]\ninterval = \"1s\"\n");
+        let plan = plan_reload(&c, &c, &c);
+        assert!(plan.changed.is_empty() && plan.needs_restart.is_empty());
+        assert_eq!(plan.config, c);
     }
 }

@@ -46,7 +46,7 @@ pub enum StoreError {
         source: std::io::Error,
     },
     /// SQLite failed.
-    #[error("{op} failed on {path}: {source}")]
+    #[error("{op} failed on {path}: {source}{}", os_reason(source, path))]
     Sqlite {
         /// What was being done.
         op: &'static str,
@@ -76,6 +76,26 @@ pub enum StoreError {
         /// What was wrong.
         detail: String,
     },
+}
+
+/// What the OS says about writing `path`, for I/O failures where SQLite's own words
+/// ("disk I/O error") do not tell a person what to fix: `" (Read-only file system)"`.
+/// Empty when the file can be opened for writing or the failure is of another kind.
+fn os_reason(source: &rusqlite::Error, path: &Path) -> String {
+    use rusqlite::ErrorCode::{CannotOpen, ReadOnly, SystemIoFailure};
+    let io_failure = matches!(
+        source,
+        rusqlite::Error::SqliteFailure(e, _)
+            if matches!(e.code, SystemIoFailure | ReadOnly | CannotOpen)
+    );
+    if !io_failure {
+        return String::new();
+    }
+    // Opening for append writes nothing; it fails the way SQLite's write did.
+    match std::fs::OpenOptions::new().append(true).open(path) {
+        Ok(_) => String::new(),
+        Err(e) => format!(" ({e})"),
+    }
 }
 
 impl StoreError {

@@ -359,3 +359,30 @@ fn gpuctl_events_lists_filters_and_follows() {
     rogue.kill().unwrap();
     rogue.wait().unwrap();
 }
+
+#[test]
+fn a_workload_started_with_a_leases_environment_is_accounted_to_it() {
+    // A lease (or a Kubernetes reservation) has no holder process: its workload is known by
+    // the GPUD_RESERVATION_ID it was started with.
+    let d = Daemon::start("t4-pair", "");
+    let r = reserve(&d, json!({"memory": "2GiB", "ttl_seconds": 600}));
+    let gpu = usize::try_from(r.body["gpus"][0]["index"].as_u64().unwrap()).unwrap();
+    let mut workload = Command::new("sleep")
+        .arg("60")
+        .env("GPUD_RESERVATION_ID", r.body["id"].as_str().unwrap())
+        .spawn()
+        .unwrap();
+    set_processes(&d, gpu, &[(workload.id(), 2 * GIB)]);
+    wait_for(PATIENCE, || {
+        (d.get("/v1/gpus").body["gpus"][gpu]["memory_used_bytes"] == 2 * GIB).then_some(())
+    })
+    .expect("usage measured");
+    std::thread::sleep(TWO_INTERVALS);
+    assert!(events(&d, "").is_empty(), "{:?}", events(&d, ""));
+    assert_eq!(
+        d.get("/v1/gpus").body["gpus"][gpu]["memory_unaccounted_bytes"],
+        0
+    );
+    workload.kill().unwrap();
+    workload.wait().unwrap();
+}

@@ -1,0 +1,305 @@
+//! The `DevicePlugin` gRPC service for one resource: what the kubelet calls on gpud's socket.
+//!
+//! Handlers turn the kubelet's request into calls on [`devices`](super::devices) (pure) and
+//! the broker (on a blocking thread), and the result into the reply; see the module doc of
+//! [`kubelet`](super) for the decisions.
+
+use std::collections::{BTreeSet, HashMap};
+use std::pin::Pin;
+use std::sync::Arc;
+
+use tokio::sync::{mpsc, watch};
+use tokio_stream::Stream;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status};
+
+use super::Shared;
+use super::devices::{self, Advertised, Resource};
+use super::proto::v1beta1::{
+    AllocateRequest, AllocateResponse, ContainerAllocateResponse,
+    ContainerPreferredAllocationResponse, Device, DevicePluginOptions, DeviceSpec, Empty,
+    ListAndWatchResponse, Mount, NumaNode, PreStartContainerRequest, PreStartContainerResponse,
+    PreferredAllocationRequest, PreferredAllocationResponse, TopologyInfo,
+    device_plugin_server::DevicePlugin,
+};
+use super::proto::{HEALTHY, UNHEALTHY};
+use crate::broker::{BrokerError, ExactRequest};
+use crate::clock::now_millis;
+use crate::model::Reservation;
+
+/// Device nodes every GPU container needs besides its `/dev/nvidiaN`.
+const CONTROL_DEVICES: [&str; 3] = ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"];
+
+/// One resource's plugin. Its streams end when `epoch` does (the registration that served
+/// it is over: the kubelet restarted).
+#[derive(Debug, Clone)]
+pub(super) struct Plugin {
+    pub(super) resource: Resource,
+    pub(super) shared: Arc<Shared>,
+    pub(super) epoch: watch::Receiver<()>,
+}
+
+/// The reply stream of `ListAndWatch`.
+pub(super) type DeviceStream =
+    Pin<Box<dyn Stream<Item = Result<ListAndWatchResponse, Status>> + Send + 'static>>;
+
+fn to_proto(list: &[Advertised]) -> ListAndWatchResponse {
+    ListAndWatchResponse {
+        devices: list
+            .iter()
+            .map(|d| Device {
+                id: d.id.clone(),
+                health: if d.healthy { HEALTHY } else { UNHEALTHY }.to_owned(),
+                topology: d.numa_node.map(|n| TopologyInfo {
+                    nodes: vec![NumaNode { id: i64::from(n) }],
+                }),
+            })
+            .collect(),
+    }
+}
+
+fn status(e: &BrokerError) -> Status {
+    let message = e.to_string();
+    match e {
+        BrokerError::Invalid(_) => Status::invalid_argument(message),
+        BrokerError::NoCapacity(_)
+        | BrokerError::Unsatisfiable(_)
+        | BrokerError::WaitTimeout(_) => Status::resource_exhausted(message),
+        BrokerError::QuotaExceeded(_) | BrokerError::Forbidden(_) => {
+            Status::permission_denied(message)
+        }
+        BrokerError::NotFound(_) | BrokerError::NotActive { .. } => {
+            Status::failed_precondition(message)
+        }
+        BrokerError::Storage(_) => Status::internal(message),
+        BrokerError::ShuttingDown => Status::unavailable(message),
+    }
+}
+
+impl Plugin {
+    /// Reserves for each container's device ids, all or nothing. Blocking.
+    fn allocate_blocking(&self, containers: &[Vec<String>]) -> Result<Vec<Reservation>, Status> {
+        let broker = &self.shared.broker;
+        let mut made: Vec<Reservation> = Vec::new();
+        let undo = |made: &[Reservation]| {
+            for r in made {
+                let _ = broker.release_with_reason(
+                    &r.id,
+                    "allocation failed for another container of the pod",
+                    now_millis(),
+                );
+            }
+        };
+        for ids in containers {
+            let now = now_millis();
+            let (claim, stale) = self.shared.with_view(|view| {
+                (
+                    devices::claim(self.resource, view, ids),
+                    devices::holders_of(self.resource, view, ids),
+                )
+            });
+            let claim = match claim {
+                Ok(c) => c,
+                Err(message) => {
+                    undo(&made);
+                    return Err(Status::invalid_argument(message));
+                }
+            };
+            for id in stale {
+                tracing::info!(reservation = %id, "its devices were handed to a new pod: its pod is gone");
+                if let Err(e) = broker.release_with_reason(
+                    &id,
+                    "pod gone: the kubelet handed its devices to another pod",
+                    now,
+                ) {
+                    undo(&made);
+                    return Err(status(&e));
+                }
+            }
+            let mut attempt = 0;
+            let id = loop {
+                let id = devices::reservation_id(self.resource, ids, now, attempt);
+                if broker.get(&id).is_err() || attempt >= 8 {
+                    break id;
+                }
+                attempt += 1;
+            };
+            let request = ExactRequest {
+                id,
+                units: claim.units,
+                exclusive: claim.exclusive,
+                labels: claim.labels,
+            };
+            match broker.reserve_exact(self.shared.caller, request, now) {
+                Ok(r) => made.push(r),
+                Err(e) => {
+                    undo(&made);
+                    tracing::warn!(resource = self.resource.name(), devices = ?ids, error = %e, "Allocate refused");
+                    return Err(status(&e));
+                }
+            }
+        }
+        Ok(made)
+    }
+
+    /// What the kubelet puts into the container for reservation `r`.
+    fn container_response(&self, r: &Reservation) -> ContainerAllocateResponse {
+        let mut envs: HashMap<String, String> =
+            r.env.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        envs.insert(
+            "GPUD_SOCKET".to_owned(),
+            self.shared.gpud_socket.display().to_string(),
+        );
+        let minors: BTreeSet<u32> = self.shared.with_view(|view| {
+            r.units
+                .iter()
+                .filter_map(|u| {
+                    view.gpus
+                        .get(usize::try_from(u.gpu_index).ok()?)
+                        .and_then(|g| g.minor_number)
+                })
+                .collect()
+        });
+        let node = |path: String| DeviceSpec {
+            container_path: path.clone(),
+            host_path: path,
+            permissions: "rw".to_owned(),
+        };
+        let mut devices: Vec<DeviceSpec> = CONTROL_DEVICES
+            .iter()
+            .map(|p| node((*p).to_owned()))
+            .collect();
+        devices.extend(minors.iter().map(|m| node(format!("/dev/nvidia{m}"))));
+        let container_dir = self
+            .shared
+            .gpud_socket
+            .parent()
+            .map_or_else(|| "/".to_owned(), |p| p.display().to_string());
+        ContainerAllocateResponse {
+            envs,
+            mounts: vec![Mount {
+                container_path: container_dir,
+                host_path: self.shared.socket_host_dir.display().to_string(),
+                read_only: true,
+            }],
+            devices,
+            annotations: HashMap::new(),
+            cdi_devices: Vec::new(),
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl DevicePlugin for Plugin {
+    async fn get_device_plugin_options(
+        &self,
+        _request: Request<Empty>,
+    ) -> Result<Response<DevicePluginOptions>, Status> {
+        Ok(Response::new(DevicePluginOptions {
+            pre_start_required: false,
+            get_preferred_allocation_available: true,
+        }))
+    }
+
+    type ListAndWatchStream = DeviceStream;
+
+    async fn list_and_watch(
+        &self,
+        _request: Request<Empty>,
+    ) -> Result<Response<Self::ListAndWatchStream>, Status> {
+        let Some(mut list) = self.shared.subscribe(self.resource) else {
+            return Err(Status::not_found("resource not served"));
+        };
+        // The first list is sent at once, complete even before the first refresh tick.
+        let shared = self.shared.clone();
+        tokio::task::spawn_blocking(move || shared.refresh())
+            .await
+            .map_err(|e| Status::internal(e.to_string()))?;
+        let (tx, rx) = mpsc::channel(4);
+        let mut epoch = self.epoch.clone();
+        let resource = self.resource;
+        tokio::spawn(async move {
+            loop {
+                let response = to_proto(&list.borrow_and_update());
+                if tx.send(Ok(response)).await.is_err() {
+                    return;
+                }
+                tokio::select! {
+                    changed = list.changed() => if changed.is_err() { return },
+                    () = tx.closed() => return,
+                    _ = epoch.changed() => {
+                        tracing::debug!(resource = resource.name(), "ListAndWatch ends with its registration");
+                        return;
+                    }
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    async fn get_preferred_allocation(
+        &self,
+        request: Request<PreferredAllocationRequest>,
+    ) -> Result<Response<PreferredAllocationResponse>, Status> {
+        let plugin = self.clone();
+        let requests = request.into_inner().container_requests;
+        let answer = tokio::task::spawn_blocking(move || {
+            plugin.shared.with_view(|view| {
+                requests
+                    .iter()
+                    .map(|c| {
+                        let size = usize::try_from(c.allocation_size).unwrap_or(0);
+                        devices::preferred(
+                            plugin.resource,
+                            view,
+                            &c.available_device_i_ds,
+                            &c.must_include_device_i_ds,
+                            size,
+                        )
+                        .map(|device_i_ds| ContainerPreferredAllocationResponse { device_i_ds })
+                    })
+                    .collect::<Result<Vec<_>, String>>()
+            })
+        })
+        .await
+        .map_err(|e| Status::internal(e.to_string()))?
+        .map_err(Status::resource_exhausted)?;
+        Ok(Response::new(PreferredAllocationResponse {
+            container_responses: answer,
+        }))
+    }
+
+    async fn allocate(
+        &self,
+        request: Request<AllocateRequest>,
+    ) -> Result<Response<AllocateResponse>, Status> {
+        let containers: Vec<Vec<String>> = request
+            .into_inner()
+            .container_requests
+            .into_iter()
+            .map(|c| c.devices_ids)
+            .collect();
+        let plugin = self.clone();
+        let reservations = tokio::task::spawn_blocking(move || {
+            let made = plugin.allocate_blocking(&containers);
+            plugin.shared.refresh();
+            made.map(|made| {
+                made.iter()
+                    .map(|r| plugin.container_response(r))
+                    .collect::<Vec<_>>()
+            })
+        })
+        .await
+        .map_err(|e| Status::internal(e.to_string()))??;
+        Ok(Response::new(AllocateResponse {
+            container_responses: reservations,
+        }))
+    }
+
+    async fn pre_start_container(
+        &self,
+        _request: Request<PreStartContainerRequest>,
+    ) -> Result<Response<PreStartContainerResponse>, Status> {
+        Ok(Response::new(PreStartContainerResponse {}))
+    }
+}

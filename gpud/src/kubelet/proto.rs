@@ -1,0 +1,50 @@
+//! The kubelet's gRPC APIs, generated at build time (`gpud/build.rs`) from the protos vendored
+//! in `gpud/proto/`: the device plugin API (`v1beta1`) and the pod-resources API (`v1`).
+//!
+//! Public so that the integration tests' fake kubelet speaks exactly the same wire types.
+//! prost names: `deviceIDs` → `device_i_ds`, `available_deviceIDs` → `available_device_i_ds`,
+//! `CDIDevice` → `CdiDevice`.
+
+/// Device plugin API v1beta1: `Registration` (served by the kubelet) and `DevicePlugin`
+/// (served by gpud).
+#[allow(
+    missing_docs,
+    missing_debug_implementations,
+    clippy::all,
+    clippy::pedantic,
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::cast_possible_truncation,
+    clippy::cast_sign_loss,
+    clippy::cast_possible_wrap,
+    clippy::cast_lossless
+)]
+pub mod v1beta1 {
+    tonic::include_proto!("v1beta1");
+}
+
+/// Pod-resources API v1: `PodResourcesLister` (served by the kubelet).
+#[allow(
+    missing_docs,
+    missing_debug_implementations,
+    clippy::all,
+    clippy::pedantic,
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::cast_possible_truncation,
+    clippy::cast_sign_loss,
+    clippy::cast_possible_wrap,
+    clippy::cast_lossless
+)]
+pub mod podresources_v1 {
+    tonic::include_proto!("v1");
+}
+
+/// The device plugin API version gpud speaks, as sent in `RegisterRequest.version`.
+pub const DEVICE_PLUGIN_VERSION: &str = "v1beta1";
+/// Health value of a usable device.
+pub const HEALTHY: &str = "Healthy";
+/// Health value of a device the kubelet must not hand out.
+pub const UNHEALTHY: &str = "Unhealthy";

@@ -1,0 +1,701 @@
+//! Load generator: N concurrent clients doing reserve → release cycles against a gpud socket.
+//!
+//! Each client keeps one HTTP/1.1 keep-alive connection and loops for `--duration`:
+//! `POST /v1/reservations {"memory": "1MiB", "ttl_seconds": 600}`, then
+//! `DELETE /v1/reservations/{id}`. It prints cycles/s and the cycle latency p50/p99/p99.9
+//! (plus each request's p50/p99).
+//!
+//! - `--baseline` first runs the very same clients against a minimal HTTP server on a
+//!   temporary Unix socket (this binary again, in its own process, with the same accept-loop
+//!   shape as gpud's: peer credentials, connection semaphore, header timeout, one task per
+//!   connection) that answers a fixed JSON body of the size of a gpud reply, and prints the
+//!   ratio gpud / baseline: what deciding, committing to SQLite and answering costs over
+//!   HTTP alone.
+//! - `--background N` creates N other TTL reservations before measuring; `--scaling 10,10000`
+//!   measures at each of those background levels (with 1 client and with `--clients`) and
+//!   prints the latency ratio of the last level to the first.
+//! - gpud's resident memory (VmRSS; the pid comes from the socket's peer credentials) is
+//!   printed idle and after the background reservations are in place.
+//! - `--spawn-gpud FIXTURE` starts `gpud` from this binary's directory on the fake NVML
+//!   (`libfake_nvml.so` beside it) in a temporary directory, instead of `--socket`.
+//!
+//! Reproduce the README's figures (release builds of everything first):
+//!
+//! ```sh
+//! cargo build --release --workspace && target/release/gpud-load --spawn-gpud dgx1-v100 \
+//!   --clients 64 --duration 10s --baseline --scaling 10,10000
+//! ```
+
+// A measuring tool, not daemon code: a failed step should stop it with its reason.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+#![allow(clippy::cast_precision_loss)] // rates and ratios printed with two decimals
+
+use std::convert::Infallible;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use clap::Parser;
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::{Bytes, Incoming};
+use hyper::client::conn::http1::SendRequest;
+use hyper::header::{CONTENT_LENGTH, CONTENT_TYPE, HOST, HeaderValue};
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::server::graceful::GracefulShutdown;
+use tokio::net::{UnixListener, UnixStream};
+use tokio::sync::Semaphore;
+
+/// Reserve → release cycles against gpud, with an HTTP-only baseline.
+#[derive(Debug, Parser)]
+#[command(name = "gpud-load")]
+struct Args {
+    /// gpud's socket (ignored with --spawn-gpud).
+    #[arg(long, default_value = "/run/gpud/gpud.sock")]
+    socket: PathBuf,
+    /// Start gpud on this fake-NVML fixture (a name in tests/fixtures or a path) in a
+    /// temporary directory, and stop it at the end.
+    #[arg(long, value_name = "FIXTURE")]
+    spawn_gpud: Option<String>,
+    /// gpud binary for --spawn-gpud [default: `gpud` beside this binary].
+    #[arg(long)]
+    gpud: Option<PathBuf>,
+    /// Fake NVML library for --spawn-gpud [default: `libfake_nvml.so` beside this binary].
+    #[arg(long)]
+    nvml_lib: Option<PathBuf>,
+    /// Concurrent clients, one keep-alive connection each.
+    #[arg(long, default_value_t = 64)]
+    clients: usize,
+    /// How long each measurement runs (after the warm-up).
+    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+    duration: Duration,
+    /// Cycles run before measuring, not counted.
+    #[arg(long, default_value = "1s", value_parser = humantime::parse_duration)]
+    warmup: Duration,
+    /// Also measure the minimal HTTP server, and print gpud / baseline.
+    #[arg(long)]
+    baseline: bool,
+    /// Other reservations (TTL leases) to create before measuring.
+    #[arg(long, default_value_t = 0)]
+    background: usize,
+    /// Measure at each of these background levels and print the latency ratio last / first
+    /// (e.g. `10,10000`). Overrides --background.
+    #[arg(long, value_delimiter = ',')]
+    scaling: Vec<usize>,
+    /// Memory each cycle reserves.
+    #[arg(long, default_value = "1MiB")]
+    memory: String,
+    /// Internal: serve the baseline on this socket (the child process).
+    #[arg(long, hide = true)]
+    serve_baseline: Option<PathBuf>,
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    if let Some(path) = &args.serve_baseline {
+        return runtime.block_on(serve_baseline(path));
+    }
+    runtime.block_on(drive(args))
+}
+
+// ---------------------------------------------------------------------------------------
+// The baseline server
+// ---------------------------------------------------------------------------------------
+
+/// What the baseline answers: a reservation as gpud encodes it, so that both servers
+/// serialize, send and the clients read the same number of bytes.
+const BASELINE_BODY: &str = r#"{"id":"0123456789abcdef","state":"active","owner_uid":0,"owner_gid":0,"holder_pid":null,"exclusive":false,"gpus":[{"index":0,"uuid":"GPU-6f2c8c2e-1c3f-5b34-9a41-0d6c1b7a9e10","memory_bytes":1048576}],"env":{"CUDA_DEVICE_ORDER":"PCI_BUS_ID","CUDA_VISIBLE_DEVICES":"GPU-6f2c8c2e-1c3f-5b34-9a41-0d6c1b7a9e10","GPUD_MEM_FRACTION":"0.0000","GPUD_MEM_LIMIT_BYTES":"1048576","GPUD_MEM_TOTAL_BYTES":"34359738368","GPUD_RESERVATION_ID":"0123456789abcdef","NVIDIA_VISIBLE_DEVICES":"GPU-6f2c8c2e-1c3f-5b34-9a41-0d6c1b7a9e10","PYTORCH_CUDA_ALLOC_CONF":"per_process_memory_fraction:0.0000","TF_FORCE_GPU_ALLOW_GROWTH":"true","XLA_PYTHON_CLIENT_MEM_FRACTION":"0.0000","XLA_PYTHON_CLIENT_PREALLOCATE":"false"},"created_at":"2026-11-21T05:00:00.000Z","expires_at":"2026-11-21T05:10:00.000Z","ttl_seconds":600,"ended_at":null,"end_reason":null,"labels":{}}"#;
+
+/// The same accept loop as gpud's `server::serve`, answering [`BASELINE_BODY`].
+async fn serve_baseline(path: &Path) -> anyhow::Result<()> {
+    let _ = std::fs::remove_file(path);
+    let listener = UnixListener::bind(path).with_context(|| format!("bind {}", path.display()))?;
+    let graceful = GracefulShutdown::new();
+    let permits = Arc::new(Semaphore::new(4096));
+    loop {
+        let permit = permits.clone().acquire_owned().await?;
+        let stream = match listener.accept().await {
+            Ok((stream, _)) => stream,
+            Err(_) => {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                continue;
+            }
+        };
+        // gpud reads the caller's identity before parsing anything; so does the baseline.
+        let Ok(cred) = stream.peer_cred() else {
+            continue;
+        };
+        let caller = (cred.uid(), cred.gid(), cred.pid());
+        let conn = http1::Builder::new()
+            .timer(TokioTimer::new())
+            .header_read_timeout(Duration::from_secs(5))
+            .serve_connection(
+                TokioIo::new(stream),
+                service_fn(move |req| answer(caller, req)),
+            );
+        let conn = graceful.watch(conn);
+        tokio::spawn(async move {
+            let _ = conn.await;
+            drop(permit);
+        });
+    }
+}
+
+async fn answer(
+    _caller: (u32, u32, Option<i32>),
+    req: Request<Incoming>,
+) -> Result<Response<Full<Bytes>>, Infallible> {
+    let status = if req.method() == Method::POST {
+        StatusCode::CREATED
+    } else {
+        StatusCode::OK
+    };
+    // Read the body as gpud does (bounded), then answer the fixed reply.
+    let _ = Limited::new(req.into_body(), 64 * 1024).collect().await;
+    let mut resp = Response::new(Full::new(Bytes::from_static(BASELINE_BODY.as_bytes())));
+    *resp.status_mut() = status;
+    resp.headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    Ok(resp)
+}
+
+// ---------------------------------------------------------------------------------------
+// Processes under test
+// ---------------------------------------------------------------------------------------
+
+/// A child process (gpud or the baseline server) killed when dropped.
+struct Server {
+    child: Child,
+    socket: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn beside_me(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("current exe");
+    exe.parent().expect("exe dir").join(name)
+}
+
+fn start_baseline() -> anyhow::Result<Server> {
+    let dir = tempfile::Builder::new().prefix("gpud-load").tempdir()?;
+    let socket = dir.path().join("baseline.sock");
+    let child = Command::new(std::env::current_exe()?)
+        .arg("--serve-baseline")
+        .arg(&socket)
+        .stdin(Stdio::null())
+        .spawn()?;
+    let mut server = Server {
+        child,
+        socket,
+        _dir: dir,
+    };
+    wait_listening(&mut server)?;
+    Ok(server)
+}
+
+fn fixture_path(name: &str) -> PathBuf {
+    let path = PathBuf::from(name);
+    if path.exists() {
+        return path;
+    }
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("fixtures")
+        .join(format!("{name}.json"))
+}
+
+fn start_gpud(args: &Args, fixture: &str) -> anyhow::Result<Server> {
+    let gpud = args.gpud.clone().unwrap_or_else(|| beside_me("gpud"));
+    let lib = args
+        .nvml_lib
+        .clone()
+        .unwrap_or_else(|| beside_me("libfake_nvml.so"));
+    for p in [&gpud, &lib] {
+        if !p.exists() {
+            bail!(
+                "{} is missing: run `cargo build --release --workspace` first",
+                p.display()
+            );
+        }
+    }
+    let dir = tempfile::Builder::new().prefix("gpud-load").tempdir()?;
+    let fixture_copy = dir.path().join("fixture.json");
+    std::fs::copy(fixture_path(fixture), &fixture_copy)
+        .with_context(|| format!("fixture {fixture}"))?;
+    let config = dir.path().join("gpud.toml");
+    std::fs::write(&config, "")?;
+    let socket = dir.path().join("gpud.sock");
+    // gpud logs every reserve and release at info, as it does in production (to journald);
+    // here to a file.
+    let log = std::fs::File::create(dir.path().join("gpud.log"))?;
+    let child = Command::new(&gpud)
+        .arg("--config")
+        .arg(&config)
+        .arg("--nvml-lib")
+        .arg(&lib)
+        .arg("--socket")
+        .arg(&socket)
+        .arg("--state-dir")
+        .arg(dir.path().join("state"))
+        .env("FAKE_NVML_CONFIG", &fixture_copy)
+        .stdin(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .with_context(|| format!("start {}", gpud.display()))?;
+    let mut server = Server {
+        child,
+        socket,
+        _dir: dir,
+    };
+    wait_listening(&mut server)?;
+    Ok(server)
+}
+
+fn wait_listening(server: &mut Server) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while std::os::unix::net::UnixStream::connect(&server.socket).is_err() {
+        if let Some(status) = server.child.try_wait()? {
+            bail!("server exited during start: {status}");
+        }
+        if Instant::now() > deadline {
+            bail!("{} did not listen within 20 s", server.socket.display());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Ok(())
+}
+
+/// gpud's resident memory in KiB, by the pid the kernel reports for the socket's peer.
+async fn rss_kib(socket: &Path) -> anyhow::Result<(i32, u64)> {
+    let stream = UnixStream::connect(socket).await?;
+    let pid = stream
+        .peer_cred()?
+        .pid()
+        .context("the kernel gave no peer pid")?;
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let kib = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|r| r.split_whitespace().next()?.parse().ok())
+        .context("no VmRSS")?;
+    Ok((pid, kib))
+}
+
+/// CPU time (user + system) a process has used so far, in clock ticks (`/proc/PID/stat`).
+fn cpu_ticks(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command name (which may contain spaces) start at ")".
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // utime and stime are fields 14 and 15 of the whole line, 12 and 13 after the name.
+    Some(fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?)
+}
+
+/// Clock ticks per second for `/proc/PID/stat` (USER_HZ; 100 on Linux).
+const TICKS_PER_SECOND: f64 = 100.0;
+
+// ---------------------------------------------------------------------------------------
+// Clients
+// ---------------------------------------------------------------------------------------
+
+struct Client {
+    sender: SendRequest<Full<Bytes>>,
+}
+
+impl Client {
+    async fn connect(socket: &Path) -> anyhow::Result<Client> {
+        let stream = UnixStream::connect(socket)
+            .await
+            .with_context(|| format!("connect {}", socket.display()))?;
+        let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
+        tokio::spawn(async move {
+            let _ = conn.await;
+        });
+        Ok(Client { sender })
+    }
+
+    async fn send(
+        &mut self,
+        method: Method,
+        path: &str,
+        body: Bytes,
+    ) -> anyhow::Result<(StatusCode, Bytes)> {
+        self.sender.ready().await?;
+        let req = Request::builder()
+            .method(method)
+            .uri(path)
+            .header(HOST, "gpud")
+            .header(CONTENT_TYPE, "application/json")
+            .header(CONTENT_LENGTH, body.len())
+            .body(Full::new(body))?;
+        let resp = self.sender.send_request(req).await?;
+        let status = resp.status();
+        let body = resp.into_body().collect().await?.to_bytes();
+        Ok((status, body))
+    }
+
+    /// Creates a reservation; returns its id.
+    async fn reserve(&mut self, body: &Bytes) -> anyhow::Result<String> {
+        let (status, reply) = self
+            .send(Method::POST, "/v1/reservations", body.clone())
+            .await?;
+        if status != StatusCode::CREATED {
+            bail!(
+                "reserve: {status}: {}",
+                String::from_utf8_lossy(&reply).trim()
+            );
+        }
+        reply_id(&reply).context("reserve: no id in the reply")
+    }
+
+    async fn release(&mut self, id: &str) -> anyhow::Result<()> {
+        let (status, reply) = self
+            .send(
+                Method::DELETE,
+                &format!("/v1/reservations/{id}"),
+                Bytes::new(),
+            )
+            .await?;
+        if status != StatusCode::OK {
+            bail!(
+                "release: {status}: {}",
+                String::from_utf8_lossy(&reply).trim()
+            );
+        }
+        Ok(())
+    }
+}
+
+/// The `"id":"…"` of a reply, found without a full parse (both servers pay the same).
+fn reply_id(body: &[u8]) -> Option<String> {
+    let text = std::str::from_utf8(body).ok()?;
+    let rest = &text[text.find(r#""id":""#)? + 6..];
+    Some(rest[..rest.find('"')?].to_owned())
+}
+
+/// Latencies of one measurement, microseconds.
+#[derive(Default)]
+struct Samples {
+    cycle: Vec<u32>,
+    reserve: Vec<u32>,
+    release: Vec<u32>,
+}
+
+fn micros(d: Duration) -> u32 {
+    u32::try_from(d.as_micros()).unwrap_or(u32::MAX)
+}
+
+async fn client_loop(
+    socket: PathBuf,
+    body: Bytes,
+    measure_from: Instant,
+    until: Instant,
+) -> anyhow::Result<Samples> {
+    let mut client = Client::connect(&socket).await?;
+    let mut samples = Samples::default();
+    loop {
+        let start = Instant::now();
+        if start >= until {
+            return Ok(samples);
+        }
+        let id = client.reserve(&body).await?;
+        let reserved = Instant::now();
+        client.release(&id).await?;
+        let done = Instant::now();
+        if start >= measure_from && done <= until {
+            samples.cycle.push(micros(done - start));
+            samples.reserve.push(micros(reserved - start));
+            samples.release.push(micros(done - reserved));
+        }
+    }
+}
+
+/// What one measurement gives.
+struct Measured {
+    rate: f64,
+    /// The server's CPU use while measuring: cores busy, and microseconds per cycle.
+    server_cpu: Option<(f64, f64)>,
+    cycles: usize,
+    cycle: Percentiles,
+    reserve: Percentiles,
+    release: Percentiles,
+}
+
+#[derive(Clone, Copy)]
+struct Percentiles {
+    p50: u32,
+    p99: u32,
+    p999: u32,
+}
+
+impl Percentiles {
+    fn of(samples: &mut [u32]) -> Percentiles {
+        samples.sort_unstable();
+        // Nearest rank: the smallest sample with at least `per_mille`/1000 of them ≤ it.
+        let at = |per_mille: usize| -> u32 {
+            let rank = (samples.len() * per_mille).div_ceil(1000).max(1);
+            samples.get(rank - 1).copied().unwrap_or(0)
+        };
+        Percentiles {
+            p50: at(500),
+            p99: at(990),
+            p999: at(999),
+        }
+    }
+}
+
+fn ms(us: u32) -> f64 {
+    f64::from(us) / 1000.0
+}
+
+async fn measure(
+    socket: &Path,
+    server_pid: Option<u32>,
+    clients: usize,
+    memory: &str,
+    warmup: Duration,
+    duration: Duration,
+) -> anyhow::Result<Measured> {
+    let body = Bytes::from(
+        serde_json::json!({"memory": memory, "ttl_seconds": 600, "labels": {"load": "cycle"}})
+            .to_string(),
+    );
+    let measure_from = Instant::now() + warmup;
+    let until = measure_from + duration;
+    let tasks: Vec<_> = (0..clients)
+        .map(|_| {
+            tokio::spawn(client_loop(
+                socket.to_owned(),
+                body.clone(),
+                measure_from,
+                until,
+            ))
+        })
+        .collect();
+    tokio::time::sleep_until(measure_from.into()).await;
+    let ticks_before = server_pid.and_then(cpu_ticks);
+    tokio::time::sleep_until(until.into()).await;
+    let ticks_after = server_pid.and_then(cpu_ticks);
+    let mut all = Samples::default();
+    for t in tasks {
+        let s = t.await??;
+        all.cycle.extend(s.cycle);
+        all.reserve.extend(s.reserve);
+        all.release.extend(s.release);
+    }
+    let cycles = all.cycle.len();
+    let server_cpu = ticks_before.zip(ticks_after).map(|(b, a)| {
+        let seconds = a.saturating_sub(b) as f64 / TICKS_PER_SECOND;
+        (
+            seconds / duration.as_secs_f64(),
+            seconds * 1e6 / cycles.max(1) as f64,
+        )
+    });
+    Ok(Measured {
+        rate: cycles as f64 / duration.as_secs_f64(),
+        server_cpu,
+        cycles,
+        cycle: Percentiles::of(&mut all.cycle),
+        reserve: Percentiles::of(&mut all.reserve),
+        release: Percentiles::of(&mut all.release),
+    })
+}
+
+fn print_measured(what: &str, clients: usize, m: &Measured) {
+    println!(
+        "{what:<34} {clients:>3} clients  {:>8.0} cycles/s  cycle p50 {:>6.2} p99 {:>6.2} p99.9 {:>6.2} ms  (reserve p50 {:.2} p99 {:.2}, release p50 {:.2} p99 {:.2}; {} cycles)",
+        m.rate,
+        ms(m.cycle.p50),
+        ms(m.cycle.p99),
+        ms(m.cycle.p999),
+        ms(m.reserve.p50),
+        ms(m.reserve.p99),
+        ms(m.release.p50),
+        ms(m.release.p99),
+        m.cycles,
+    );
+    if let Some((cores, per_cycle)) = m.server_cpu {
+        println!(
+            "{:<34} server CPU: {cores:.2} cores busy, {per_cycle:.0} µs per cycle",
+            ""
+        );
+    }
+}
+
+/// Creates `count` TTL reservations (16 connections at a time); returns their ids.
+async fn fill_background(socket: &Path, count: usize) -> anyhow::Result<Vec<String>> {
+    let lanes = 16.min(count.max(1));
+    let body = Bytes::from(
+        serde_json::json!({"memory": "1MiB", "ttl_seconds": 3600, "labels": {"load": "background"}})
+            .to_string(),
+    );
+    let tasks: Vec<_> = (0..lanes)
+        .map(|lane| {
+            let socket = socket.to_owned();
+            let body = body.clone();
+            let n = count / lanes + usize::from(lane < count % lanes);
+            tokio::spawn(async move {
+                let mut client = Client::connect(&socket).await?;
+                let mut ids = Vec::with_capacity(n);
+                for _ in 0..n {
+                    ids.push(client.reserve(&body).await?);
+                }
+                anyhow::Ok(ids)
+            })
+        })
+        .collect();
+    let mut ids = Vec::with_capacity(count);
+    for t in tasks {
+        ids.extend(t.await??);
+    }
+    Ok(ids)
+}
+
+async fn release_all(socket: &Path, ids: Vec<String>) -> anyhow::Result<()> {
+    let mut client = Client::connect(socket).await?;
+    for id in ids {
+        client.release(&id).await?;
+    }
+    Ok(())
+}
+
+async fn drive(args: Args) -> anyhow::Result<()> {
+    println!(
+        "gpud-load: {} clients, {:?} per measurement after {:?} warm-up, reserve {} with a TTL then release; {} CPUs",
+        args.clients,
+        args.duration,
+        args.warmup,
+        args.memory,
+        std::thread::available_parallelism().map_or(0, std::num::NonZero::get),
+    );
+    let baseline = if args.baseline {
+        let server = start_baseline()?;
+        let m = measure(
+            &server.socket,
+            Some(server.child.id()),
+            args.clients,
+            &args.memory,
+            args.warmup,
+            args.duration,
+        )
+        .await?;
+        print_measured("baseline (fixed JSON, no state)", args.clients, &m);
+        Some(m)
+    } else {
+        None
+    };
+
+    let spawned = match &args.spawn_gpud {
+        Some(fixture) => Some(start_gpud(&args, fixture)?),
+        None => None,
+    };
+    let socket = spawned
+        .as_ref()
+        .map_or_else(|| args.socket.clone(), |s| s.socket.clone());
+    let (pid, idle) = rss_kib(&socket).await?;
+    let gpud_pid = u32::try_from(pid).ok();
+    println!(
+        "gpud pid {pid}: resident memory idle {:.1} MiB",
+        kib_mib(idle)
+    );
+
+    let levels = if args.scaling.is_empty() {
+        vec![args.background]
+    } else {
+        args.scaling.clone()
+    };
+    let mut background = Vec::new();
+    let mut by_level = Vec::new();
+    for (i, &level) in levels.iter().enumerate() {
+        if level > background.len() {
+            let more = fill_background(&socket, level - background.len()).await?;
+            background.extend(more);
+        }
+        let label = format!("gpud, {} other reservations", background.len());
+        let single = if levels.len() > 1 {
+            let m = measure(
+                &socket,
+                gpud_pid,
+                1,
+                &args.memory,
+                args.warmup,
+                args.duration,
+            )
+            .await?;
+            print_measured(&label, 1, &m);
+            Some(m)
+        } else {
+            None
+        };
+        let m = measure(
+            &socket,
+            gpud_pid,
+            args.clients,
+            &args.memory,
+            args.warmup,
+            args.duration,
+        )
+        .await?;
+        print_measured(&label, args.clients, &m);
+        if i == 0
+            && let Some(b) = &baseline
+        {
+            println!(
+                "ratio gpud / baseline at {} clients: {:.2} of the rate (cycle p50 {:.2}x)",
+                args.clients,
+                m.rate / b.rate,
+                f64::from(m.cycle.p50) / f64::from(b.cycle.p50.max(1)),
+            );
+        }
+        let (_, rss) = rss_kib(&socket).await?;
+        println!(
+            "gpud resident memory with {} reservations active: {:.1} MiB",
+            background.len(),
+            kib_mib(rss)
+        );
+        by_level.push((background.len(), single, m));
+    }
+    if let (Some(first), Some(last)) = (by_level.first(), by_level.last())
+        && by_level.len() > 1
+    {
+        let ratio = |a: u32, b: u32| f64::from(b) / f64::from(a.max(1));
+        if let (Some(s0), Some(s1)) = (&first.1, &last.1) {
+            println!(
+                "scaling {} → {} reservations, 1 client: cycle p50 ratio {:.2}, p99 ratio {:.2}",
+                first.0,
+                last.0,
+                ratio(s0.cycle.p50, s1.cycle.p50),
+                ratio(s0.cycle.p99, s1.cycle.p99),
+            );
+        }
+        println!(
+            "scaling {} → {} reservations, {} clients: cycle p50 ratio {:.2}, p99 ratio {:.2}, rate ratio {:.2}",
+            first.0,
+            last.0,
+            args.clients,
+            ratio(first.2.cycle.p50, last.2.cycle.p50),
+            ratio(first.2.cycle.p99, last.2.cycle.p99),
+            last.2.rate / first.2.rate,
+        );
+    }
+    if spawned.is_none() && !background.is_empty() {
+        release_all(&socket, background).await?;
+    }
+    Ok(())
+}
+
+fn kib_mib(kib: u64) -> f64 {
+    kib as f64 / 1024.0
+}
