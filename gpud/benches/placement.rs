@@ -232,10 +232,10 @@ fn bench(c: &mut Criterion) {
                 request(1, MemoryAsk::Exclusive, Policy::Binpack),
             ),
         ];
-        let ks: &[u32] = if m.units.len() >= 16 {
-            &[2, 4, 8]
-        } else if mig {
+        let ks: &[u32] = if mig {
             &[2]
+        } else if m.units.len() >= 16 {
+            &[2, 4, 8]
         } else {
             &[2, 4]
         };

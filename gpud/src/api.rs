@@ -400,24 +400,68 @@ fn route_name(path: &str) -> &'static str {
     }
 }
 
-/// Admits one broker call at a time to the blocking pool. The broker serializes its work
-/// under one lock anyway; without this gate, N concurrent requests park N pool threads on
-/// that lock, and every hand-over costs a futex wake and a context switch (measured with
-/// `gpud-load`: at 64 clients most of gpud's CPU went to that, not to the work). Waiting
-/// here is a cheap async wait, in arrival order.
-static BROKER_GATE: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(1);
+/// A broker call queued for [`broker_thread`].
+type Job = Box<dyn FnOnce() + Send>;
+
+/// The thread that runs the API's broker calls, one after another, fed by a queue.
+///
+/// Broker calls block (SQLite, `/proc`) and are serialized by the broker's lock anyway.
+/// Handing each to the blocking pool instead (`spawn_blocking`) parked one pool thread per
+/// concurrent request on that lock, and every hand-over cost a futex wake and a context
+/// switch: measured with `gpud-load` at 64 clients, more of gpud's CPU than the work itself.
+/// One thread draining a queue stays busy under load and sleeps only when idle. It runs
+/// inside the runtime's context, so the broker can spawn its holder watches from it.
+/// `None` when the thread could not be started (then the blocking pool is used).
+fn broker_thread() -> Option<&'static std::sync::mpsc::Sender<Job>> {
+    static QUEUE: std::sync::OnceLock<Option<std::sync::mpsc::Sender<Job>>> =
+        std::sync::OnceLock::new();
+    QUEUE
+        .get_or_init(|| {
+            let runtime = tokio::runtime::Handle::try_current().ok()?;
+            let (tx, rx) = std::sync::mpsc::channel::<Job>();
+            std::thread::Builder::new()
+                .name("gpud-broker".to_owned())
+                .spawn(move || {
+                    let _context = runtime.enter();
+                    for job in rx {
+                        job();
+                    }
+                })
+                .ok()?;
+            Some(tx)
+        })
+        .as_ref()
+}
 
 async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> Result<T, BrokerError> + Send + 'static,
 ) -> Result<T, ApiError> {
-    let _turn = BROKER_GATE.acquire().await;
-    match tokio::task::spawn_blocking(f).await {
-        Ok(result) => result.map_err(ApiError::from),
-        Err(e) => Err(ApiError::new(
+    let internal = |e: &dyn std::fmt::Display| {
+        ApiError::new(
             StatusCode::INTERNAL_SERVER_ERROR,
             codes::INTERNAL,
             format!("internal error: {e}"),
-        )),
+        )
+    };
+    let Some(queue) = broker_thread() else {
+        return match tokio::task::spawn_blocking(f).await {
+            Ok(result) => result.map_err(ApiError::from),
+            Err(e) => Err(internal(&e)),
+        };
+    };
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let job: Job = Box::new(move || {
+        // A panic in the call must not take the thread down with it.
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+        let _ = tx.send(result);
+    });
+    if queue.send(job).is_err() {
+        return Err(internal(&"the broker thread has stopped"));
+    }
+    match rx.await {
+        Ok(Ok(result)) => result.map_err(ApiError::from),
+        Ok(Err(_)) => Err(internal(&"a broker call panicked")),
+        Err(e) => Err(internal(&e)),
     }
 }
 
