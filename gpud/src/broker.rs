@@ -209,7 +209,8 @@ pub type HolderWatches = Vec<(String, PinnedProcess)>;
 impl Broker {
     /// Builds the broker from the database and the inventory, and reaps what died while
     /// gpud was down: reservations whose holder is gone, whose lease ran out, or whose GPU
-    /// is no longer present. Returns the live holders to watch.
+    /// is no longer present (when every GPU could be identified). Returns the live holders
+    /// to watch.
     pub fn open(
         store: Store,
         inventory: &GpuInventory,
@@ -252,11 +253,16 @@ impl Broker {
         };
         let mut dead = Vec::new();
         let mut watches = Vec::new();
+        // A GPU that failed discovery has no UUID to match: while any did, a reservation
+        // naming an unknown unit may well be on it, so it is kept (its GPU is unhealthy and
+        // takes no placements anyway) rather than released.
+        let every_gpu_identified = inventory.gpus.iter().all(|g| g.healthy);
         for r in loaded {
             if let Some(missing) = r
                 .units
                 .iter()
                 .find(|u| !inner.unit_by_uuid.contains_key(&u.uuid))
+                .filter(|_| every_gpu_identified)
             {
                 dead.push((
                     r.id.clone(),

@@ -594,3 +594,41 @@ fn a_second_gpud_on_the_same_socket_refuses_and_a_stale_socket_is_replaced() {
     d.spawn();
     assert_eq!(d.get("/v1/health").status, 200);
 }
+
+#[test]
+fn a_gpu_lost_while_gpud_is_down_keeps_its_reservations() {
+    let mut d = Daemon::start("t4-pair", "");
+    let a = reserve(&d, json!({"exclusive": true, "ttl_seconds": 600}));
+    let b = reserve(&d, json!({"exclusive": true, "ttl_seconds": 600}));
+    assert_eq!((a.status, b.status), (201, 201));
+    d.kill9();
+    let mut fixture = d.read_fixture();
+    fixture["errors"] = json!([{"device": 1, "call": "*", "code": "GPU_IS_LOST"}]);
+    d.write_fixture(&fixture);
+    d.spawn();
+    // GPU 1 cannot even be identified now; its reservation is not thrown away for that.
+    for r in [&a, &b] {
+        let now = d.get(&format!("/v1/reservations/{}", id(r)));
+        assert_eq!(now.body["state"], "active", "{}", now.text);
+    }
+    assert_eq!(d.get("/v1/health").body["status"], "degraded");
+    // Once every GPU is identified again and one is really gone, the rule applies.
+    d.kill9();
+    let mut fixture = d.read_fixture();
+    fixture["errors"] = json!([]);
+    fixture["gpus"][1]["uuid"] = json!("GPU-00000000-0000-0000-0000-00000000beef");
+    d.write_fixture(&fixture);
+    d.spawn();
+    let gone = d.get(&format!("/v1/reservations/{}", id(&b)));
+    assert_eq!(gone.body["state"], "released", "{}", gone.text);
+    assert!(
+        gone.body["end_reason"]
+            .as_str()
+            .unwrap()
+            .contains("no longer present")
+    );
+    assert_eq!(
+        d.get(&format!("/v1/reservations/{}", id(&a))).body["state"],
+        "active"
+    );
+}
