@@ -284,10 +284,11 @@ impl<S: ProcessSource, T: ProcessTable> Auditor<S, T> {
             }
         }
         let mut seen: Vec<Seen<'_>> = Vec::new();
+        let mut cache = PassCache::new(&self.procs);
         for (gpu_index, procs) in &listed {
             for p in procs {
-                let info = self.procs.info(p.pid);
-                let owner = self.attribute(p, &holders, &by_cgroup, &view.reservations);
+                let info = cache.info(p.pid);
+                let owner = attribute(p, &holders, &by_cgroup, &view.reservations, &mut cache);
                 seen.push(Seen {
                     process: p,
                     gpu_index: *gpu_index,
@@ -435,6 +436,7 @@ impl<S: ProcessSource, T: ProcessTable> Auditor<S, T> {
         }
 
         // 4. Open, keep, and close findings; enforcement.
+        let present: std::collections::BTreeSet<FindingKey> = current.keys().cloned().collect();
         for (key, (mut event, targets)) in current {
             if self.open.contains_key(&key) {
                 continue;
@@ -454,8 +456,7 @@ impl<S: ProcessSource, T: ProcessTable> Auditor<S, T> {
                 .get(&key)
                 .and_then(|e| e.gpu_index)
                 .is_some_and(|g| unlisted.contains(&g));
-            let reappears = seen_key(&key, &seen, &view.reservations, config);
-            if on_unlisted_gpu || reappears {
+            if on_unlisted_gpu || present.contains(&key) {
                 continue;
             }
             if let Some(start) = self.open.remove(&key) {
@@ -493,45 +494,6 @@ impl<S: ProcessSource, T: ProcessTable> Auditor<S, T> {
             open_findings: self.open.len(),
             events,
         }
-    }
-
-    fn attribute(
-        &self,
-        p: &GpuProcess,
-        holders: &HashMap<u32, usize>,
-        by_cgroup: &HashMap<String, Vec<usize>>,
-        reservations: &[AuditedReservation],
-    ) -> Option<usize> {
-        let mut pid = p.pid;
-        for _ in 0..MAX_ANCESTRY {
-            if let Some(&i) = holders.get(&pid) {
-                return Some(i);
-            }
-            match self.procs.info(pid) {
-                Some((ppid, _, _)) if ppid > 1 && ppid != pid => pid = ppid,
-                _ => break,
-            }
-        }
-        // Started with a reservation's environment (a Kubernetes pod's container, or any
-        // child of a workload that lost its parent). Honoured for reservations without a
-        // holder process (external ones), or when the process belongs to the owner, so
-        // nobody can book their usage to someone else's reservation.
-        if let Some(id) = self.procs.reservation_env(p.pid)
-            && let Some(i) = reservations.iter().position(|r| r.id == id)
-        {
-            let r = &reservations[i];
-            let uid = self.procs.info(p.pid).map(|(_, uid, _)| uid);
-            if r.holder_pid.is_none() || uid == Some(r.owner_uid) {
-                return Some(i);
-            }
-        }
-        let candidates = by_cgroup.get(&self.procs.cgroup(p.pid)?)?;
-        // Several reservations from one container: the one holding this GPU, else the first.
-        candidates
-            .iter()
-            .copied()
-            .find(|&i| reservations[i].units.iter().any(|(u, _)| *u == p.unit_uuid))
-            .or_else(|| candidates.first().copied())
     }
 
     fn set_health(
@@ -672,43 +634,92 @@ impl<S: ProcessSource, T: ProcessTable> Auditor<S, T> {
     }
 }
 
-/// Whether the finding `key` is still present in this pass's processes.
-fn seen_key(
-    key: &FindingKey,
-    seen: &[Seen<'_>],
-    reservations: &[AuditedReservation],
-    config: &AuditConfig,
-) -> bool {
-    match key.kind {
-        EventKind::Unreserved => seen.iter().any(|s| {
-            Some(s.process.pid) == key.pid && s.process.unit_uuid == key.unit && s.owner.is_none()
-        }),
-        EventKind::WrongGpu => seen.iter().any(|s| {
-            Some(s.process.pid) == key.pid
-                && s.process.unit_uuid == key.unit
-                && s.owner.map(|o| &reservations[o].id) == key.reservation.as_ref()
-        }),
-        EventKind::OverLimit => {
-            let Some(r) = reservations
-                .iter()
-                .position(|r| Some(&r.id) == key.reservation.as_ref())
-            else {
-                return false;
-            };
-            let reserved = reservations[r]
-                .units
-                .iter()
-                .find(|(u, _)| *u == key.unit)
-                .map_or(0, |(_, b)| *b);
-            let used: u64 = seen
-                .iter()
-                .filter(|s| s.owner == Some(r) && s.process.unit_uuid == key.unit)
-                .map(|s| s.process.used_bytes.unwrap_or(0))
-                .sum();
-            used > config.over_limit_tolerance.limit(reserved)
+/// `/proc` facts read at most once per pid in a pass: a process using 8 GPUs is listed 8
+/// times, and ancestors are shared by many processes.
+struct PassCache<'t, T> {
+    procs: &'t T,
+    info: HashMap<u32, Option<(u32, u32, u64)>>,
+    cgroup: HashMap<u32, Option<String>>,
+    by_holder_or_env: HashMap<u32, Option<usize>>,
+}
+
+impl<'t, T: ProcessTable> PassCache<'t, T> {
+    fn new(procs: &'t T) -> Self {
+        PassCache {
+            procs,
+            info: HashMap::new(),
+            cgroup: HashMap::new(),
+            by_holder_or_env: HashMap::new(),
         }
-        EventKind::GpuUnhealthy => true,
     }
+
+    fn info(&mut self, pid: u32) -> Option<(u32, u32, u64)> {
+        let procs = self.procs;
+        *self.info.entry(pid).or_insert_with(|| procs.info(pid))
+    }
+
+    fn cgroup(&mut self, pid: u32) -> Option<String> {
+        let procs = self.procs;
+        self.cgroup
+            .entry(pid)
+            .or_insert_with(|| procs.cgroup(pid))
+            .clone()
+    }
+}
+
+/// The reservation process `p` belongs to: its holder is `p` or an ancestor; else it was
+/// started with a reservation's environment (a Kubernetes pod's container, or a workload's
+/// child that lost its parent) — honoured for reservations without a holder process, or
+/// when the process belongs to the owner, so nobody can book their usage to someone else's
+/// reservation; else it shares the holder's own cgroup (a container).
+fn attribute<T: ProcessTable>(
+    p: &GpuProcess,
+    holders: &HashMap<u32, usize>,
+    by_cgroup: &HashMap<String, Vec<usize>>,
+    reservations: &[AuditedReservation],
+    cache: &mut PassCache<'_, T>,
+) -> Option<usize> {
+    let known = match cache.by_holder_or_env.get(&p.pid) {
+        Some(known) => *known,
+        None => {
+            let found = by_holder_or_env(p.pid, holders, reservations, cache);
+            cache.by_holder_or_env.insert(p.pid, found);
+            found
+        }
+    };
+    if known.is_some() {
+        return known;
+    }
+    let candidates = by_cgroup.get(&cache.cgroup(p.pid)?)?;
+    // Several reservations from one container: the one holding this GPU, else the first.
+    candidates
+        .iter()
+        .copied()
+        .find(|&i| reservations[i].units.iter().any(|(u, _)| *u == p.unit_uuid))
+        .or_else(|| candidates.first().copied())
+}
+
+fn by_holder_or_env<T: ProcessTable>(
+    pid: u32,
+    holders: &HashMap<u32, usize>,
+    reservations: &[AuditedReservation],
+    cache: &mut PassCache<'_, T>,
+) -> Option<usize> {
+    let mut ancestor = pid;
+    for _ in 0..MAX_ANCESTRY {
+        if let Some(&i) = holders.get(&ancestor) {
+            return Some(i);
+        }
+        match cache.info(ancestor) {
+            Some((ppid, _, _)) if ppid > 1 && ppid != ancestor => ancestor = ppid,
+            _ => break,
+        }
+    }
+    let id = cache.procs.reservation_env(pid)?;
+    let i = reservations.iter().position(|r| r.id == id)?;
+    let r = &reservations[i];
+    let uid = cache.info(pid).map(|(_, uid, _)| uid);
+    (r.holder_pid.is_none() || uid == Some(r.owner_uid)).then_some(i)
 }
 
 fn log_event(e: &Event) {
