@@ -283,6 +283,21 @@ impl Daemon {
             .unwrap_or_default()
     }
 
+    /// Per GPU: (reserved, total) bytes as `GET /v1/gpus` reports them.
+    pub fn reserved_per_gpu(&self) -> Vec<(u64, u64)> {
+        self.get("/v1/gpus").body["gpus"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|g| {
+                (
+                    g["memory_reserved_bytes"].as_u64().unwrap(),
+                    g["memory_total_bytes"].as_u64().unwrap(),
+                )
+            })
+            .collect()
+    }
+
     /// Reads the fixture copy this daemon's fake NVML uses.
     pub fn read_fixture(&self) -> Value {
         serde_json::from_slice(&std::fs::read(&self.fixture).unwrap()).unwrap()

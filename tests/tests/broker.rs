@@ -29,20 +29,6 @@ fn id(r: &Reply) -> String {
     r.body["id"].as_str().unwrap().to_owned()
 }
 
-fn reserved_per_gpu(d: &Daemon) -> Vec<(u64, u64)> {
-    d.get("/v1/gpus").body["gpus"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|g| {
-            (
-                g["memory_reserved_bytes"].as_u64().unwrap(),
-                g["memory_total_bytes"].as_u64().unwrap(),
-            )
-        })
-        .collect()
-}
-
 #[test]
 fn four_gpu_requests_on_dgx1_get_the_nvlink_quads() {
     let d = Daemon::start("dgx1-v100", "");
@@ -110,7 +96,7 @@ fn racing_clients_never_overcommit() {
             .iter()
             .all(|r| r.status == 409 && r.body["error"]["code"] == "no_capacity")
     );
-    for (i, (reserved, total)) in reserved_per_gpu(&d).into_iter().enumerate() {
+    for (i, (reserved, total)) in d.reserved_per_gpu().into_iter().enumerate() {
         assert!(
             reserved <= total,
             "GPU {i} overcommitted: {reserved} > {total}"
@@ -139,7 +125,7 @@ fn reservations_survive_kill9_and_restart() {
         d.delete(&format!("/v1/reservations/{}", id(&gone))).status,
         200
     );
-    let before = reserved_per_gpu(&d);
+    let before = d.reserved_per_gpu();
 
     d.kill9();
     d.spawn();
@@ -159,7 +145,7 @@ fn reservations_survive_kill9_and_restart() {
         d.get(&format!("/v1/reservations/{}", id(&gone))).body["state"],
         "released"
     );
-    assert_eq!(reserved_per_gpu(&d), before);
+    assert_eq!(d.reserved_per_gpu(), before);
 }
 
 #[test]
@@ -186,7 +172,7 @@ fn killing_the_holder_releases_within_a_second() {
             .unwrap()
             .contains("exited")
     );
-    assert_eq!(reserved_per_gpu(&d)[0].0, 0);
+    assert_eq!(d.reserved_per_gpu()[0].0, 0);
 }
 
 #[test]
@@ -512,7 +498,7 @@ fn quotas_are_enforced_with_the_limit_in_the_message() {
 fn bad_requests_get_4xx_json_and_change_nothing() {
     let d = Daemon::start("t4-pair", "");
     let keep = reserve(&d, json!({"memory": "1GiB", "ttl_seconds": 600}));
-    let before = (d.active(), reserved_per_gpu(&d));
+    let before = (d.active(), d.reserved_per_gpu());
     for (method, path, body, status) in [
         ("POST", "/v1/reservations", "{", 400),
         (
@@ -567,7 +553,7 @@ fn bad_requests_get_4xx_json_and_change_nothing() {
             r.text
         );
     }
-    assert_eq!((d.active(), reserved_per_gpu(&d)), before);
+    assert_eq!((d.active(), d.reserved_per_gpu()), before);
     assert_eq!(keep.status, 201);
 }
 

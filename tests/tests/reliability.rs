@@ -123,25 +123,10 @@ fn call(socket: &Path, method: &str, path: &str, body: Option<&str>) -> Outcome 
     }
 }
 
-/// Per GPU: (reserved, total) bytes as `GET /v1/gpus` reports them.
-fn reserved_per_gpu(d: &Daemon) -> Vec<(u64, u64)> {
-    d.get("/v1/gpus").body["gpus"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|g| {
-            (
-                g["memory_reserved_bytes"].as_u64().unwrap(),
-                g["memory_total_bytes"].as_u64().unwrap(),
-            )
-        })
-        .collect()
-}
-
 /// Checks that no GPU is overcommitted and that what `/v1/gpus` reports reserved is exactly
 /// the sum of the active reservations (the in-memory load agrees with the reservations).
 fn assert_accounting(d: &Daemon, active: &[Value]) {
-    let gpus = reserved_per_gpu(d);
+    let gpus = d.reserved_per_gpu();
     let mut summed = vec![0u64; gpus.len()];
     for r in active {
         for g in r["gpus"].as_array().unwrap() {
@@ -727,7 +712,7 @@ fn request(method: &str, path: &str, body: &str) -> Vec<u8> {
 
 /// What must not change: the active reservations and what each GPU has reserved.
 fn state(d: &Daemon) -> (Vec<Value>, Vec<(u64, u64)>) {
-    (d.active(), reserved_per_gpu(d))
+    (d.active(), d.reserved_per_gpu())
 }
 
 #[test]
