@@ -379,12 +379,7 @@ async fn registers_advertises_binpacks_allocates_and_releases_when_the_pod_is_go
     // Allocate: a reservation with an explicit id, the environment, devices and the mount.
     // (pod-resources lists the pod from now on, so a slow machine cannot outlast the grace.)
     kubelet.set_pods(&[("trainer", MEM, chosen.clone())]);
-    let allocated = plugin
-        .allocate(AllocateRequest {
-            container_requests: vec![ContainerAllocateRequest {
-                devices_ids: chosen.clone(),
-            }],
-        })
+    let allocated = allocate_one(&mut plugin, chosen.clone())
         .await
         .unwrap()
         .into_inner();
@@ -434,14 +429,7 @@ async fn registers_advertises_binpacks_allocates_and_releases_when_the_pod_is_go
     // Devices on two GPUs are refused, with a reason.
     let mut spanning = mem_ids(&used, [5]);
     spanning.extend(mem_ids(&free, [5]));
-    let refused = plugin
-        .allocate(AllocateRequest {
-            container_requests: vec![ContainerAllocateRequest {
-                devices_ids: spanning,
-            }],
-        })
-        .await
-        .unwrap_err();
+    let refused = allocate_one(&mut plugin, spanning).await.unwrap_err();
     assert_eq!(refused.code(), tonic::Code::InvalidArgument);
     assert!(
         refused.message().contains("one GPU"),
@@ -600,12 +588,7 @@ async fn whole_gpus_are_preferred_by_topology() {
         .clone();
     assert_eq!(chosen, uuids[..4].to_vec());
     // Allocate them: one exclusive reservation; their memory devices are withheld.
-    let allocated = plugin
-        .allocate(AllocateRequest {
-            container_requests: vec![ContainerAllocateRequest {
-                devices_ids: chosen.clone(),
-            }],
-        })
+    let allocated = allocate_one(&mut plugin, chosen.clone())
         .await
         .unwrap()
         .into_inner();
@@ -680,4 +663,16 @@ fn the_daemonset_manifest_is_consistent_with_gpud() {
             "{dir} is not mounted at the same path"
         );
     }
+}
+
+/// Allocate for one container, as the kubelet does for a pod with one container.
+async fn allocate_one(
+    plugin: &mut DevicePluginClient<Channel>,
+    devices_ids: Vec<String>,
+) -> Result<tonic::Response<gpud::kubelet::proto::v1beta1::AllocateResponse>, tonic::Status> {
+    plugin
+        .allocate(AllocateRequest {
+            container_requests: vec![ContainerAllocateRequest { devices_ids }],
+        })
+        .await
 }
