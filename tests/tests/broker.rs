@@ -258,6 +258,26 @@ fn a_ttl_lease_expires_unless_renewed() {
     );
 }
 
+/// Sends `body` as a waiting reservation request from another thread, and returns once
+/// gpud reports it queued.
+fn queue(d: &Daemon, body: Value) -> std::thread::JoinHandle<Reply> {
+    let socket = d.socket.clone();
+    let waiting_before = d.get("/v1/health").body["waiting"].as_u64().unwrap();
+    let waiter = std::thread::spawn(move || {
+        gpud_tests::http(&socket, "POST", "/v1/reservations", Some(&body.to_string()))
+    });
+    wait_queued(d, waiting_before + 1);
+    waiter
+}
+
+/// Waits until gpud reports `n` requests waiting.
+fn wait_queued(d: &Daemon, n: u64) {
+    wait_for(Duration::from_secs(5), || {
+        (d.get("/v1/health").body["waiting"] == n).then_some(())
+    })
+    .expect("queued");
+}
+
 fn fill_t4(d: &Daemon) -> (String, String) {
     let a = reserve(d, json!({"exclusive": true, "ttl_seconds": 600}));
     let b = reserve(d, json!({"exclusive": true, "ttl_seconds": 600}));
@@ -269,15 +289,10 @@ fn fill_t4(d: &Daemon) -> (String, String) {
 fn a_waiter_gets_capacity_when_it_frees() {
     let d = Daemon::start("t4-pair", "");
     let (first, _) = fill_t4(&d);
-    let socket = d.socket.clone();
-    let waiter = std::thread::spawn(move || {
-        let body = json!({"memory": "4GiB", "ttl_seconds": 60, "wait_seconds": 20}).to_string();
-        gpud_tests::http(&socket, "POST", "/v1/reservations", Some(&body))
-    });
-    wait_for(Duration::from_secs(5), || {
-        (d.get("/v1/health").body["waiting"] == 1).then_some(())
-    })
-    .expect("queued");
+    let waiter = queue(
+        &d,
+        json!({"memory": "4GiB", "ttl_seconds": 60, "wait_seconds": 20}),
+    );
     assert_eq!(d.delete(&format!("/v1/reservations/{first}")).status, 200);
     let got = waiter.join().unwrap();
     assert_eq!(got.status, 201, "{}", got.text);
@@ -305,10 +320,7 @@ fn a_disconnected_waiter_holds_nothing() {
         body.len()
     )
     .unwrap();
-    wait_for(Duration::from_secs(5), || {
-        (d.get("/v1/health").body["waiting"] == 1).then_some(())
-    })
-    .expect("queued");
+    wait_queued(&d, 1);
     drop(stream);
     wait_for(Duration::from_secs(2), || {
         (d.get("/v1/health").body["waiting"] == 0).then_some(())
@@ -335,16 +347,10 @@ fn backfill_lets_a_small_request_past_a_big_waiter() {
     let small_holder = reserve(&d, json!({"memory": "2GiB", "ttl_seconds": 600}));
     let whole = reserve(&d, json!({"exclusive": true, "ttl_seconds": 600}));
     assert_eq!((small_holder.status, whole.status), (201, 201));
-    let socket = d.socket.clone();
-    let big = std::thread::spawn(move || {
-        let body = json!({"gpus": 2, "exclusive": true, "ttl_seconds": 60, "wait_seconds": 20})
-            .to_string();
-        gpud_tests::http(&socket, "POST", "/v1/reservations", Some(&body))
-    });
-    wait_for(Duration::from_secs(5), || {
-        (d.get("/v1/health").body["waiting"] == 1).then_some(())
-    })
-    .expect("queued");
+    let big = queue(
+        &d,
+        json!({"gpus": 2, "exclusive": true, "ttl_seconds": 60, "wait_seconds": 20}),
+    );
     let small = reserve(&d, json!({"memory": "1GiB", "ttl_seconds": 60}));
     assert_eq!(small.status, 201, "backfill: {}", small.text);
     for r in [&small_holder, &whole, &small] {
@@ -360,16 +366,10 @@ fn the_starvation_guard_stops_backfill() {
     let d = Daemon::start("t4-pair", "[wait]\nstarvation_after = \"200ms\"\n");
     let part = reserve(&d, json!({"memory": "2GiB", "ttl_seconds": 600}));
     assert_eq!(part.status, 201);
-    let socket = d.socket.clone();
-    let big = std::thread::spawn(move || {
-        let body = json!({"gpus": 2, "exclusive": true, "ttl_seconds": 60, "wait_seconds": 20})
-            .to_string();
-        gpud_tests::http(&socket, "POST", "/v1/reservations", Some(&body))
-    });
-    wait_for(Duration::from_secs(5), || {
-        (d.get("/v1/health").body["waiting"] == 1).then_some(())
-    })
-    .expect("queued");
+    let big = queue(
+        &d,
+        json!({"gpus": 2, "exclusive": true, "ttl_seconds": 60, "wait_seconds": 20}),
+    );
     std::thread::sleep(Duration::from_millis(400));
     let small = reserve(&d, json!({"memory": "1GiB", "ttl_seconds": 60}));
     assert_eq!(

@@ -204,6 +204,16 @@ impl FakeKubelet {
         )
     }
 
+    /// Opens the ListAndWatch stream of the plugin serving `endpoint`.
+    async fn watch(&self, endpoint: &str) -> tonic::Streaming<ListAndWatchResponse> {
+        self.plugin(endpoint)
+            .await
+            .list_and_watch(Empty {})
+            .await
+            .unwrap()
+            .into_inner()
+    }
+
     /// What pod-resources reports from now on: one pod per entry, holding `devices` of `resource`.
     fn set_pods(&self, pods: &[(&str, &str, Vec<String>)]) {
         *self.pods.lock().unwrap() = pods
@@ -473,13 +483,7 @@ async fn registers_again_when_the_kubelet_socket_is_recreated() {
     kubelet.wait_registered(MEM, 1).await;
     let whole = kubelet.wait_registered(WHOLE, 1).await;
     assert_eq!(whole.endpoint, "gpud-gpu.sock");
-    let mut before = kubelet
-        .plugin("gpud-gpu.sock")
-        .await
-        .list_and_watch(Empty {})
-        .await
-        .unwrap()
-        .into_inner();
+    let mut before = kubelet.watch("gpud-gpu.sock").await;
     assert_eq!(next_matching(&mut before, |_| true).await.devices.len(), 2);
 
     kubelet.restart().await;
@@ -490,13 +494,7 @@ async fn registers_again_when_the_kubelet_socket_is_recreated() {
         assert!(seen.iter().all(|(_, dialled)| dialled.is_ok()), "{seen:?}");
     }
     // The new sockets serve.
-    let mut after = kubelet
-        .plugin("gpud-gpu-mem.sock")
-        .await
-        .list_and_watch(Empty {})
-        .await
-        .unwrap()
-        .into_inner();
+    let mut after = kubelet.watch("gpud-gpu-mem.sock").await;
     assert_eq!(next_matching(&mut after, |_| true).await.devices.len(), 30);
     // The stream of the old registration has ended (it belonged to the old kubelet).
     let ended = tokio::time::timeout(PATIENCE, async {
@@ -518,20 +516,8 @@ async fn a_gpu_turning_unhealthy_is_streamed_and_so_is_its_recovery() {
     let [gpu0, gpu1] = <[String; 2]>::try_from(uuids(&d)).unwrap();
     kubelet.wait_registered(MEM, 1).await;
     kubelet.wait_registered(WHOLE, 1).await;
-    let mut mem = kubelet
-        .plugin("gpud-gpu-mem.sock")
-        .await
-        .list_and_watch(Empty {})
-        .await
-        .unwrap()
-        .into_inner();
-    let mut whole = kubelet
-        .plugin("gpud-gpu.sock")
-        .await
-        .list_and_watch(Empty {})
-        .await
-        .unwrap()
-        .into_inner();
+    let mut mem = kubelet.watch("gpud-gpu-mem.sock").await;
+    let mut whole = kubelet.watch("gpud-gpu.sock").await;
     next_matching(&mut mem, |m| healthy_on(m, &gpu1) == 15).await;
 
     let mut fixture = d.read_fixture();
@@ -598,13 +584,7 @@ async fn whole_gpus_are_preferred_by_topology() {
     assert_eq!(listed.len(), 1);
     assert_eq!(listed[0]["exclusive"], true);
     assert_eq!(listed[0]["labels"]["kubernetes"], WHOLE);
-    let mut mem = kubelet
-        .plugin("gpud-gpu-mem.sock")
-        .await
-        .list_and_watch(Empty {})
-        .await
-        .unwrap()
-        .into_inner();
+    let mut mem = kubelet.watch("gpud-gpu-mem.sock").await;
     let list = next_matching(&mut mem, |_| true).await;
     for (i, uuid) in uuids.iter().enumerate() {
         let expect = if i < 4 { 0 } else { 32 };
