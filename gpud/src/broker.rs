@@ -139,7 +139,7 @@ pub struct BrokerSettings {
 #[derive(Debug)]
 pub struct Broker {
     inner: Mutex<Inner>,
-    settings: Mutex<BrokerSettings>,
+    settings: Mutex<Arc<BrokerSettings>>,
     this: Weak<Broker>,
 }
 
@@ -304,7 +304,7 @@ impl Broker {
         }
         let broker = Arc::new_cyclic(|this| Broker {
             inner: Mutex::new(inner),
-            settings: Mutex::new(settings),
+            settings: Mutex::new(Arc::new(settings)),
             this: this.clone(),
         });
         Ok((broker, watches))
@@ -318,8 +318,8 @@ impl Broker {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// The current settings.
-    pub fn settings(&self) -> BrokerSettings {
+    /// The current settings (shared, not copied: requests read them on every call).
+    pub fn settings(&self) -> Arc<BrokerSettings> {
         self.settings
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -331,7 +331,19 @@ impl Broker {
         *self
             .settings
             .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) = settings;
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::new(settings);
+    }
+
+    /// Whether `caller` may release or renew `r`: its owner, root, or an admin (the admin
+    /// check reads `/proc`, so it is asked only when the caller is not the owner).
+    fn authorize(&self, caller: &Caller, r: &Reservation, verb: &str) -> Result<(), BrokerError> {
+        if caller.uid == r.owner_uid || self.is_admin(caller) {
+            return Ok(());
+        }
+        Err(BrokerError::Forbidden(format!(
+            "reservation {} belongs to uid {}; only its owner, root or an admin group may {verb} it",
+            r.id, r.owner_uid
+        )))
     }
 
     /// Whether `caller` may act on every reservation (root or an admin group member).
@@ -339,7 +351,8 @@ impl Broker {
         if caller.uid == 0 {
             return true;
         }
-        let admin_gids = self.settings().admin_gids;
+        let settings = self.settings();
+        let admin_gids = &settings.admin_gids;
         if admin_gids.is_empty() {
             return false;
         }
@@ -536,10 +549,9 @@ impl Broker {
         id: &str,
         now: Millis,
     ) -> Result<Reservation, BrokerError> {
-        let admin = self.is_admin(caller);
         let mut inner = self.lock();
         let r = inner.find_active(id)?;
-        authorize(caller, admin, r, "release")?;
+        self.authorize(caller, r, "release")?;
         let reason = if caller.uid == r.owner_uid {
             "released by its owner".to_owned()
         } else {
@@ -713,10 +725,9 @@ impl Broker {
         ttl_seconds: Option<u64>,
         now: Millis,
     ) -> Result<Reservation, BrokerError> {
-        let admin = self.is_admin(caller);
         let mut inner = self.lock();
         let r = inner.find_active(id)?;
-        authorize(caller, admin, r, "renew")?;
+        self.authorize(caller, r, "renew")?;
         let ttl = match (ttl_seconds, r.ttl_seconds) {
             (Some(0), _) => {
                 return Err(BrokerError::Invalid(
@@ -1024,17 +1035,6 @@ pub struct Snapshot {
     pub active: usize,
     /// Queued requests.
     pub waiting: usize,
-}
-
-fn authorize(caller: &Caller, admin: bool, r: &Reservation, verb: &str) -> Result<(), BrokerError> {
-    if caller.uid == r.owner_uid || admin {
-        Ok(())
-    } else {
-        Err(BrokerError::Forbidden(format!(
-            "reservation {} belongs to uid {}; only its owner, root or an admin group may {verb} it",
-            r.id, r.owner_uid
-        )))
-    }
 }
 
 impl Inner {

@@ -110,7 +110,7 @@ async fn serve(config: Config, config_path: Option<PathBuf>) -> anyhow::Result<(
     let auditor = Auditor::new(broker.clone(), nvml.clone(), ProcFs, metrics.clone());
     let audit_broker = broker.clone();
     tokio::spawn(audit::run(auditor, move || {
-        audit_broker.settings().config.audit
+        audit_broker.settings().config.audit.clone()
     }));
     if let Some(addr) = config.metrics.listen {
         tokio::spawn(serve_metrics_tcp(addr, api.clone()));
