@@ -78,7 +78,9 @@ pub fn status_for(e: &BrokerError) -> (StatusCode, &'static str) {
         BrokerError::Storage(s) if s.is_storage_unavailable() => {
             (StatusCode::SERVICE_UNAVAILABLE, codes::STORAGE_UNAVAILABLE)
         }
-        BrokerError::Storage(_) => (StatusCode::INTERNAL_SERVER_ERROR, codes::INTERNAL),
+        BrokerError::Storage(_) | BrokerError::Internal(_) => {
+            (StatusCode::INTERNAL_SERVER_ERROR, codes::INTERNAL)
+        }
         BrokerError::ShuttingDown => (StatusCode::SERVICE_UNAVAILABLE, codes::STORAGE_UNAVAILABLE),
     }
 }
@@ -150,14 +152,15 @@ impl Api {
             }
             (["v1", "reservations", id], &Method::GET) => {
                 let id = valid_id(id)?;
-                let broker = self.broker.clone();
-                let r = blocking(move || broker.get(&id)).await?;
+                let r = self.broker.call(move |broker| broker.get(&id)).await?;
                 Ok(json(StatusCode::OK, &to_wire(&r)))
             }
             (["v1", "reservations", id], &Method::DELETE) => {
                 let id = valid_id(id)?;
-                let broker = self.broker.clone();
-                let r = blocking(move || broker.release(&caller, &id, now_millis())).await?;
+                let r = self
+                    .broker
+                    .call(move |broker| broker.release(&caller, &id, now_millis()))
+                    .await?;
                 Ok(json(StatusCode::OK, &to_wire(&r)))
             }
             (["v1", "reservations", id, "renew"], &Method::POST) => {
@@ -168,10 +171,10 @@ impl Api {
                 } else {
                     parse_json(&body)?
                 };
-                let broker = self.broker.clone();
-                let r =
-                    blocking(move || broker.renew(&caller, &id, renew.ttl_seconds, now_millis()))
-                        .await?;
+                let r = self
+                    .broker
+                    .call(move |broker| broker.renew(&caller, &id, renew.ttl_seconds, now_millis()))
+                    .await?;
                 Ok(json(StatusCode::OK, &to_wire(&r)))
             }
             (["metrics"], &Method::GET) => Ok(self.metrics_reply()),
@@ -296,8 +299,10 @@ impl Api {
                 }
             }
         }
-        let broker = self.broker.clone();
-        let events = blocking(move || broker.events(&filter)).await?;
+        let events = self
+            .broker
+            .call(move |broker| broker.events(&filter))
+            .await?;
         Ok(json(
             StatusCode::OK,
             &schema::EventList {
@@ -332,8 +337,10 @@ impl Api {
                 }
             }
         }
-        let broker = self.broker.clone();
-        let rows = blocking(move || broker.list(state, owner)).await?;
+        let rows = self
+            .broker
+            .call(move |broker| broker.list(state, owner))
+            .await?;
         Ok(json(
             StatusCode::OK,
             &schema::ReservationList {
@@ -345,8 +352,10 @@ impl Api {
     async fn create(&self, caller: Caller, body: &[u8]) -> Result<Reply, ApiError> {
         let wire: schema::ReservationRequest = parse_json(body)?;
         let request = to_request(wire)?;
-        let broker = self.broker.clone();
-        let outcome = blocking(move || broker.reserve(caller, request, now_millis())).await?;
+        let outcome = self
+            .broker
+            .call(move |broker| broker.reserve(caller, request, now_millis()))
+            .await?;
         let r = match outcome {
             ReserveOutcome::Reserved(r) => r,
             ReserveOutcome::Queued(ticket) => ticket.wait().await?,
@@ -397,71 +406,6 @@ fn route_name(path: &str) -> &'static str {
         ["v1", "events"] => "/v1/events",
         ["metrics"] => "/metrics",
         _ => "other",
-    }
-}
-
-/// A broker call queued for [`broker_thread`].
-type Job = Box<dyn FnOnce() + Send>;
-
-/// The thread that runs the API's broker calls, one after another, fed by a queue.
-///
-/// Broker calls block (SQLite, `/proc`) and are serialized by the broker's lock anyway.
-/// Handing each to the blocking pool instead (`spawn_blocking`) parked one pool thread per
-/// concurrent request on that lock, and every hand-over cost a futex wake and a context
-/// switch: measured with `gpud-load` at 64 clients, more of gpud's CPU than the work itself.
-/// One thread draining a queue stays busy under load and sleeps only when idle. It runs
-/// inside the runtime's context, so the broker can spawn its holder watches from it.
-/// `None` when the thread could not be started (then the blocking pool is used).
-fn broker_thread() -> Option<&'static std::sync::mpsc::Sender<Job>> {
-    static QUEUE: std::sync::OnceLock<Option<std::sync::mpsc::Sender<Job>>> =
-        std::sync::OnceLock::new();
-    QUEUE
-        .get_or_init(|| {
-            let runtime = tokio::runtime::Handle::try_current().ok()?;
-            let (tx, rx) = std::sync::mpsc::channel::<Job>();
-            std::thread::Builder::new()
-                .name("gpud-broker".to_owned())
-                .spawn(move || {
-                    let _context = runtime.enter();
-                    for job in rx {
-                        job();
-                    }
-                })
-                .ok()?;
-            Some(tx)
-        })
-        .as_ref()
-}
-
-async fn blocking<T: Send + 'static>(
-    f: impl FnOnce() -> Result<T, BrokerError> + Send + 'static,
-) -> Result<T, ApiError> {
-    let internal = |e: &dyn std::fmt::Display| {
-        ApiError::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            codes::INTERNAL,
-            format!("internal error: {e}"),
-        )
-    };
-    let Some(queue) = broker_thread() else {
-        return match tokio::task::spawn_blocking(f).await {
-            Ok(result) => result.map_err(ApiError::from),
-            Err(e) => Err(internal(&e)),
-        };
-    };
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    let job: Job = Box::new(move || {
-        // A panic in the call must not take the thread down with it.
-        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
-        let _ = tx.send(result);
-    });
-    if queue.send(job).is_err() {
-        return Err(internal(&"the broker thread has stopped"));
-    }
-    match rx.await {
-        Ok(Ok(result)) => result.map_err(ApiError::from),
-        Ok(Err(_)) => Err(internal(&"a broker call panicked")),
-        Err(e) => Err(internal(&e)),
     }
 }
 
@@ -687,7 +631,7 @@ mod tests {
                 codes::NOT_ACTIVE,
             ),
             (
-                BrokerError::Storage(StoreError::Sqlite {
+                BrokerError::from(StoreError::Sqlite {
                     op: "insert",
                     path: "db".into(),
                     source: sqlite_full,
@@ -696,7 +640,7 @@ mod tests {
                 codes::STORAGE_UNAVAILABLE,
             ),
             (
-                BrokerError::Storage(StoreError::Sqlite {
+                BrokerError::from(StoreError::Sqlite {
                     op: "insert",
                     path: "db".into(),
                     source: sqlite_bug,

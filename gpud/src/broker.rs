@@ -11,7 +11,7 @@
 //! deadlines in order. Nothing on the request path scans all reservations.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, Weak, mpsc};
 use std::time::Duration;
 
 use tokio::sync::oneshot;
@@ -76,7 +76,8 @@ pub struct ExactRequest {
 }
 
 /// Why a broker operation failed. Each variant maps to one HTTP status in `api`.
-#[derive(Debug, thiserror::Error)]
+/// Cloneable: a failed group commit gives the same error to every call of the group.
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum BrokerError {
     /// The request is malformed or inconsistent.
     #[error("{0}")]
@@ -111,10 +112,19 @@ pub enum BrokerError {
     },
     /// The database failed.
     #[error("state could not be written, nothing was changed: {0}")]
-    Storage(#[from] StoreError),
+    Storage(#[source] Arc<StoreError>),
     /// gpud is stopping.
     #[error("gpud is shutting down; try again when it is back")]
     ShuttingDown,
+    /// A bug: a broker call panicked, or the broker thread is gone.
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl From<StoreError> for BrokerError {
+    fn from(e: StoreError) -> BrokerError {
+        BrokerError::Storage(Arc::new(e))
+    }
 }
 
 /// What `reserve` did: placed at once, or queued the request.
@@ -139,8 +149,48 @@ pub struct BrokerSettings {
 #[derive(Debug)]
 pub struct Broker {
     inner: Mutex<Inner>,
+    /// Signalled when a group commit ends: other threads wait for it in [`Broker::lock`].
+    group_ended: Condvar,
     settings: Mutex<Arc<BrokerSettings>>,
+    /// The broker thread's queue ([`Broker::call`]); started on first use, `None` when no
+    /// thread could be started.
+    queue: OnceLock<Option<mpsc::Sender<Job>>>,
     this: Weak<Broker>,
+}
+
+/// A call queued for the broker thread. Running it returns how to deliver its result,
+/// which waits for the commit of its group.
+type Job = Box<dyn FnOnce(&Broker) -> Deliver + Send>;
+
+/// Delivers a call's result, or the group's commit error instead when the commit failed
+/// and the call saw or made a change of the group.
+type Deliver = Box<dyn FnOnce(Option<&BrokerError>) + Send>;
+
+/// Most calls one group commit takes.
+const MAX_GROUP: usize = 256;
+
+/// A group commit in progress ([`Broker::run_group`]).
+#[derive(Debug)]
+struct Group {
+    /// The thread running it: the only one that may take the lock until it ends.
+    owner: std::thread::ThreadId,
+    /// Waiters served in the group: told once the group is committed.
+    served: Vec<Served>,
+}
+
+/// A waiter served inside a group commit, told of its reservation after the commit.
+struct Served {
+    reply: oneshot::Sender<Result<Reservation, BrokerError>>,
+    reservation: Reservation,
+    holder: Option<PinnedProcess>,
+}
+
+impl std::fmt::Debug for Served {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Served")
+            .field("reservation", &self.reservation.id)
+            .finish()
+    }
 }
 
 #[derive(Debug, Default, Clone, Copy)]
@@ -201,6 +251,8 @@ struct Inner {
     waiters: VecDeque<Waiter>,
     next_ticket: u64,
     shutting_down: bool,
+    /// The group commit in progress, if any.
+    group: Option<Group>,
 }
 
 /// Pinned holders of the reservations loaded at start, to be watched.
@@ -250,6 +302,7 @@ impl Broker {
             waiters: VecDeque::new(),
             next_ticket: 0,
             shutting_down: false,
+            group: None,
         };
         let mut dead = Vec::new();
         let mut watches = Vec::new();
@@ -304,18 +357,175 @@ impl Broker {
         }
         let broker = Arc::new_cyclic(|this| Broker {
             inner: Mutex::new(inner),
+            group_ended: Condvar::new(),
             settings: Mutex::new(Arc::new(settings)),
+            queue: OnceLock::new(),
             this: this.clone(),
         });
         Ok((broker, watches))
     }
 
+    /// Takes the lock. While a group commit is open only its thread gets it; every other
+    /// thread waits for the group to end, so that nothing acts on a change before it is
+    /// committed.
     fn lock(&self) -> MutexGuard<'_, Inner> {
         // A panic while holding the lock cannot leave memory and disk out of step (memory
         // is updated only after the commit), so a poisoned lock is still consistent.
-        self.inner
+        let mut inner = self
+            .inner
             .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        while inner
+            .group
+            .as_ref()
+            .is_some_and(|g| g.owner != std::thread::current().id())
+        {
+            inner = self
+                .group_ended
+                .wait(inner)
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+        }
+        inner
+    }
+
+    /// Runs `f` on the broker thread and returns its result once it is committed.
+    ///
+    /// The broker thread takes every call queued meanwhile and runs them as one group
+    /// commit: each change in a savepoint of one transaction, one COMMIT for all, and only
+    /// then the replies. Under load that is one WAL write for many changes instead of one
+    /// each. If the COMMIT fails, the whole group is rolled back, memory is reloaded from
+    /// the database, and every call that made or saw a change of the group gets the error:
+    /// nobody is told of a change that was not committed. Without a runtime (or a thread)
+    /// `f` runs in the blocking pool, alone.
+    pub async fn call<T, F>(&self, f: F) -> Result<T, BrokerError>
+    where
+        T: Send + 'static,
+        F: FnOnce(&Broker) -> Result<T, BrokerError> + Send + 'static,
+    {
+        let (tx, rx) = oneshot::channel();
+        let job: Job = Box::new(move |broker| {
+            let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(broker)))
+                .unwrap_or_else(|_| Err(BrokerError::Internal("a broker call panicked".into())));
+            Box::new(move |failed: Option<&BrokerError>| {
+                let _ = tx.send(failed.map_or(result, |e| Err(e.clone())));
+            })
+        });
+        let job = match self.queue() {
+            Some(queue) => queue.send(job).err().map(|returned| returned.0),
+            None => Some(job),
+        };
+        if let Some(job) = job {
+            let Some(broker) = self.this.upgrade() else {
+                return Err(BrokerError::ShuttingDown);
+            };
+            if tokio::task::spawn_blocking(move || job(&broker)(None))
+                .await
+                .is_err()
+            {
+                return Err(BrokerError::Internal("a broker call panicked".into()));
+            }
+        }
+        rx.await
+            .unwrap_or_else(|_| Err(BrokerError::Internal("the broker thread stopped".into())))
+    }
+
+    /// The broker thread's queue, started on first use.
+    ///
+    /// One thread drains the queue: broker calls block (SQLite, `/proc`) and are serialized
+    /// by the lock anyway. Handing each to the blocking pool instead (`spawn_blocking`)
+    /// parked one pool thread per concurrent request on the lock, and every hand-over cost
+    /// a futex wake and a context switch. It runs inside the runtime's context, so the
+    /// broker can spawn holder watches from it. It stops when the broker is dropped.
+    fn queue(&self) -> Option<&mpsc::Sender<Job>> {
+        self.queue
+            .get_or_init(|| {
+                let runtime = tokio::runtime::Handle::try_current().ok()?;
+                let (tx, rx) = mpsc::channel::<Job>();
+                let broker = self.this.clone();
+                std::thread::Builder::new()
+                    .name("gpud-broker".to_owned())
+                    .spawn(move || {
+                        let _context = runtime.enter();
+                        while let Ok(first) = rx.recv() {
+                            let Some(broker) = broker.upgrade() else {
+                                break;
+                            };
+                            let mut jobs = vec![first];
+                            jobs.extend(rx.try_iter().take(MAX_GROUP - 1));
+                            broker.run_group(jobs);
+                        }
+                    })
+                    .ok()?;
+                Some(tx)
+            })
+            .as_ref()
+    }
+
+    /// Runs `jobs` in one group commit (a lone job in a transaction of its own), then
+    /// delivers their results.
+    fn run_group(&self, jobs: Vec<Job>) {
+        if jobs.len() == 1 || !self.begin_group() {
+            for job in jobs {
+                job(self)(None);
+            }
+            return;
+        }
+        let mut delivers = Vec::with_capacity(jobs.len());
+        for job in jobs {
+            let deliver = job(self);
+            let saw_change = self.lock().store.group_changed();
+            delivers.push((deliver, saw_change));
+        }
+        let committed = self.end_group();
+        for (deliver, saw_change) in delivers {
+            deliver(committed.as_ref().err().filter(|_| saw_change));
+        }
+    }
+
+    /// Opens a group commit owned by this thread. `false` (and no group) when the database
+    /// cannot begin one.
+    fn begin_group(&self) -> bool {
+        let mut inner = self.lock();
+        if let Err(e) = inner.store.begin_group() {
+            tracing::warn!(error = %e, "cannot begin a group commit; running the calls one by one");
+            return false;
+        }
+        inner.group = Some(Group {
+            owner: std::thread::current().id(),
+            served: Vec::new(),
+        });
+        true
+    }
+
+    /// Commits the open group and tells the waiters it served; on failure reloads memory
+    /// from the database (the group was rolled back) and fails those waiters.
+    fn end_group(&self) -> Result<(), BrokerError> {
+        let mut inner = self.lock();
+        let Some(group) = inner.group.take() else {
+            return Ok(());
+        };
+        let committed = inner.store.commit_group().map_err(BrokerError::from);
+        if let Err(e) = &committed {
+            tracing::error!(error = %e, calls = group.served.len(), "group commit failed; every change in it was rolled back");
+            if let Err(reload) = inner.reload() {
+                // Memory now holds changes the database does not: serving from it could
+                // promise a GPU twice. A restart loads the database again.
+                tracing::error!(error = %reload, "cannot reload the reservations after a failed commit; stopping so that a restart does");
+                std::process::exit(1);
+            }
+        }
+        let now = crate::clock::now_millis();
+        for s in group.served {
+            match &committed {
+                Ok(()) => self.tell_waiter(&mut inner, s, now),
+                Err(e) => {
+                    let _ = s.reply.send(Err(e.clone()));
+                }
+            }
+        }
+        drop(inner);
+        self.group_ended.notify_all();
+        committed
     }
 
     /// The current settings (shared, not copied: requests read them on every call).
@@ -829,22 +1039,18 @@ impl Broker {
             }
             let holder = inner.waiters[i].holder.take();
             match inner.try_reserve(&caller, &request, holder.as_ref(), now, &settings) {
-                Ok(r) => {
+                Ok(reservation) => {
                     let Some(w) = inner.waiters.remove(i) else {
                         break;
                     };
-                    if let Err(Ok(r)) = w.reply.send(Ok(r.clone())) {
-                        // The client left between the check and now: give it back at once.
-                        let _ = inner.end(
-                            &[(
-                                r.id,
-                                ReservationState::Released,
-                                "waiting client went away".to_owned(),
-                            )],
-                            now,
-                        );
-                    } else if let Some(pinned) = holder {
-                        self.watch_holder(r.id, pinned);
+                    let served = Served {
+                        reply: w.reply,
+                        reservation,
+                        holder,
+                    };
+                    match &mut inner.group {
+                        Some(group) => group.served.push(served),
+                        None => self.tell_waiter(inner, served, now),
                     }
                 }
                 Err(BrokerError::NoCapacity(_)) => {
@@ -857,6 +1063,24 @@ impl Broker {
                     }
                 }
             }
+        }
+    }
+
+    /// Tells a served waiter its (committed) reservation, and watches its holder; gives the
+    /// reservation back at once when the client left in the meantime.
+    fn tell_waiter(&self, inner: &mut Inner, served: Served, now: Millis) {
+        let id = served.reservation.id.clone();
+        if served.reply.send(Ok(served.reservation)).is_err() {
+            let _ = inner.end(
+                &[(
+                    id,
+                    ReservationState::Released,
+                    "waiting client went away".to_owned(),
+                )],
+                now,
+            );
+        } else if let Some(pinned) = served.holder {
+            self.watch_holder(id, pinned);
         }
     }
 
@@ -1100,7 +1324,7 @@ impl Inner {
             totals.push(unit.memory_total_bytes);
         }
         self.check_quota(caller, &units, &settings.config.quotas)?;
-        let id = request.id.clone().unwrap_or_else(new_id);
+        let id = request.id.clone().unwrap_or_else(|| new_id(now));
         let exclusive = request.memory == MemoryAsk::Exclusive;
         let env = workload_env(
             &id,
@@ -1189,6 +1413,25 @@ impl Inner {
         Ok(())
     }
 
+    /// Rebuilds the in-memory state of the active reservations from the database (after a
+    /// group commit was rolled back).
+    fn reload(&mut self) -> Result<(), StoreError> {
+        let loaded = self.store.active()?;
+        self.active.clear();
+        self.by_uid.clear();
+        self.by_gid.clear();
+        self.expiries.clear();
+        for load in &mut self.loads {
+            load.reserved_bytes = 0;
+            load.reservations = 0;
+            load.exclusive = false;
+        }
+        for r in loaded {
+            self.add_active(r);
+        }
+        Ok(())
+    }
+
     fn add_active(&mut self, r: Reservation) {
         for u in &r.units {
             if let Some(&i) = self.unit_by_uuid.get(&u.uuid) {
@@ -1246,10 +1489,19 @@ impl Inner {
     }
 }
 
-fn new_id() -> String {
-    let mut id = uuid::Uuid::new_v4().simple().to_string();
-    id.truncate(16);
-    id
+/// A new reservation id: 16 hex digits, the time in milliseconds then a counter.
+///
+/// Ids sort by creation, so new rows land at the end of the database's indexes: a group
+/// commit of many reservations writes one index page, where random ids wrote one each.
+/// Unique within a run (the counter), and across runs unless the clock goes back and the
+/// counter, which starts at random, meets itself in the same millisecond.
+fn new_id(now: Millis) -> String {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static SEQ: OnceLock<AtomicU64> = OnceLock::new();
+    let seq = SEQ
+        .get_or_init(|| AtomicU64::new(uuid::Uuid::new_v4().as_u64_pair().0))
+        .fetch_add(1, Ordering::Relaxed);
+    format!("{:016x}", (now << 20) | (seq & 0xf_ffff))
 }
 
 /// A queued request. Await [`WaitTicket::wait`]; dropping the ticket (the client went away)

@@ -9,7 +9,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use rusqlite::{Connection, Row, Transaction, params};
+use rusqlite::{Connection, Row, Savepoint, params};
 
 use crate::model::{
     Event, EventKind, EventPhase, Holder, Millis, Reservation, ReservationState, ReservedUnit,
@@ -126,6 +126,8 @@ pub struct Store {
     path: PathBuf,
     /// Background WAL checkpoints (file-backed stores only); stops when the store drops.
     _checkpointer: Option<Checkpointer>,
+    /// `Some(changed)` while a group commit is open ([`Store::begin_group`]).
+    group: Option<bool>,
 }
 
 /// How often the background thread moves the WAL into the database file.
@@ -242,6 +244,7 @@ impl Store {
             conn,
             path,
             _checkpointer: None,
+            group: None,
         };
         // WAL with synchronous=NORMAL: a commit is durable against a crash of gpud (the WAL
         // is written before the call returns, the OS keeps it), but a power loss may drop the
@@ -315,17 +318,54 @@ impl Store {
         Ok(())
     }
 
-    fn transaction(&mut self) -> Result<(Transaction<'_>, PathBuf), StoreError> {
+    /// Opens one change: a transaction of its own, or, inside a group commit, a savepoint
+    /// of the group's transaction (so a failed change still undoes only itself). Finish it
+    /// with [`Store::done`].
+    fn transaction(&mut self) -> Result<(Savepoint<'_>, PathBuf), StoreError> {
         let path = self.path.clone();
-        let tx = self
-            .conn
-            .transaction()
-            .map_err(|source| StoreError::Sqlite {
-                op: "begin",
-                path: path.clone(),
-                source,
-            })?;
+        let tx = self.conn.savepoint().map_err(|source| StoreError::Sqlite {
+            op: "begin",
+            path: path.clone(),
+            source,
+        })?;
         Ok((tx, path))
+    }
+
+    /// Starts a group commit: the changes until [`Store::commit_group`] share one
+    /// transaction, and so one write of the WAL. Nothing in the group is durable before
+    /// that commit returns, so nobody may be told of a change made in it before then.
+    pub fn begin_group(&mut self) -> Result<(), StoreError> {
+        self.conn
+            .execute_batch("BEGIN")
+            .map_err(self.err("begin group commit"))?;
+        self.group = Some(false);
+        Ok(())
+    }
+
+    /// Ends the group commit started by [`Store::begin_group`]. On failure every change of
+    /// the group is rolled back: the database is as it was before the group began.
+    pub fn commit_group(&mut self) -> Result<(), StoreError> {
+        if self.group.take().is_none() {
+            return Ok(());
+        }
+        let committed = self.conn.execute_batch("COMMIT");
+        if committed.is_err() && !self.conn.is_autocommit() {
+            // Whatever ROLLBACK says, the failed COMMIT is the error to report.
+            let _ = self.conn.execute_batch("ROLLBACK");
+        }
+        committed.map_err(self.err("commit"))
+    }
+
+    /// Whether a change was made in the open group commit (`false` outside one).
+    pub fn group_changed(&self) -> bool {
+        self.group == Some(true)
+    }
+
+    /// Notes that a change was committed (to the open group, if any).
+    fn changed(&mut self) {
+        if let Some(changed) = &mut self.group {
+            *changed = true;
+        }
     }
 
     /// Records a new reservation and its units in one transaction.
@@ -381,7 +421,9 @@ impl Store {
                 .map_err(err)?;
             }
         }
-        tx.commit().map_err(err)
+        tx.commit().map_err(err)?;
+        self.changed();
+        Ok(())
     }
 
     /// Ends active reservations (released or expired) in one transaction. Ids that are not
@@ -409,7 +451,9 @@ impl Store {
                     .map_err(err)?;
             }
         }
-        tx.commit().map_err(err)
+        tx.commit().map_err(err)?;
+        self.changed();
+        Ok(())
     }
 
     /// Moves a lease's end.
@@ -430,7 +474,9 @@ impl Store {
             params![id, to_sql_int(ttl_seconds), to_sql_int(expires_at)],
         )
         .map_err(err)?;
-        tx.commit().map_err(err)
+        tx.commit().map_err(err)?;
+        self.changed();
+        Ok(())
     }
 
     /// Every active reservation, oldest first (loaded once at start).
@@ -593,6 +639,7 @@ impl Store {
             }
         }
         tx.commit().map_err(err)?;
+        self.changed();
         Ok(out)
     }
 

@@ -71,7 +71,7 @@ fn status(e: &BrokerError) -> Status {
         BrokerError::NotFound(_) | BrokerError::NotActive { .. } => {
             Status::failed_precondition(message)
         }
-        BrokerError::Storage(_) => Status::internal(message),
+        BrokerError::Storage(_) | BrokerError::Internal(_) => Status::internal(message),
         BrokerError::ShuttingDown => Status::unavailable(message),
     }
 }
