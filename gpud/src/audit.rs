@@ -767,7 +767,7 @@ mod tests {
 
     use crate::broker::{BrokerSettings, Caller, ReserveOutcome, ReserveRequest};
     use crate::config::{Config, Tolerance};
-    use crate::model::{GpuInventory, Link, MemoryAsk, PcieLevel, Topology};
+    use crate::model::{GpuInventory, MemoryAsk};
     use crate::store::Store;
 
     const GIB: u64 = 1 << 30;
@@ -815,31 +815,7 @@ mod tests {
     }
 
     fn inventory() -> GpuInventory {
-        let gpu = |index: u32| Gpu {
-            index,
-            uuid: format!("GPU-{index}"),
-            name: "Tesla T4".into(),
-            pci_bus_id: String::new(),
-            minor_number: None,
-            memory_total_bytes: 16 * GIB,
-            numa_node: None,
-            cpu_affinity: vec![],
-            mig_instances: vec![],
-            mig_enabled: false,
-            healthy: true,
-        };
-        GpuInventory {
-            driver_version: None,
-            cuda_driver_version: None,
-            gpus: vec![gpu(0), gpu(1)],
-            topology: Topology::uniform(
-                2,
-                Link {
-                    pcie: PcieLevel::System,
-                    nvlinks: 0,
-                },
-            ),
-        }
+        GpuInventory::test_machine(2, 16)
     }
 
     fn broker() -> Arc<Broker> {

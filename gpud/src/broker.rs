@@ -2,9 +2,11 @@
 //!
 //! Depends on `model`, `placement`, `store`, `holder`, `workload_env`, `config`. Every
 //! change happens under one lock, in this order: decide (placement, quota, permission),
-//! commit to SQLite, then update memory. If the commit fails, memory is untouched and the
+//! write to SQLite, then update memory. If the write fails, memory is untouched and the
 //! caller gets the error, so what is in memory is always what is on disk. Methods block
-//! (SQLite): async callers run them in `spawn_blocking`.
+//! (SQLite): async callers go through [`Broker::call`], which runs them on the broker
+//! thread in group commits (one COMMIT for every call queued meanwhile; nobody hears of a
+//! change before its COMMIT returned, and a failed COMMIT reloads memory from disk).
 //!
 //! In memory the broker keeps what every request needs in O(GPUs): the load of each unit
 //! (reserved bytes, count, exclusivity), usage per uid and gid for quotas, and the lease
@@ -165,6 +167,23 @@ type Job = Box<dyn FnOnce(&Broker) -> Deliver + Send>;
 /// Delivers a call's result, or the group's commit error instead when the commit failed
 /// and the call saw or made a change of the group.
 type Deliver = Box<dyn FnOnce(Option<&BrokerError>) + Send>;
+
+/// Wraps `f` as a job for [`Broker::run_group`], with the receiver of its result.
+fn job<T, F>(f: F) -> (Job, oneshot::Receiver<Result<T, BrokerError>>)
+where
+    T: Send + 'static,
+    F: FnOnce(&Broker) -> Result<T, BrokerError> + Send + 'static,
+{
+    let (tx, rx) = oneshot::channel();
+    let job: Job = Box::new(move |broker| {
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(broker)))
+            .unwrap_or_else(|_| Err(BrokerError::Internal("a broker call panicked".into())));
+        Box::new(move |failed: Option<&BrokerError>| {
+            let _ = tx.send(failed.map_or(result, |e| Err(e.clone())));
+        })
+    });
+    (job, rx)
+}
 
 /// Most calls one group commit takes.
 const MAX_GROUP: usize = 256;
@@ -402,14 +421,7 @@ impl Broker {
         T: Send + 'static,
         F: FnOnce(&Broker) -> Result<T, BrokerError> + Send + 'static,
     {
-        let (tx, rx) = oneshot::channel();
-        let job: Job = Box::new(move |broker| {
-            let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(broker)))
-                .unwrap_or_else(|_| Err(BrokerError::Internal("a broker call panicked".into())));
-            Box::new(move |failed: Option<&BrokerError>| {
-                let _ = tx.send(failed.map_or(result, |e| Err(e.clone())));
-            })
-        });
+        let (job, rx) = job(f);
         let job = match self.queue() {
             Some(queue) => queue.send(job).err().map(|returned| returned.0),
             None => Some(job),
@@ -1571,3 +1583,6 @@ impl Drop for WaitTicket {
         }
     }
 }
+
+#[cfg(test)]
+mod tests;

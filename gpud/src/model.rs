@@ -225,6 +225,37 @@ impl Unit {
 }
 
 impl GpuInventory {
+    /// For tests: `n` healthy GPUs of `gib` GiB (UUIDs `GPU-0`, ...; two per NUMA node),
+    /// every pair linked across sockets.
+    #[cfg(test)]
+    pub fn test_machine(n: u32, gib: u64) -> GpuInventory {
+        let gpus = (0..n)
+            .map(|index| Gpu {
+                index,
+                uuid: format!("GPU-{index}"),
+                name: "Tesla T4".into(),
+                pci_bus_id: String::new(),
+                minor_number: Some(index),
+                memory_total_bytes: gib << 30,
+                numa_node: Some(index / 2),
+                cpu_affinity: vec![],
+                mig_instances: vec![],
+                mig_enabled: false,
+                healthy: true,
+            })
+            .collect();
+        let link = Link {
+            pcie: PcieLevel::System,
+            nvlinks: 0,
+        };
+        GpuInventory {
+            driver_version: None,
+            cuda_driver_version: None,
+            gpus,
+            topology: Topology::uniform(n as usize, link),
+        }
+    }
+
     /// The allocatable units: every GPU not in MIG mode, and every MIG instance, ordered by
     /// GPU index then MIG index. A GPU in MIG mode with no instances offers nothing.
     pub fn units(&self) -> Vec<Unit> {

@@ -2,9 +2,10 @@
 //! reservation survives a crash.
 //!
 //! Depends on `model`. Migrations are the numbered files in `schema/migrations/`, embedded
-//! at build time and tracked with `PRAGMA user_version`. Every change is one transaction
-//! that rolls back when dropped and commits explicitly; the broker replies only after
-//! the commit returned.
+//! at build time and tracked with `PRAGMA user_version`. Every change is one savepoint
+//! that rolls back when dropped and is released explicitly: a transaction of its own, or,
+//! inside a group commit ([`Store::begin_group`]), a part of the group's transaction that
+//! fails alone. The broker replies only after the commit returned.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -271,6 +272,12 @@ impl Store {
             path: self.path.clone(),
             source,
         }
+    }
+
+    /// The connection, for tests that need to bend the schema.
+    #[cfg(test)]
+    pub(crate) fn connection(&self) -> &Connection {
+        &self.conn
     }
 
     /// The database file.

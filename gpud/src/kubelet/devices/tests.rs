@@ -11,7 +11,7 @@ use crate::broker::{
     Broker, BrokerError, BrokerSettings, Caller, ExactRequest, ReserveOutcome, ReserveRequest,
 };
 use crate::config::Config;
-use crate::model::{GpuInventory, Link, MemoryAsk, PcieLevel, ReservationState, Topology};
+use crate::model::{GpuInventory, Link, MemoryAsk, PcieLevel, ReservationState};
 use crate::store::Store;
 
 const GIB: u64 = 1 << 30;
@@ -24,38 +24,14 @@ const ROOT: Caller = Caller {
 
 /// `n` GPUs of `gib` GiB; GPUs 0-1 and 2-3 NVLinked, everything else across sockets.
 fn inventory(n: u32, gib: u64) -> GpuInventory {
-    let gpus = (0..n)
-        .map(|index| Gpu {
-            index,
-            uuid: format!("GPU-{index}"),
-            name: "Tesla T4".into(),
-            pci_bus_id: String::new(),
-            minor_number: Some(index),
-            memory_total_bytes: gib * GIB,
-            numa_node: Some(index / 2),
-            cpu_affinity: vec![],
-            mig_instances: vec![],
-            mig_enabled: false,
-            healthy: true,
-        })
-        .collect();
-    let sys = Link {
-        pcie: PcieLevel::System,
-        nvlinks: 0,
-    };
-    let mut topology = Topology::uniform(n as usize, sys);
+    let mut inventory = GpuInventory::test_machine(n, gib);
     let nv = Link {
         pcie: PcieLevel::System,
         nvlinks: 1,
     };
-    topology.set_link(0, 1, nv);
-    topology.set_link(2, 3, nv);
-    GpuInventory {
-        driver_version: None,
-        cuda_driver_version: None,
-        gpus,
-        topology,
-    }
+    inventory.topology.set_link(0, 1, nv);
+    inventory.topology.set_link(2, 3, nv);
+    inventory
 }
 
 fn broker(n: u32, gib: u64) -> Arc<Broker> {

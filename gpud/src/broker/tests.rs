@@ -1,0 +1,288 @@
+//! Group commits: one COMMIT for a group of calls, nobody told of a change before it, and
+//! a failed COMMIT that undoes the whole group in memory as on disk.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use super::*;
+
+const GIB: u64 = 1 << 30;
+const ROOT: Caller = Caller {
+    uid: 0,
+    gid: 0,
+    pid: None,
+};
+
+/// Two 16 GiB GPUs, an in-memory database.
+fn broker() -> Arc<Broker> {
+    let settings = BrokerSettings {
+        admin_gids: vec![],
+        config: Config::default(),
+    };
+    let inventory = GpuInventory::test_machine(2, 16);
+    Broker::open(Store::open_in_memory().unwrap(), &inventory, settings, 0)
+        .unwrap()
+        .0
+}
+
+/// A lease of `memory` on `gpus` GPUs; waits up to a minute when `wait`.
+fn request(gpus: u32, memory: MemoryAsk, label: &str, wait: bool) -> ReserveRequest {
+    ReserveRequest {
+        gpus,
+        memory,
+        policy: None,
+        wait: wait.then_some(Duration::from_secs(60)),
+        ttl_seconds: Some(600),
+        holder_pid: None,
+        labels: BTreeMap::from([("test".to_owned(), label.to_owned())]),
+        id: None,
+    }
+}
+
+fn reserve_job(
+    gib: u64,
+    label: &'static str,
+) -> (Job, oneshot::Receiver<Result<Reservation, BrokerError>>) {
+    job(move |b| {
+        match b.reserve(
+            ROOT,
+            request(1, MemoryAsk::Bytes(gib * GIB), label, false),
+            1000,
+        )? {
+            ReserveOutcome::Reserved(r) => Ok(r),
+            ReserveOutcome::Queued(_) => panic!("a request that does not wait was queued"),
+        }
+    })
+}
+
+fn release_job(id: &str) -> (Job, oneshot::Receiver<Result<Reservation, BrokerError>>) {
+    let id = id.to_owned();
+    job(move |b| b.release(&ROOT, &id, 2000))
+}
+
+/// Reserves `gib` on its own (a group of one).
+fn reserve_alone(b: &Broker, gib: u64) -> Reservation {
+    let (j, mut rx) = reserve_job(gib, "alone");
+    b.run_group(vec![j]);
+    rx.try_recv().unwrap().unwrap()
+}
+
+/// Makes the COMMIT of any transaction that inserted a reservation labelled `boom` fail
+/// (a deferred foreign key: statements and savepoints succeed, only the COMMIT checks it).
+fn arm_commit_failure(b: &Broker) {
+    b.lock()
+        .store
+        .connection()
+        .execute_batch(
+            "CREATE TABLE boom (id TEXT REFERENCES reservations (id) DEFERRABLE INITIALLY DEFERRED);
+             CREATE TRIGGER boom AFTER INSERT ON reservations WHEN NEW.labels LIKE '%boom%'
+             BEGIN INSERT INTO boom VALUES ('no such reservation'); END;",
+        )
+        .unwrap();
+}
+
+fn active_ids_in_memory(b: &Broker) -> Vec<String> {
+    let mut ids: Vec<String> = b.lock().active.keys().cloned().collect();
+    ids.sort();
+    ids
+}
+
+fn active_ids_on_disk(b: &Broker) -> Vec<String> {
+    let mut ids: Vec<String> = b
+        .lock()
+        .store
+        .active()
+        .unwrap()
+        .into_iter()
+        .map(|r| r.id)
+        .collect();
+    ids.sort();
+    ids
+}
+
+fn reserved_bytes(b: &Broker) -> Vec<u64> {
+    b.snapshot()
+        .loads
+        .iter()
+        .map(|l| l.reserved_bytes)
+        .collect()
+}
+
+#[test]
+fn a_group_commits_every_call_and_answers_each() {
+    let b = broker();
+    let kept = reserve_alone(&b, 1);
+    let (one, mut one_rx) = reserve_job(2, "one");
+    let (two, mut two_rx) = reserve_job(3, "two");
+    let (release, mut release_rx) = release_job(&kept.id);
+    b.run_group(vec![one, two, release]);
+
+    let one = one_rx.try_recv().unwrap().unwrap();
+    let two = two_rx.try_recv().unwrap().unwrap();
+    let released = release_rx.try_recv().unwrap().unwrap();
+    assert_eq!(released.state, ReservationState::Released);
+    let mut expected = vec![one.id.clone(), two.id.clone()];
+    expected.sort();
+    assert_eq!(active_ids_in_memory(&b), expected);
+    assert_eq!(active_ids_on_disk(&b), expected);
+    assert_eq!(
+        b.get(&kept.id).unwrap().state,
+        ReservationState::Released,
+        "the release is committed too"
+    );
+    assert!(b.lock().group.is_none(), "the group is closed");
+}
+
+#[test]
+fn ids_sort_by_creation_and_do_not_repeat() {
+    let ids: Vec<String> = (0..1000).map(|i| new_id(1_000 + i / 100)).collect();
+    let mut sorted = ids.clone();
+    sorted.sort();
+    sorted.dedup();
+    assert_eq!(sorted.len(), ids.len(), "no id repeats");
+    // Within one millisecond the counter orders them, unless it wraps (once in 2^20).
+    let out_of_order = ids.windows(2).filter(|w| w[0] >= w[1]).count();
+    assert!(
+        out_of_order <= 1,
+        "{out_of_order} ids out of creation order"
+    );
+    assert!(
+        ids.iter()
+            .all(|id| id.len() == 16 && id.bytes().all(|c| c.is_ascii_hexdigit()))
+    );
+    assert!(
+        new_id(2_000) > new_id(1_999),
+        "a later millisecond sorts later"
+    );
+}
+
+#[test]
+fn a_failed_commit_undoes_the_group_and_fails_every_call_that_saw_a_change() {
+    let b = broker();
+    let kept = reserve_alone(&b, 4);
+    arm_commit_failure(&b);
+    let loads_before = reserved_bytes(&b);
+
+    let kept_id = kept.id.clone();
+    let (read, mut read_rx) = job(move |b| b.get(&kept_id));
+    let (release, mut release_rx) = release_job(&kept.id);
+    let (boom, mut boom_rx) = reserve_job(1, "boom");
+    let kept_id = kept.id.clone();
+    let (read_after, mut read_after_rx) = job(move |b| b.get(&kept_id));
+    b.run_group(vec![read, release, boom, read_after]);
+
+    // Before the first change of the group, a read saw committed state: it stands.
+    let r = read_rx.try_recv().unwrap().unwrap();
+    assert_eq!(r.state, ReservationState::Active);
+    // The release, the reserve and the read that saw the release all fail, with the
+    // database's reason.
+    for (what, result) in [
+        ("release", release_rx.try_recv().unwrap().map(|_| ())),
+        ("reserve", boom_rx.try_recv().unwrap().map(|_| ())),
+        ("read after", read_after_rx.try_recv().unwrap().map(|_| ())),
+    ] {
+        match result {
+            Err(BrokerError::Storage(e)) => {
+                assert!(e.to_string().contains("commit"), "{what}: {e}");
+            }
+            other => panic!("{what}: expected the commit's error, got {other:?}"),
+        }
+    }
+    // Memory is what the database holds: the released reservation is back, the new one
+    // never existed, and the loads are as before.
+    assert_eq!(active_ids_in_memory(&b), vec![kept.id.clone()]);
+    assert_eq!(active_ids_on_disk(&b), vec![kept.id.clone()]);
+    assert_eq!(reserved_bytes(&b), loads_before);
+    assert!(b.lock().group.is_none(), "the group is closed");
+
+    // And the broker goes on: the next group commits.
+    let (again, mut again_rx) = release_job(&kept.id);
+    let (other, mut other_rx) = reserve_job(2, "fine");
+    b.run_group(vec![again, other]);
+    again_rx.try_recv().unwrap().unwrap();
+    let other = other_rx.try_recv().unwrap().unwrap();
+    assert_eq!(active_ids_on_disk(&b), vec![other.id]);
+}
+
+/// A waiter served by a change of a group is told only with the group's outcome.
+fn serve_waiter_in_group(fail: bool) -> (Arc<Broker>, String, Result<Reservation, BrokerError>) {
+    let b = broker();
+    let full = match b
+        .reserve(ROOT, request(2, MemoryAsk::Exclusive, "full", false), 1000)
+        .unwrap()
+    {
+        ReserveOutcome::Reserved(r) => r,
+        ReserveOutcome::Queued(_) => panic!("an empty machine queued a request"),
+    };
+    let ticket = match b
+        .reserve(
+            ROOT,
+            request(1, MemoryAsk::Bytes(GIB), "waiter", true),
+            1000,
+        )
+        .unwrap()
+    {
+        ReserveOutcome::Queued(t) => t,
+        ReserveOutcome::Reserved(_) => panic!("a full machine placed a request"),
+    };
+    if fail {
+        arm_commit_failure(&b);
+    }
+    let (release, _release_rx) = release_job(&full.id);
+    let (boom, _boom_rx) = reserve_job(1, if fail { "boom" } else { "fine" });
+    b.run_group(vec![release, boom]);
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .unwrap();
+    let told = runtime.block_on(async {
+        tokio::time::timeout(Duration::from_secs(5), ticket.wait())
+            .await
+            .expect("the waiter was never told")
+    });
+    (b, full.id, told)
+}
+
+#[test]
+fn a_waiter_served_in_a_group_gets_its_reservation_once_committed() {
+    let (b, full, told) = serve_waiter_in_group(false);
+    let r = told.unwrap();
+    assert!(active_ids_on_disk(&b).contains(&r.id));
+    assert!(!active_ids_on_disk(&b).contains(&full));
+}
+
+#[test]
+fn a_waiter_served_in_a_failed_group_gets_the_error_not_a_reservation() {
+    let (b, full, told) = serve_waiter_in_group(true);
+    assert!(
+        matches!(told, Err(BrokerError::Storage(_))),
+        "expected the commit's error, got {told:?}"
+    );
+    assert_eq!(active_ids_on_disk(&b), vec![full.clone()]);
+    assert_eq!(active_ids_in_memory(&b), vec![full]);
+}
+
+#[test]
+fn other_threads_wait_for_an_open_group_to_end() {
+    let b = broker();
+    assert!(b.begin_group());
+    let entered = Arc::new(AtomicBool::new(false));
+    let other = {
+        let (b, entered) = (b.clone(), entered.clone());
+        std::thread::spawn(move || {
+            let _ = b.snapshot();
+            entered.store(true, Ordering::SeqCst);
+        })
+    };
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(
+        !entered.load(Ordering::SeqCst),
+        "another thread took the lock inside a group"
+    );
+    // The owner itself is not blocked.
+    let _ = b.snapshot();
+    b.end_group().unwrap();
+    other.join().unwrap();
+    assert!(entered.load(Ordering::SeqCst));
+}
