@@ -7,6 +7,14 @@ use clap::{Parser, Subcommand};
 
 use gpud::config::{Config, DEFAULT_CONFIG};
 
+/// mimalloc instead of glibc's malloc: requests allocate on the runtime's threads and are
+/// freed on the broker thread, and glibc spent about a tenth of gpud's CPU under load in
+/// `_int_malloc`, `_int_free` and `malloc_consolidate`. Measured with `gpud-load` (64
+/// clients, A/B in one sitting): 13 % more cycles/s, 53 instead of 62 µs of CPU per cycle,
+/// and steadier runs, for about 7 MiB more resident memory.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// Node-local GPU broker: workloads reserve GPU memory or whole GPUs over a Unix socket.
 #[derive(Debug, Parser)]
 #[command(name = "gpud", version)]
