@@ -272,6 +272,9 @@ struct Inner {
     shutting_down: bool,
     /// The group commit in progress, if any.
     group: Option<Group>,
+    /// Group commits that succeeded, and the calls they carried (for the metrics).
+    groups_committed: u64,
+    grouped_calls: u64,
 }
 
 /// Pinned holders of the reservations loaded at start, to be watched.
@@ -322,6 +325,8 @@ impl Broker {
             next_ticket: 0,
             shutting_down: false,
             group: None,
+            groups_committed: 0,
+            grouped_calls: 0,
         };
         let mut dead = Vec::new();
         let mut watches = Vec::new();
@@ -488,7 +493,7 @@ impl Broker {
             let saw_change = self.lock().store.group_changed();
             delivers.push((deliver, saw_change));
         }
-        let committed = self.end_group();
+        let committed = self.end_group(delivers.len());
         for (deliver, saw_change) in delivers {
             deliver(committed.as_ref().err().filter(|_| saw_change));
         }
@@ -509,9 +514,9 @@ impl Broker {
         true
     }
 
-    /// Commits the open group and tells the waiters it served; on failure reloads memory
-    /// from the database (the group was rolled back) and fails those waiters.
-    fn end_group(&self) -> Result<(), BrokerError> {
+    /// Commits the open group of `calls` calls and tells the waiters it served; on failure
+    /// reloads memory from the database (the group was rolled back) and fails those waiters.
+    fn end_group(&self, calls: usize) -> Result<(), BrokerError> {
         let mut inner = self.lock();
         let Some(group) = inner.group.take() else {
             return Ok(());
@@ -525,6 +530,10 @@ impl Broker {
                 tracing::error!(error = %reload, "cannot reload the reservations after a failed commit; stopping so that a restart does");
                 std::process::exit(1);
             }
+        }
+        if committed.is_ok() {
+            inner.groups_committed += 1;
+            inner.grouped_calls += calls as u64;
         }
         let now = crate::clock::now_millis();
         for s in group.served {
@@ -1156,6 +1165,8 @@ impl Broker {
             used: inner.used.clone(),
             active: inner.active.len(),
             waiting: inner.waiters.len(),
+            groups_committed: inner.groups_committed,
+            grouped_calls: inner.grouped_calls,
         }
     }
 
@@ -1271,6 +1282,10 @@ pub struct Snapshot {
     pub active: usize,
     /// Queued requests.
     pub waiting: usize,
+    /// Group commits so far (one COMMIT for the calls queued together).
+    pub groups_committed: u64,
+    /// Calls carried by those group commits.
+    pub grouped_calls: u64,
 }
 
 impl Inner {

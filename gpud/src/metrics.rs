@@ -59,6 +59,8 @@ pub struct Metrics {
     waiting: Gauge,
     events: Family<KindLabels, Counter>,
     audit_pass: Histogram,
+    groups_committed: Counter,
+    grouped_calls: Counter,
     render_lock: Mutex<()>,
 }
 
@@ -143,6 +145,18 @@ impl Metrics {
             "Duration of one audit pass",
             audit_pass.clone(),
         );
+        let groups_committed = Counter::default();
+        registry.register(
+            "commit_groups",
+            "Group commits: one SQLite COMMIT for the broker calls queued together",
+            groups_committed.clone(),
+        );
+        let grouped_calls = Counter::default();
+        registry.register(
+            "commit_group_calls",
+            "Broker calls carried by group commits (divided by commit_groups: the mean group)",
+            grouped_calls.clone(),
+        );
         Metrics {
             registry,
             requests,
@@ -156,6 +170,8 @@ impl Metrics {
             waiting,
             events,
             audit_pass,
+            groups_committed,
+            grouped_calls,
             render_lock: Mutex::new(()),
         }
     }
@@ -230,6 +246,13 @@ impl Metrics {
             })
             .set(gauge(snap.active as u64));
         self.waiting.set(gauge(snap.waiting as u64));
+        // Counters only go up: add what the broker counted since the last scrape.
+        for (counter, total) in [
+            (&self.groups_committed, snap.groups_committed),
+            (&self.grouped_calls, snap.grouped_calls),
+        ] {
+            counter.inc_by(total.saturating_sub(counter.get()));
+        }
         let mut out = String::new();
         if prometheus_client::encoding::text::encode(&mut out, &self.registry).is_err() {
             out = "# EOF\n".to_owned();

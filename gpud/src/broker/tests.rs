@@ -132,6 +132,12 @@ fn a_group_commits_every_call_and_answers_each() {
         "the release is committed too"
     );
     assert!(b.lock().group.is_none(), "the group is closed");
+    let snap = b.snapshot();
+    assert_eq!(
+        (snap.groups_committed, snap.grouped_calls),
+        (1, 3),
+        "counted once, with its calls"
+    );
 }
 
 #[test]
@@ -195,6 +201,11 @@ fn a_failed_commit_undoes_the_group_and_fails_every_call_that_saw_a_change() {
     assert_eq!(active_ids_on_disk(&b), vec![kept.id.clone()]);
     assert_eq!(reserved_bytes(&b), loads_before);
     assert!(b.lock().group.is_none(), "the group is closed");
+    assert_eq!(
+        b.snapshot().groups_committed,
+        0,
+        "a failed group is not counted"
+    );
 
     // And the broker goes on: the next group commits.
     let (again, mut again_rx) = release_job(&kept.id);
@@ -282,7 +293,7 @@ fn other_threads_wait_for_an_open_group_to_end() {
     );
     // The owner itself is not blocked.
     let _ = b.snapshot();
-    b.end_group().unwrap();
+    b.end_group(0).unwrap();
     other.join().unwrap();
     assert!(entered.load(Ordering::SeqCst));
 }
