@@ -1248,6 +1248,12 @@ impl Broker {
         Ok(self.lock().store.events(filter)?)
     }
 
+    /// Deletes up to `limit` reservations that ended before `before` (never an active one)
+    /// and up to `limit` events recorded before it. Returns how many of each.
+    pub fn prune_history(&self, before: Millis, limit: u32) -> Result<(usize, usize), BrokerError> {
+        Ok(self.lock().store.prune(before, limit)?)
+    }
+
     /// Checks the database's integrity (for tests and `gpud` start-up checks).
     pub fn integrity_check(&self) -> Result<(), BrokerError> {
         Ok(self.lock().store.integrity_check()?)

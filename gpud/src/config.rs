@@ -70,6 +70,8 @@ pub struct Config {
     pub quotas: Vec<Quota>,
     /// Kubelet device plugin (off unless enabled).
     pub kubelet: KubeletConfig,
+    /// How long ended reservations and audit events are kept.
+    pub history: HistoryConfig,
 }
 
 impl Default for Config {
@@ -88,6 +90,26 @@ impl Default for Config {
             metrics: MetricsConfig::default(),
             quotas: Vec::new(),
             kubelet: KubeletConfig::default(),
+            history: HistoryConfig::default(),
+        }
+    }
+}
+
+/// How long the record of ended reservations and of audit events is kept: without a limit
+/// the database grows by every reservation ever made.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct HistoryConfig {
+    /// Ended reservations and events older than this are deleted (checked at start and
+    /// every hour). Active reservations are never deleted, however old.
+    #[serde(deserialize_with = "duration")]
+    pub keep: Duration,
+}
+
+impl Default for HistoryConfig {
+    fn default() -> HistoryConfig {
+        HistoryConfig {
+            keep: Duration::from_secs(30 * 24 * 3600),
         }
     }
 }
@@ -411,6 +433,7 @@ mod tests {
         assert_eq!(config.socket, PathBuf::from("/run/gpud/gpud.sock"));
         assert_eq!(config.state_dir, PathBuf::from("/var/lib/gpud"));
         assert_eq!(config.audit.interval, Duration::from_secs(2));
+        assert_eq!(config.history, HistoryConfig::default());
         // Installed as /etc/gpud/gpud.toml, it must limit nobody; its commented-out quota
         // example must be valid once uncommented.
         assert!(

@@ -107,6 +107,7 @@ async fn serve(config: Config, config_path: Option<PathBuf>) -> anyhow::Result<(
     });
 
     tokio::spawn(expiry_loop(broker.clone()));
+    tokio::spawn(history_loop(broker.clone()));
     let auditor = Auditor::new(broker.clone(), nvml.clone(), ProcFs, metrics.clone());
     let audit_broker = broker.clone();
     tokio::spawn(audit::run(auditor, move || {
@@ -378,6 +379,7 @@ pub fn plan_reload(running: &Config, at_start: &Config, file: &Config) -> Reload
     take!(wait, "wait");
     take!(audit, "audit");
     take!(env, "env");
+    take!(history, "history");
 
     let mut needs_restart = Vec::new();
     // The file as it is now, with everything named here set back to the start: whatever
@@ -405,6 +407,7 @@ pub fn plan_reload(running: &Config, at_start: &Config, file: &Config) -> Reload
     rest.wait = at_start.wait.clone();
     rest.audit = at_start.audit.clone();
     rest.env = at_start.env.clone();
+    rest.history = at_start.history.clone();
     if rest != *at_start {
         needs_restart.push("other sections");
     }
@@ -507,6 +510,49 @@ async fn expiry_loop(broker: Arc<Broker>) {
             Ok(Err(e)) => tracing::error!(error = %e, "could not expire leases; will retry"),
             Err(e) => tracing::error!(error = %e, "expiry task failed"),
             Ok(Ok(_)) => {}
+        }
+    }
+}
+
+/// Deletes the history older than `[history] keep`: at start, then every hour, a thousand
+/// rows at a time so that requests go on in between.
+async fn history_loop(broker: Arc<Broker>) {
+    const BATCH: u32 = 1000;
+    let mut tick = tokio::time::interval(Duration::from_secs(3600));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let keep = broker.settings().config.history.keep;
+        let keep = u64::try_from(keep.as_millis()).unwrap_or(u64::MAX);
+        let before = now_millis().saturating_sub(keep);
+        let (mut reservations, mut events) = (0, 0);
+        loop {
+            let b = broker.clone();
+            match tokio::task::spawn_blocking(move || b.prune_history(before, BATCH)).await {
+                Ok(Ok((r, e))) => {
+                    reservations += r;
+                    events += e;
+                    if r < BATCH as usize && e < BATCH as usize {
+                        break;
+                    }
+                }
+                Ok(Err(e)) => {
+                    tracing::warn!(error = %e, "could not delete old history; will try again in an hour");
+                    break;
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, "history task failed");
+                    break;
+                }
+            }
+        }
+        if reservations + events > 0 {
+            tracing::info!(
+                reservations,
+                events,
+                keep = %humantime::format_duration(Duration::from_millis(keep)),
+                "deleted history older than [history] keep"
+            );
         }
     }
 }

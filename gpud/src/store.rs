@@ -731,6 +731,40 @@ impl Store {
         Ok(out)
     }
 
+    /// Deletes up to `limit` reservations that ended before `before` (their units go with
+    /// them) and up to `limit` events recorded before it, in one change. Active
+    /// reservations are never deleted. Returns how many reservations and events went.
+    pub fn prune(&mut self, before: Millis, limit: u32) -> Result<(usize, usize), StoreError> {
+        let (tx, path) = self.transaction()?;
+        let err = |source| StoreError::Sqlite {
+            op: "delete old history",
+            path: path.clone(),
+            source,
+        };
+        let before = to_sql_int(before);
+        // An ended reservation was created before it ended: the `created_at` bound lets
+        // the (state, created_at) index find them without reading every row.
+        let reservations = tx
+            .execute(
+                "DELETE FROM reservations WHERE rowid IN (
+                     SELECT rowid FROM reservations
+                     WHERE state IN ('released', 'expired') AND created_at < ?1 AND ended_at < ?1
+                     LIMIT ?2)",
+                params![before, limit],
+            )
+            .map_err(err)?;
+        let events = tx
+            .execute(
+                "DELETE FROM events WHERE id IN (
+                     SELECT id FROM events WHERE at < ?1 ORDER BY id LIMIT ?2)",
+                params![before, limit],
+            )
+            .map_err(err)?;
+        tx.commit().map_err(err)?;
+        self.changed();
+        Ok((reservations, events))
+    }
+
     /// Runs `PRAGMA integrity_check`; `Ok(())` when the database is sound.
     pub fn integrity_check(&self) -> Result<(), StoreError> {
         let result: String = self
@@ -939,10 +973,8 @@ mod tests {
         assert_eq!(store.active().unwrap(), vec![a]);
     }
 
-    #[test]
-    fn events_round_trip_and_filter() {
-        let mut store = Store::open_in_memory().unwrap();
-        let event = |at, kind, reservation: Option<&str>| Event {
+    fn event(at: Millis, kind: EventKind, reservation: Option<&str>) -> Event {
+        Event {
             id: 0,
             at,
             kind,
@@ -956,7 +988,84 @@ mod tests {
             reserved_bytes: Some(4 << 30),
             action: "none".to_owned(),
             message: "m".to_owned(),
-        };
+        }
+    }
+
+    #[test]
+    fn prune_deletes_only_history_older_than_the_cutoff() {
+        let mut store = Store::open_in_memory().unwrap();
+        // Created at 10, 20, 30, 40; "old" and "recent" end at 100 and 300; "ancient" is
+        // still active (a lease renewed for ever, or a holder that runs for months).
+        for (id, created) in [
+            ("ancient", 10),
+            ("old", 20),
+            ("recent", 30),
+            ("expired", 40),
+        ] {
+            store.insert(&sample(id, created)).unwrap();
+        }
+        store
+            .finish(
+                &[("old".into(), ReservationState::Released, "r".into())],
+                100,
+            )
+            .unwrap();
+        store
+            .finish(
+                &[("expired".into(), ReservationState::Expired, "t".into())],
+                150,
+            )
+            .unwrap();
+        store
+            .finish(
+                &[("recent".into(), ReservationState::Released, "r".into())],
+                300,
+            )
+            .unwrap();
+        store
+            .insert_events(&[
+                event(50, EventKind::Unreserved, None),
+                event(199, EventKind::OverLimit, Some("old")),
+                event(250, EventKind::OverLimit, Some("recent")),
+            ])
+            .unwrap();
+
+        // One row of each at a time: the limit holds.
+        assert_eq!(store.prune(200, 1).unwrap(), (1, 1));
+        assert_eq!(store.prune(200, 10).unwrap(), (1, 1));
+        assert_eq!(
+            store.prune(200, 10).unwrap(),
+            (0, 0),
+            "nothing left to delete"
+        );
+
+        let mut left: Vec<String> = store
+            .list(None, None)
+            .unwrap()
+            .into_iter()
+            .map(|r| r.id)
+            .collect();
+        left.sort();
+        assert_eq!(left, ["ancient", "recent"]);
+        assert_eq!(
+            store.active().unwrap().len(),
+            1,
+            "the active one stays, however old"
+        );
+        assert_eq!(store.get("ancient").unwrap().unwrap().units.len(), 2);
+        let units: i64 = store
+            .conn
+            .query_row("SELECT count(*) FROM reservation_units", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(units, 4, "the deleted reservations' units went with them");
+        let events = store.events(&EventFilter::default()).unwrap();
+        assert_eq!(events.iter().map(|e| e.at).collect::<Vec<_>>(), [250]);
+        store.integrity_check().unwrap();
+    }
+
+    #[test]
+    fn events_round_trip_and_filter() {
+        let mut store = Store::open_in_memory().unwrap();
         let stored = store
             .insert_events(&[
                 event(10, EventKind::Unreserved, None),

@@ -149,6 +149,29 @@ fn reservations_survive_kill9_and_restart() {
 }
 
 #[test]
+fn history_older_than_keep_is_deleted_and_active_reservations_stay() {
+    let mut d = Daemon::start("t4-pair", "[history]\nkeep = \"1s\"\n");
+    let kept = reserve(&d, json!({"memory": "2GiB", "ttl_seconds": 600}));
+    let ended = reserve(&d, json!({"memory": "1GiB", "ttl_seconds": 600}));
+    assert_eq!(
+        d.delete(&format!("/v1/reservations/{}", id(&ended))).status,
+        200
+    );
+    std::thread::sleep(Duration::from_millis(1200));
+    // The history is pruned at start (then hourly).
+    d.stop();
+    d.spawn();
+    let gone = wait_for(Duration::from_secs(5), || {
+        let r = d.get(&format!("/v1/reservations/{}", id(&ended)));
+        (r.status == 404).then_some(r)
+    });
+    assert!(gone.is_some(), "the released reservation is still there");
+    let now = d.get(&format!("/v1/reservations/{}", id(&kept)));
+    assert_eq!(now.body["state"], "active", "{}", now.text);
+    assert_eq!(now.body["gpus"], kept.body["gpus"]);
+}
+
+#[test]
 fn killing_the_holder_releases_within_a_second() {
     let d = Daemon::start("t4-pair", "");
     let mut child = Command::new("sleep").arg("60").spawn().unwrap();
