@@ -153,6 +153,9 @@ pub struct Broker {
     inner: Mutex<Inner>,
     /// Signalled when a group commit ends: other threads wait for it in [`Broker::lock`].
     group_ended: Condvar,
+    /// Signalled when the last of those threads got the lock: the next group waits for
+    /// it, so that they get their turn between two groups.
+    outsiders_served: Condvar,
     settings: Mutex<Arc<BrokerSettings>>,
     /// The broker thread's queue ([`Broker::call`]); started on first use, `None` when no
     /// thread could be started.
@@ -161,8 +164,9 @@ pub struct Broker {
 }
 
 /// A call queued for the broker thread. Running it returns how to deliver its result,
-/// which waits for the commit of its group.
-type Job = Box<dyn FnOnce(&Broker) -> Deliver + Send>;
+/// which waits for the commit of its group, and whether it panicked (then what it wrote
+/// may not match memory, and its group is rolled back).
+type Job = Box<dyn FnOnce(&Broker) -> (Deliver, bool) + Send>;
 
 /// Delivers a call's result, or the group's commit error instead when the commit failed
 /// and the call saw or made a change of the group.
@@ -176,11 +180,14 @@ where
 {
     let (tx, rx) = oneshot::channel();
     let job: Job = Box::new(move |broker| {
-        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(broker)))
-            .unwrap_or_else(|_| Err(BrokerError::Internal("a broker call panicked".into())));
-        Box::new(move |failed: Option<&BrokerError>| {
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(broker)));
+        let panicked = result.is_err();
+        let result =
+            result.unwrap_or_else(|_| Err(BrokerError::Internal("a broker call panicked".into())));
+        let deliver: Deliver = Box::new(move |failed: Option<&BrokerError>| {
             let _ = tx.send(failed.map_or(result, |e| Err(e.clone())));
-        })
+        });
+        (deliver, panicked)
     });
     (job, rx)
 }
@@ -272,6 +279,8 @@ struct Inner {
     shutting_down: bool,
     /// The group commit in progress, if any.
     group: Option<Group>,
+    /// Threads waiting in [`Broker::lock`] for the open group to end.
+    outsiders_waiting: usize,
     /// Group commits that succeeded, and the calls they carried (for the metrics).
     groups_committed: u64,
     grouped_calls: u64,
@@ -325,6 +334,7 @@ impl Broker {
             next_ticket: 0,
             shutting_down: false,
             group: None,
+            outsiders_waiting: 0,
             groups_committed: 0,
             grouped_calls: 0,
         };
@@ -382,6 +392,7 @@ impl Broker {
         let broker = Arc::new_cyclic(|this| Broker {
             inner: Mutex::new(inner),
             group_ended: Condvar::new(),
+            outsiders_served: Condvar::new(),
             settings: Mutex::new(Arc::new(settings)),
             queue: OnceLock::new(),
             this: this.clone(),
@@ -404,10 +415,15 @@ impl Broker {
             .as_ref()
             .is_some_and(|g| g.owner != std::thread::current().id())
         {
+            inner.outsiders_waiting += 1;
             inner = self
                 .group_ended
                 .wait(inner)
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
+            inner.outsiders_waiting -= 1;
+            if inner.outsiders_waiting == 0 {
+                self.outsiders_served.notify_all();
+            }
         }
         inner
     }
@@ -435,7 +451,7 @@ impl Broker {
             let Some(broker) = self.this.upgrade() else {
                 return Err(BrokerError::ShuttingDown);
             };
-            if tokio::task::spawn_blocking(move || job(&broker)(None))
+            if tokio::task::spawn_blocking(move || job(&broker).0(None))
                 .await
                 .is_err()
             {
@@ -483,18 +499,20 @@ impl Broker {
     fn run_group(&self, jobs: Vec<Job>) {
         if jobs.len() == 1 || !self.begin_group() {
             for job in jobs {
-                job(self)(None);
+                job(self).0(None);
             }
             return;
         }
         crate::logging::batched(|| {
             let mut delivers = Vec::with_capacity(jobs.len());
+            let mut panicked = false;
             for job in jobs {
-                let deliver = job(self);
+                let (deliver, p) = job(self);
+                panicked |= p;
                 let saw_change = self.lock().store.group_changed();
                 delivers.push((deliver, saw_change));
             }
-            let committed = self.end_group(delivers.len());
+            let committed = self.end_group(delivers.len(), panicked);
             for (deliver, saw_change) in delivers {
                 deliver(committed.as_ref().err().filter(|_| saw_change));
             }
@@ -505,6 +523,13 @@ impl Broker {
     /// cannot begin one.
     fn begin_group(&self) -> bool {
         let mut inner = self.lock();
+        // Threads that waited for the last group go first.
+        while inner.outsiders_waiting > 0 {
+            inner = self
+                .outsiders_served
+                .wait(inner)
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+        }
         if let Err(e) = inner.store.begin_group() {
             tracing::warn!(error = %e, "cannot begin a group commit; running the calls one by one");
             return false;
@@ -516,20 +541,46 @@ impl Broker {
         true
     }
 
-    /// Commits the open group of `calls` calls and tells the waiters it served; on failure
-    /// reloads memory from the database (the group was rolled back) and fails those waiters.
-    fn end_group(&self, calls: usize) -> Result<(), BrokerError> {
+    /// Commits the open group of `calls` calls (rolls it back when `abort`: a call in it
+    /// panicked) and tells the waiters it served; on failure reloads memory from the
+    /// database (the group was rolled back) and fails those waiters.
+    fn end_group(&self, calls: usize, abort: bool) -> Result<(), BrokerError> {
+        /// Wakes the threads waiting for the group, however this function ends.
+        struct WakeWaiting<'a>(&'a Condvar);
+        impl Drop for WakeWaiting<'_> {
+            fn drop(&mut self) {
+                self.0.notify_all();
+            }
+        }
+        let _wake = WakeWaiting(&self.group_ended);
         let mut inner = self.lock();
         let Some(group) = inner.group.take() else {
             return Ok(());
         };
-        let committed = inner.store.commit_group().map_err(BrokerError::from);
+        let committed = if abort {
+            inner
+                .store
+                .rollback_group()
+                .map_err(BrokerError::from)
+                .and(Err(BrokerError::Internal(
+                    "a call in the same group commit panicked; the group was rolled back".into(),
+                )))
+        } else {
+            inner.store.commit_group().map_err(BrokerError::from)
+        };
         if let Err(e) = &committed {
-            tracing::error!(error = %e, calls = group.served.len(), "group commit failed; every change in it was rolled back");
-            if let Err(reload) = inner.reload() {
-                // Memory now holds changes the database does not: serving from it could
-                // promise a GPU twice. A restart loads the database again.
-                tracing::error!(error = %reload, "cannot reload the reservations after a failed commit; stopping so that a restart does");
+            tracing::error!(error = %e, calls, "group commit failed; every change in it was rolled back");
+            // Memory now holds changes the database does not: serving from it could promise
+            // a GPU twice. Reload it; if that fails (or the transaction could not even be
+            // rolled back), stop, and a restart loads the database again.
+            let reloaded = if inner.store.in_transaction() {
+                Err("the transaction is still open after a rollback".to_owned())
+            } else {
+                inner.reload().map_err(|e| e.to_string())
+            };
+            if let Err(why) = reloaded {
+                tracing::error!(error = %why, "cannot reload the reservations after a failed group commit; stopping so that a restart does");
+                crate::logging::flush_held();
                 std::process::exit(1);
             }
         }
@@ -546,8 +597,6 @@ impl Broker {
                 }
             }
         }
-        drop(inner);
-        self.group_ended.notify_all();
         committed
     }
 

@@ -75,6 +75,16 @@ pub fn batched<R>(f: impl FnOnce() -> R) -> R {
     f()
 }
 
+/// Writes the lines [`batched`] holds on this thread now (before the process exits, which
+/// would drop them).
+pub fn flush_held() {
+    if let Some(lines) = HELD.with_borrow_mut(|held| held.as_mut().map(std::mem::take))
+        && !lines.is_empty()
+    {
+        let _ = std::io::stderr().write_all(&lines);
+    }
+}
+
 /// Writes one formatted line: to stderr, or into this thread's held lines in [`batched`].
 struct LineWriter;
 

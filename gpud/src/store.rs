@@ -69,6 +69,17 @@ pub enum StoreError {
         /// The newest this binary knows.
         known: usize,
     },
+    /// SQLite ended the group commit's transaction by itself after a write failed in it
+    /// (a full disk or an I/O error can roll back the whole transaction, not only the
+    /// statement): nothing of the group was kept.
+    #[error(
+        "{path}: a write failed and SQLite rolled back the whole group commit it was part of \
+         (the disk is full or failing); nothing in it was kept"
+    )]
+    GroupRolledBack {
+        /// The database file.
+        path: PathBuf,
+    },
     /// A row could not be decoded (the file was edited by hand or is corrupt).
     #[error("corrupt row in {path}: {detail}")]
     Corrupt {
@@ -114,7 +125,7 @@ impl StoreError {
                 e.code,
                 DiskFull | ReadOnly | SystemIoFailure | CannotOpen | DatabaseBusy | DatabaseLocked
             ),
-            StoreError::Dir { .. } => true,
+            StoreError::Dir { .. } | StoreError::GroupRolledBack { .. } => true,
             _ => false,
         }
     }
@@ -327,9 +338,14 @@ impl Store {
 
     /// Opens one change: a transaction of its own, or, inside a group commit, a savepoint
     /// of the group's transaction (so a failed change still undoes only itself). Finish it
-    /// with [`Store::done`].
+    /// by committing the savepoint, then [`Store::changed`].
     fn transaction(&mut self) -> Result<(Savepoint<'_>, PathBuf), StoreError> {
         let path = self.path.clone();
+        // The group's transaction is gone: a savepoint now would be a transaction of its
+        // own, committed at once, behind the group's back.
+        if self.group_rolled_back() {
+            return Err(StoreError::GroupRolledBack { path });
+        }
         let tx = self.conn.savepoint().map_err(|source| StoreError::Sqlite {
             op: "begin",
             path: path.clone(),
@@ -342,8 +358,11 @@ impl Store {
     /// transaction, and so one write of the WAL. Nothing in the group is durable before
     /// that commit returns, so nobody may be told of a change made in it before then.
     pub fn begin_group(&mut self) -> Result<(), StoreError> {
+        // IMMEDIATE: take the write lock now, through the busy handler. A deferred BEGIN
+        // whose first statement is a read cannot wait for a checkpoint holding the lock
+        // when it later writes (SQLite answers SQLITE_BUSY at once).
         self.conn
-            .execute_batch("BEGIN")
+            .execute_batch("BEGIN IMMEDIATE")
             .map_err(self.err("begin group commit"))?;
         self.group = Some(false);
         Ok(())
@@ -355,12 +374,37 @@ impl Store {
         if self.group.take().is_none() {
             return Ok(());
         }
+        if self.conn.is_autocommit() {
+            return Err(StoreError::GroupRolledBack {
+                path: self.path.clone(),
+            });
+        }
         let committed = self.conn.execute_batch("COMMIT");
         if committed.is_err() && !self.conn.is_autocommit() {
             // Whatever ROLLBACK says, the failed COMMIT is the error to report.
             let _ = self.conn.execute_batch("ROLLBACK");
         }
         committed.map_err(self.err("commit"))
+    }
+
+    /// Abandons the open group commit: every change in it is rolled back.
+    pub fn rollback_group(&mut self) -> Result<(), StoreError> {
+        if self.group.take().is_none() || self.conn.is_autocommit() {
+            return Ok(());
+        }
+        self.conn
+            .execute_batch("ROLLBACK")
+            .map_err(self.err("roll back group commit"))
+    }
+
+    /// Whether a transaction is open (after a group ended, one must not be).
+    pub fn in_transaction(&self) -> bool {
+        !self.conn.is_autocommit()
+    }
+
+    /// Whether SQLite rolled back the open group's transaction by itself.
+    fn group_rolled_back(&self) -> bool {
+        self.group.is_some() && self.conn.is_autocommit()
     }
 
     /// Whether a change was made in the open group commit (`false` outside one).

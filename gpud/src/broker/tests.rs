@@ -282,7 +282,8 @@ fn other_threads_wait_for_an_open_group_to_end() {
     let other = {
         let (b, entered) = (b.clone(), entered.clone());
         std::thread::spawn(move || {
-            let _ = b.snapshot();
+            // Noted while holding the lock: the turn is the time under the lock.
+            let _inner = b.lock();
             entered.store(true, Ordering::SeqCst);
         })
     };
@@ -293,7 +294,109 @@ fn other_threads_wait_for_an_open_group_to_end() {
     );
     // The owner itself is not blocked.
     let _ = b.snapshot();
-    b.end_group(0).unwrap();
+    b.end_group(0, false).unwrap();
     other.join().unwrap();
     assert!(entered.load(Ordering::SeqCst));
+}
+
+#[test]
+fn threads_that_waited_for_a_group_go_before_the_next_one() {
+    let b = broker();
+    assert!(b.begin_group());
+    let entered = Arc::new(AtomicBool::new(false));
+    let other = {
+        let (b, entered) = (b.clone(), entered.clone());
+        std::thread::spawn(move || {
+            // Noted while holding the lock: the turn is the time under the lock.
+            let _inner = b.lock();
+            entered.store(true, Ordering::SeqCst);
+        })
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while b.lock().outsiders_waiting == 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the other thread never waited"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    b.end_group(0, false).unwrap();
+    // The broker thread would begin the next group at once; the waiting thread goes first.
+    assert!(b.begin_group());
+    assert!(
+        entered.load(Ordering::SeqCst),
+        "a new group began before the waiting thread had its turn"
+    );
+    b.end_group(0, false).unwrap();
+    other.join().unwrap();
+}
+
+#[test]
+fn a_group_that_sqlite_rolled_back_by_itself_keeps_nothing() {
+    let b = broker();
+    let kept = reserve_alone(&b, 4);
+    let (release, mut release_rx) = release_job(&kept.id);
+    // What SQLite does after some disk-full or I/O errors: the whole transaction is gone.
+    let (lost, mut lost_rx) = job(|b| {
+        b.lock()
+            .store
+            .connection()
+            .execute_batch("ROLLBACK")
+            .unwrap();
+        Ok(())
+    });
+    let (after, mut after_rx) = reserve_job(1, "after");
+    b.run_group(vec![release, lost, after]);
+
+    assert!(matches!(
+        release_rx.try_recv().unwrap(),
+        Err(BrokerError::Storage(_))
+    ));
+    assert!(lost_rx.try_recv().unwrap().is_err());
+    match after_rx.try_recv().unwrap() {
+        Err(BrokerError::Storage(e)) => assert!(e.is_storage_unavailable(), "{e}"),
+        other => panic!("a change after the rollback must fail, got {other:?}"),
+    }
+    // Nothing was committed behind the group's back, and memory matches the disk.
+    assert_eq!(active_ids_on_disk(&b), vec![kept.id.clone()]);
+    assert_eq!(active_ids_in_memory(&b), vec![kept.id.clone()]);
+    assert_eq!(b.lock().store.list(None, None).unwrap().len(), 1);
+    // The next group works.
+    let (again, mut again_rx) = release_job(&kept.id);
+    let (other, mut other_rx) = reserve_job(1, "next");
+    b.run_group(vec![again, other]);
+    again_rx.try_recv().unwrap().unwrap();
+    other_rx.try_recv().unwrap().unwrap();
+}
+
+#[test]
+fn a_call_that_panics_rolls_its_group_back() {
+    let b = broker();
+    let (before, mut before_rx) = reserve_job(2, "before");
+    let (boom, mut boom_rx) = job(|b| -> Result<(), BrokerError> {
+        // A write, then a panic before memory is updated: disk and memory would differ.
+        b.lock()
+            .store
+            .connection()
+            .execute_batch(
+                "INSERT INTO reservations (id, state, owner_uid, owner_gid, exclusive, created_at)
+                 VALUES ('half', 'active', 0, 0, 0, 1)",
+            )
+            .unwrap();
+        panic!("a bug between the write and the memory update");
+    });
+    b.run_group(vec![before, boom]);
+    assert!(matches!(
+        before_rx.try_recv().unwrap(),
+        Err(BrokerError::Internal(_))
+    ));
+    assert!(matches!(
+        boom_rx.try_recv().unwrap(),
+        Err(BrokerError::Internal(_))
+    ));
+    assert!(
+        active_ids_on_disk(&b).is_empty(),
+        "the group was rolled back"
+    );
+    assert!(active_ids_in_memory(&b).is_empty());
 }
