@@ -2,10 +2,11 @@
 //! reservation survives a crash.
 //!
 //! Depends on `model`. Migrations are the numbered files in `schema/migrations/`, embedded
-//! at build time and tracked with `PRAGMA user_version`. Every change is one savepoint
-//! that rolls back when dropped and is released explicitly: a transaction of its own, or,
-//! inside a group commit ([`Store::begin_group`]), a part of the group's transaction that
-//! fails alone. The broker replies only after the commit returned.
+//! at build time and tracked with `PRAGMA user_version`. Every change is a transaction of
+//! its own that rolls back when dropped and commits explicitly, or, inside a group commit
+//! ([`Store::begin_group`]), a part of the group's transaction: then a change that fails
+//! fails the whole group, which is rolled back. The broker replies only after the commit
+//! returned.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -69,12 +70,12 @@ pub enum StoreError {
         /// The newest this binary knows.
         known: usize,
     },
-    /// SQLite ended the group commit's transaction by itself after a write failed in it
-    /// (a full disk or an I/O error can roll back the whole transaction, not only the
-    /// statement): nothing of the group was kept.
+    /// A write in a group commit failed, so the whole group was rolled back (or SQLite
+    /// rolled it back by itself: a full disk or an I/O error can end the transaction, not
+    /// only the statement): nothing of the group was kept.
     #[error(
-        "{path}: a write failed and SQLite rolled back the whole group commit it was part of \
-         (the disk is full or failing); nothing in it was kept"
+        "{path}: a write failed in a group commit, so the whole group was rolled back \
+         (usually a full or failing disk); nothing in it was kept"
     )]
     GroupRolledBack {
         /// The database file.
@@ -131,6 +132,44 @@ impl StoreError {
     }
 }
 
+/// What the store knows of the group commit in progress.
+#[derive(Debug, Default, Clone, Copy)]
+struct GroupState {
+    /// A change was begun in the group (its reads may have seen it).
+    changed: bool,
+    /// A change was begun and did not finish: it failed half-way, so the group must be
+    /// rolled back.
+    unfinished: bool,
+}
+
+/// One change being written: a transaction of its own (a savepoint, as the outermost one
+/// is a transaction), or a part of the open group's transaction.
+enum Change<'c> {
+    Alone(Savepoint<'c>),
+    InGroup(&'c Connection),
+}
+
+impl std::ops::Deref for Change<'_> {
+    type Target = Connection;
+
+    fn deref(&self) -> &Connection {
+        match self {
+            Change::Alone(tx) => tx,
+            Change::InGroup(conn) => conn,
+        }
+    }
+}
+
+impl Change<'_> {
+    /// Commits a change of its own; a change in a group is committed with the group.
+    fn commit(self) -> rusqlite::Result<()> {
+        match self {
+            Change::Alone(tx) => tx.commit(),
+            Change::InGroup(_) => Ok(()),
+        }
+    }
+}
+
 /// The reservations database.
 #[derive(Debug)]
 pub struct Store {
@@ -138,8 +177,8 @@ pub struct Store {
     path: PathBuf,
     /// Background WAL checkpoints (file-backed stores only); stops when the store drops.
     _checkpointer: Option<Checkpointer>,
-    /// `Some(changed)` while a group commit is open ([`Store::begin_group`]).
-    group: Option<bool>,
+    /// The group commit in progress ([`Store::begin_group`]).
+    group: Option<GroupState>,
 }
 
 /// How often the background thread moves the WAL into the database file.
@@ -336,22 +375,29 @@ impl Store {
         Ok(())
     }
 
-    /// Opens one change: a transaction of its own, or, inside a group commit, a savepoint
-    /// of the group's transaction (so a failed change still undoes only itself). Finish it
-    /// by committing the savepoint, then [`Store::changed`].
-    fn transaction(&mut self) -> Result<(Savepoint<'_>, PathBuf), StoreError> {
+    /// Opens one change: a transaction of its own, or, inside a group commit, a part of
+    /// the group's transaction (no savepoint: a change that fails half-way fails the whole
+    /// group). Finish it with `commit`, then [`Store::changed`].
+    fn transaction(&mut self) -> Result<(Change<'_>, PathBuf), StoreError> {
         let path = self.path.clone();
-        // The group's transaction is gone: a savepoint now would be a transaction of its
-        // own, committed at once, behind the group's back.
-        if self.group_rolled_back() {
-            return Err(StoreError::GroupRolledBack { path });
+        if self.group.is_some() {
+            // A change failed half-way, or SQLite ended the transaction by itself: the group
+            // is lost, and a write now would commit on its own, behind the group's back.
+            if self.group_failed() {
+                return Err(StoreError::GroupRolledBack { path });
+            }
+            self.group = Some(GroupState {
+                changed: true,
+                unfinished: true,
+            });
+            return Ok((Change::InGroup(&self.conn), path));
         }
         let tx = self.conn.savepoint().map_err(|source| StoreError::Sqlite {
             op: "begin",
             path: path.clone(),
             source,
         })?;
-        Ok((tx, path))
+        Ok((Change::Alone(tx), path))
     }
 
     /// Starts a group commit: the changes until [`Store::commit_group`] share one
@@ -364,21 +410,23 @@ impl Store {
         self.conn
             .execute_batch("BEGIN IMMEDIATE")
             .map_err(self.err("begin group commit"))?;
-        self.group = Some(false);
+        self.group = Some(GroupState::default());
         Ok(())
     }
 
     /// Ends the group commit started by [`Store::begin_group`]. On failure every change of
     /// the group is rolled back: the database is as it was before the group began.
     pub fn commit_group(&mut self) -> Result<(), StoreError> {
-        if self.group.take().is_none() {
+        if self.group.is_none() {
             return Ok(());
         }
-        if self.conn.is_autocommit() {
+        if self.group_failed() {
+            self.rollback_group()?;
             return Err(StoreError::GroupRolledBack {
                 path: self.path.clone(),
             });
         }
+        self.group = None;
         let committed = self.conn.execute_batch("COMMIT");
         if committed.is_err() && !self.conn.is_autocommit() {
             // Whatever ROLLBACK says, the failed COMMIT is the error to report.
@@ -402,20 +450,22 @@ impl Store {
         !self.conn.is_autocommit()
     }
 
-    /// Whether SQLite rolled back the open group's transaction by itself.
-    fn group_rolled_back(&self) -> bool {
-        self.group.is_some() && self.conn.is_autocommit()
+    /// Whether the open group is lost: a change in it failed half-way, or SQLite rolled
+    /// its transaction back by itself.
+    fn group_failed(&self) -> bool {
+        self.group
+            .is_some_and(|g| g.unfinished || self.conn.is_autocommit())
     }
 
-    /// Whether a change was made in the open group commit (`false` outside one).
+    /// Whether a change was begun in the open group commit (`false` outside one).
     pub fn group_changed(&self) -> bool {
-        self.group == Some(true)
+        self.group.is_some_and(|g| g.changed)
     }
 
-    /// Notes that a change was committed (to the open group, if any).
+    /// Notes that a change finished (in the open group, if any).
     fn changed(&mut self) {
-        if let Some(changed) = &mut self.group {
-            *changed = true;
+        if let Some(g) = &mut self.group {
+            g.unfinished = false;
         }
     }
 
@@ -1015,6 +1065,39 @@ mod tests {
         dup.units[0].uuid = "GPU-z".to_owned();
         assert!(store.insert(&dup).is_err());
         assert_eq!(store.active().unwrap(), vec![a]);
+    }
+
+    #[test]
+    fn a_change_that_fails_half_way_in_a_group_fails_the_whole_group() {
+        let mut store = Store::open_in_memory().unwrap();
+        let before = sample("before", 1);
+        store.insert(&before).unwrap();
+        store.begin_group().unwrap();
+        store.insert(&sample("a", 2)).unwrap();
+        assert!(store.group_changed());
+        // The reservation row goes in, then its second unit collides with the first.
+        let mut half = sample("half", 3);
+        half.units[1].uuid = half.units[0].uuid.clone();
+        assert!(store.insert(&half).is_err());
+        // Later changes of the group fail at once, and so does its commit.
+        assert!(matches!(
+            store.insert(&sample("c", 4)),
+            Err(StoreError::GroupRolledBack { .. })
+        ));
+        let e = store.commit_group().unwrap_err();
+        assert!(e.is_storage_unavailable(), "{e}");
+        assert!(
+            !store.in_transaction(),
+            "the group's transaction was rolled back"
+        );
+        assert_eq!(
+            store.active().unwrap(),
+            vec![before],
+            "nothing of the group was kept"
+        );
+        // Alone again, changes commit.
+        store.insert(&sample("d", 5)).unwrap();
+        assert_eq!(store.active().unwrap().len(), 2);
     }
 
     fn event(at: Millis, kind: EventKind, reservation: Option<&str>) -> Event {
