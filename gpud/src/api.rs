@@ -153,7 +153,7 @@ impl Api {
             (["v1", "reservations", id], &Method::GET) => {
                 let id = valid_id(id)?;
                 let r = self.broker.call(move |broker| broker.get(&id)).await?;
-                Ok(json(StatusCode::OK, &to_wire(&r)))
+                Ok(json(StatusCode::OK, &to_wire(r)))
             }
             (["v1", "reservations", id], &Method::DELETE) => {
                 let id = valid_id(id)?;
@@ -161,7 +161,7 @@ impl Api {
                     .broker
                     .call(move |broker| broker.release(&caller, &id, now_millis()))
                     .await?;
-                Ok(json(StatusCode::OK, &to_wire(&r)))
+                Ok(json(StatusCode::OK, &to_wire(r)))
             }
             (["v1", "reservations", id, "renew"], &Method::POST) => {
                 let id = valid_id(id)?;
@@ -175,7 +175,7 @@ impl Api {
                     .broker
                     .call(move |broker| broker.renew(&caller, &id, renew.ttl_seconds, now_millis()))
                     .await?;
-                Ok(json(StatusCode::OK, &to_wire(&r)))
+                Ok(json(StatusCode::OK, &to_wire(r)))
             }
             (["metrics"], &Method::GET) => Ok(self.metrics_reply()),
             (["v1", "events"], &Method::GET) => self.events(&query).await,
@@ -344,7 +344,7 @@ impl Api {
         Ok(json(
             StatusCode::OK,
             &schema::ReservationList {
-                reservations: rows.iter().map(to_wire).collect(),
+                reservations: rows.into_iter().map(to_wire).collect(),
             },
         ))
     }
@@ -360,7 +360,7 @@ impl Api {
             ReserveOutcome::Reserved(r) => r,
             ReserveOutcome::Queued(ticket) => ticket.wait().await?,
         };
-        Ok(json(StatusCode::CREATED, &to_wire(&r)))
+        Ok(json(StatusCode::CREATED, &to_wire(r)))
     }
 }
 
@@ -487,9 +487,9 @@ pub fn to_request(wire: schema::ReservationRequest) -> Result<ReserveRequest, Ap
 }
 
 /// The wire form of a reservation.
-pub fn to_wire(r: &model::Reservation) -> schema::Reservation {
+/// Consumes the reservation: its maps and strings move into the reply, uncopied.
+pub fn to_wire(r: model::Reservation) -> schema::Reservation {
     schema::Reservation {
-        id: r.id.clone(),
         state: r.state,
         owner_uid: r.owner_uid,
         owner_gid: r.owner_gid,
@@ -497,20 +497,21 @@ pub fn to_wire(r: &model::Reservation) -> schema::Reservation {
         exclusive: r.exclusive,
         gpus: r
             .units
-            .iter()
+            .into_iter()
             .map(|u| schema::ReservedGpu {
                 index: u.gpu_index,
-                uuid: u.uuid.clone(),
+                uuid: u.uuid,
                 memory_bytes: u.memory_bytes,
             })
             .collect(),
-        env: r.env.clone(),
+        env: r.env,
         created_at: rfc3339(r.created_at),
         expires_at: r.expires_at.map(rfc3339),
         ttl_seconds: r.ttl_seconds,
         ended_at: r.ended_at.map(rfc3339),
-        end_reason: r.end_reason.clone(),
-        labels: r.labels.clone(),
+        end_reason: r.end_reason,
+        labels: r.labels,
+        id: r.id,
     }
 }
 

@@ -17,16 +17,17 @@ use prometheus_client::registry::Registry;
 
 use crate::broker::Snapshot;
 
+// Static strings: counting a request allocates nothing.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RequestLabels {
-    method: String,
-    route: String,
+    method: &'static str,
+    route: &'static str,
     status: u16,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RouteLabels {
-    route: String,
+    route: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -177,18 +178,32 @@ impl Metrics {
     }
 
     /// Counts one request and its latency.
-    pub fn observe_request(&self, method: &Method, route: &str, status: u16, elapsed: Duration) {
+    pub fn observe_request(
+        &self,
+        method: &Method,
+        route: &'static str,
+        status: u16,
+        elapsed: Duration,
+    ) {
+        let method = match *method {
+            Method::GET => "GET",
+            Method::POST => "POST",
+            Method::DELETE => "DELETE",
+            Method::PUT => "PUT",
+            Method::HEAD => "HEAD",
+            Method::PATCH => "PATCH",
+            Method::OPTIONS => "OPTIONS",
+            _ => "other",
+        };
         self.requests
             .get_or_create(&RequestLabels {
-                method: method.as_str().to_owned(),
-                route: route.to_owned(),
+                method,
+                route,
                 status,
             })
             .inc();
         self.latency
-            .get_or_create(&RouteLabels {
-                route: route.to_owned(),
-            })
+            .get_or_create(&RouteLabels { route })
             .observe(elapsed.as_secs_f64());
     }
 
