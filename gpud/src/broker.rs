@@ -431,11 +431,11 @@ impl Broker {
     /// Runs `f` on the broker thread and returns its result once it is committed.
     ///
     /// The broker thread takes every call queued meanwhile and runs them as one group
-    /// commit: each change in a savepoint of one transaction, one COMMIT for all, and only
-    /// then the replies. Under load that is one WAL write for many changes instead of one
-    /// each. If the COMMIT fails, the whole group is rolled back, memory is reloaded from
-    /// the database, and every call that made or saw a change of the group gets the error:
-    /// nobody is told of a change that was not committed. Without a runtime (or a thread)
+    /// commit: every change in one transaction, one COMMIT for all, and only then the
+    /// replies. Under load that is one WAL write for many changes instead of one each. If
+    /// the COMMIT or any write of the group fails, the whole group is rolled back, memory is
+    /// reloaded from the database, and every call that made or saw a change of the group
+    /// gets the error: nobody is told of a change that was not committed. Without a runtime (or a thread)
     /// `f` runs in the blocking pool, alone.
     pub async fn call<T, F>(&self, f: F) -> Result<T, BrokerError>
     where
