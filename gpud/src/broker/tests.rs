@@ -274,10 +274,8 @@ fn a_waiter_served_in_a_failed_group_gets_the_error_not_a_reservation() {
     assert_eq!(active_ids_in_memory(&b), vec![full]);
 }
 
-#[test]
-fn other_threads_wait_for_an_open_group_to_end() {
-    let b = broker();
-    assert!(b.begin_group());
+/// Another thread that takes the lock and notes when it got it.
+fn outsider(b: &Arc<Broker>) -> (std::thread::JoinHandle<()>, Arc<AtomicBool>) {
     let entered = Arc::new(AtomicBool::new(false));
     let other = {
         let (b, entered) = (b.clone(), entered.clone());
@@ -287,6 +285,14 @@ fn other_threads_wait_for_an_open_group_to_end() {
             entered.store(true, Ordering::SeqCst);
         })
     };
+    (other, entered)
+}
+
+#[test]
+fn other_threads_wait_for_an_open_group_to_end() {
+    let b = broker();
+    assert!(b.begin_group());
+    let (other, entered) = outsider(&b);
     std::thread::sleep(Duration::from_millis(200));
     assert!(
         !entered.load(Ordering::SeqCst),
@@ -303,15 +309,7 @@ fn other_threads_wait_for_an_open_group_to_end() {
 fn threads_that_waited_for_a_group_go_before_the_next_one() {
     let b = broker();
     assert!(b.begin_group());
-    let entered = Arc::new(AtomicBool::new(false));
-    let other = {
-        let (b, entered) = (b.clone(), entered.clone());
-        std::thread::spawn(move || {
-            // Noted while holding the lock: the turn is the time under the lock.
-            let _inner = b.lock();
-            entered.store(true, Ordering::SeqCst);
-        })
-    };
+    let (other, entered) = outsider(&b);
     let deadline = std::time::Instant::now() + Duration::from_secs(5);
     while b.lock().outsiders_waiting == 0 {
         assert!(
