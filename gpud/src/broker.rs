@@ -24,7 +24,7 @@ use crate::audit::AuditedReservation;
 use crate::config::Config;
 use crate::holder::{PinnedProcess, process_info};
 use crate::model::{
-    Event, Gpu, GpuInventory, MemoryAsk, Millis, Policy, Reservation, ReservationState,
+    Event, Gpu, GpuInventory, Holder, MemoryAsk, Millis, Policy, Reservation, ReservationState,
     ReservedUnit, Topology, Unit,
 };
 use crate::placement::{self, PlacementError, PlacementRequest, PlacementState, UnitLoad};
@@ -684,8 +684,15 @@ impl Broker {
         if inner.shutting_down {
             return Err(BrokerError::ShuttingDown);
         }
+        // A chosen id must be new: not active, not in the history, not asked for by a
+        // request already waiting.
         if let Some(id) = &request.id
-            && (inner.active.contains_key(id) || inner.store.get(id)?.is_some())
+            && (inner.active.contains_key(id)
+                || inner
+                    .waiters
+                    .iter()
+                    .any(|w| w.request.id.as_ref() == Some(id))
+                || inner.store.get(id)?.is_some())
         {
             return Err(BrokerError::Invalid(format!(
                 "reservation id {id:?} is already taken"
@@ -778,16 +785,16 @@ impl Broker {
             return;
         };
         handle.spawn(async move {
-            let pid = pinned.holder.pid;
+            let holder = pinned.holder.clone();
             pinned.wait_exit().await;
             // The holder is gone for good, so the release must happen eventually: when it
             // cannot be committed (disk full, read-only), try again until it can, instead of
             // leaving the reservation active until the next restart.
             let mut backoff = std::time::Duration::from_millis(100);
             loop {
-                let (b, reservation) = (broker.clone(), id.clone());
+                let (b, reservation, h) = (broker.clone(), id.clone(), holder.clone());
                 let task = tokio::task::spawn_blocking(move || {
-                    b.holder_exited(&reservation, pid, crate::clock::now_millis())
+                    b.holder_exited(&reservation, &h, crate::clock::now_millis())
                 });
                 match task.await {
                     Ok(Err(e)) => {
@@ -808,13 +815,20 @@ impl Broker {
         }
     }
 
-    /// Releases `id` because its holder `pid` exited.
-    pub fn holder_exited(&self, id: &str, pid: u32, now: Millis) -> Result<(), BrokerError> {
+    /// Releases `id` because its holder exited, if that process still holds it: a watch
+    /// may outlive its reservation (a group that was rolled back, an id reused after its
+    /// history was deleted), and must not release a newer one.
+    pub fn holder_exited(&self, id: &str, holder: &Holder, now: Millis) -> Result<(), BrokerError> {
         let mut inner = self.lock();
-        if !inner.active.contains_key(id) {
+        let held_by_it = inner.active.get(id).is_some_and(|r| {
+            r.holder
+                .as_ref()
+                .is_some_and(|h| h.pid == holder.pid && h.start_time == holder.start_time)
+        });
+        if !held_by_it {
             return Ok(());
         }
-        let reason = format!("holder process {pid} exited");
+        let reason = format!("holder process {} exited", holder.pid);
         inner.end(
             &[(id.to_owned(), ReservationState::Released, reason.clone())],
             now,
@@ -967,7 +981,12 @@ impl Broker {
             labels: request.labels,
             env,
         };
-        inner.store.insert(&r)?;
+        if !inner.store.insert(&r)? {
+            return Err(BrokerError::Invalid(format!(
+                "reservation id {:?} is already taken",
+                r.id
+            )));
+        }
         tracing::info!(
             reservation = %r.id,
             gpus = %r.units.iter().map(|u| u.gpu_index.to_string()).collect::<Vec<_>>().join(","),
@@ -1408,35 +1427,26 @@ impl Inner {
             totals.push(unit.memory_total_bytes);
         }
         self.check_quota(caller, &units, &settings.config.quotas)?;
-        let id = request.id.clone().unwrap_or_else(|| new_id(now));
         let exclusive = request.memory == MemoryAsk::Exclusive;
-        let env = workload_env(
-            &id,
-            &units,
-            &totals,
-            exclusive,
-            &self.gpus,
-            &settings.config.env,
-        );
-        let r = Reservation {
-            id,
-            state: ReservationState::Active,
-            owner_uid: caller.uid,
-            owner_gid: caller.gid,
-            holder: holder.map(|h| h.holder.clone()),
-            exclusive,
-            units,
-            ttl_seconds: request.ttl_seconds,
-            expires_at: request
-                .ttl_seconds
-                .map(|t| now.saturating_add(t.saturating_mul(1000))),
-            created_at: now,
-            ended_at: None,
-            end_reason: None,
-            labels: request.labels.clone(),
-            env,
+        // A chosen id that is taken by now (another request with the same id got there
+        // first) is refused; a generated one that is taken (someone chose it) is made anew.
+        let mut attempts = 0;
+        let r = loop {
+            attempts += 1;
+            let id = request.id.clone().unwrap_or_else(|| new_id(now));
+            let r = self.new_reservation(
+                id, caller, request, holder, exclusive, &units, &totals, now, settings,
+            );
+            if self.store.insert(&r)? {
+                break r;
+            }
+            if request.id.is_some() || attempts >= 3 {
+                return Err(BrokerError::Invalid(format!(
+                    "reservation id {:?} is already taken",
+                    r.id
+                )));
+            }
         };
-        self.store.insert(&r)?;
         tracing::info!(
             reservation = %r.id,
             uid = caller.uid,
@@ -1446,6 +1456,48 @@ impl Inner {
         );
         self.add_active(r.clone());
         Ok(r)
+    }
+
+    /// The reservation `try_reserve` records, with its workload environment.
+    #[allow(clippy::too_many_arguments)]
+    fn new_reservation(
+        &self,
+        id: String,
+        caller: &Caller,
+        request: &ReserveRequest,
+        holder: Option<&PinnedProcess>,
+        exclusive: bool,
+        units: &[ReservedUnit],
+        totals: &[u64],
+        now: Millis,
+        settings: &BrokerSettings,
+    ) -> Reservation {
+        let env = workload_env(
+            &id,
+            units,
+            totals,
+            exclusive,
+            &self.gpus,
+            &settings.config.env,
+        );
+        Reservation {
+            id,
+            state: ReservationState::Active,
+            owner_uid: caller.uid,
+            owner_gid: caller.gid,
+            holder: holder.map(|h| h.holder.clone()),
+            exclusive,
+            units: units.to_vec(),
+            ttl_seconds: request.ttl_seconds,
+            expires_at: request
+                .ttl_seconds
+                .map(|t| now.saturating_add(t.saturating_mul(1000))),
+            created_at: now,
+            ended_at: None,
+            end_reason: None,
+            labels: request.labels.clone(),
+            env,
+        }
     }
 
     fn check_quota(

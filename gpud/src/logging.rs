@@ -88,23 +88,32 @@ pub fn flush_held() {
 /// Writes one formatted line: to stderr, or into this thread's held lines in [`batched`].
 struct LineWriter;
 
+/// Adds `buf` to this thread's held lines; `false` when it holds none (or is exiting and
+/// its thread-locals are gone: then the line goes straight to stderr).
+fn hold(buf: &[u8]) -> bool {
+    HELD.try_with(|held| match held.try_borrow_mut() {
+        Ok(mut held) => held
+            .as_mut()
+            .map(|lines| lines.extend_from_slice(buf))
+            .is_some(),
+        Err(_) => false,
+    })
+    .unwrap_or(false)
+}
+
 impl Write for LineWriter {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        let held =
-            HELD.with_borrow_mut(|held| held.as_mut().map(|lines| lines.extend_from_slice(buf)));
-        match held {
-            Some(()) => Ok(buf.len()),
-            None => std::io::stderr().write(buf),
+        if hold(buf) {
+            return Ok(buf.len());
         }
+        std::io::stderr().write(buf)
     }
 
     fn write_all(&mut self, buf: &[u8]) -> std::io::Result<()> {
-        let held =
-            HELD.with_borrow_mut(|held| held.as_mut().map(|lines| lines.extend_from_slice(buf)));
-        match held {
-            Some(()) => Ok(()),
-            None => std::io::stderr().write_all(buf),
+        if hold(buf) {
+            return Ok(());
         }
+        std::io::stderr().write_all(buf)
     }
 
     fn flush(&mut self) -> std::io::Result<()> {

@@ -469,8 +469,10 @@ impl Store {
         }
     }
 
-    /// Records a new reservation and its units in one transaction.
-    pub fn insert(&mut self, r: &Reservation) -> Result<(), StoreError> {
+    /// Records a new reservation and its units in one transaction. `Ok(false)`, with
+    /// nothing written, when a reservation with that id exists already: a taken id is an
+    /// answer, not a failed statement (which would fail a whole group commit).
+    pub fn insert(&mut self, r: &Reservation) -> Result<bool, StoreError> {
         let (tx, path) = self.transaction()?;
         let err = |source| StoreError::Sqlite {
             op: "insert reservation",
@@ -480,31 +482,38 @@ impl Store {
         let labels = serde_json::to_string(&r.labels).unwrap_or_else(|_| "{}".to_owned());
         let env = serde_json::to_string(&r.env).unwrap_or_else(|_| "{}".to_owned());
         // Cached: parsing this statement anew was a tenth of a reserve's time in SQLite.
-        tx.prepare_cached(
-            "INSERT INTO reservations (id, state, owner_uid, owner_gid, holder_pid,
+        let inserted = tx
+            .prepare_cached(
+                "INSERT INTO reservations (id, state, owner_uid, owner_gid, holder_pid,
                  holder_start_time, holder_boot_id, exclusive, ttl_seconds, expires_at,
                  created_at, ended_at, end_reason, labels, env)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)",
-        )
-        .map_err(err)?
-        .execute(params![
-            r.id,
-            r.state.as_str(),
-            r.owner_uid,
-            r.owner_gid,
-            r.holder.as_ref().map(|h| h.pid),
-            r.holder.as_ref().map(|h| to_sql_int(h.start_time)),
-            r.holder.as_ref().map(|h| h.boot_id.as_str()),
-            r.exclusive,
-            r.ttl_seconds.map(to_sql_int),
-            r.expires_at.map(to_sql_int),
-            to_sql_int(r.created_at),
-            r.ended_at.map(to_sql_int),
-            r.end_reason,
-            labels,
-            env,
-        ])
-        .map_err(err)?;
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)
+             ON CONFLICT (id) DO NOTHING",
+            )
+            .map_err(err)?
+            .execute(params![
+                r.id,
+                r.state.as_str(),
+                r.owner_uid,
+                r.owner_gid,
+                r.holder.as_ref().map(|h| h.pid),
+                r.holder.as_ref().map(|h| to_sql_int(h.start_time)),
+                r.holder.as_ref().map(|h| h.boot_id.as_str()),
+                r.exclusive,
+                r.ttl_seconds.map(to_sql_int),
+                r.expires_at.map(to_sql_int),
+                to_sql_int(r.created_at),
+                r.ended_at.map(to_sql_int),
+                r.end_reason,
+                labels,
+                env,
+            ])
+            .map_err(err)?;
+        if inserted == 0 {
+            tx.commit().map_err(err)?;
+            self.changed();
+            return Ok(false);
+        }
         {
             let mut stmt = tx
                 .prepare_cached(
@@ -524,7 +533,7 @@ impl Store {
         }
         tx.commit().map_err(err)?;
         self.changed();
-        Ok(())
+        Ok(true)
     }
 
     /// Ends active reservations (released or expired) in one transaction. Ids that are not
@@ -836,8 +845,9 @@ impl Store {
             source,
         };
         let before = to_sql_int(before);
-        // An ended reservation was created before it ended: the `created_at` bound lets
-        // the (state, created_at) index find them without reading every row.
+        // An ended reservation was created before it ended (unless the clock went back,
+        // and then it is kept longer, never deleted early): the `created_at` bound lets the
+        // (state, created_at) index find them without reading every row.
         let reservations = tx
             .execute(
                 "DELETE FROM reservations WHERE rowid IN (
@@ -1060,11 +1070,28 @@ mod tests {
         let mut store = Store::open_in_memory().unwrap();
         let a = sample("a", 1);
         store.insert(&a).unwrap();
-        // Same id again: the primary key rejects it and the transaction rolls back whole.
+        // Same id again: refused, and nothing of it is written (its units neither).
         let mut dup = sample("a", 2);
         dup.units[0].uuid = "GPU-z".to_owned();
-        assert!(store.insert(&dup).is_err());
+        assert!(!store.insert(&dup).unwrap());
+        assert_eq!(store.active().unwrap(), vec![a.clone()]);
+        // A unit named twice: the statement fails, and the transaction rolls back whole.
+        let mut twice = sample("b", 3);
+        twice.units[1].uuid = twice.units[0].uuid.clone();
+        assert!(store.insert(&twice).is_err());
         assert_eq!(store.active().unwrap(), vec![a]);
+    }
+
+    #[test]
+    fn a_taken_id_in_a_group_is_an_answer_not_a_failure_of_the_group() {
+        let mut store = Store::open_in_memory().unwrap();
+        store.begin_group().unwrap();
+        assert!(store.insert(&sample("a", 1)).unwrap());
+        assert!(!store.insert(&sample("a", 2)).unwrap(), "taken");
+        assert!(store.insert(&sample("b", 3)).unwrap());
+        store.commit_group().unwrap();
+        let ids: Vec<String> = store.active().unwrap().into_iter().map(|r| r.id).collect();
+        assert_eq!(ids, ["a", "b"]);
     }
 
     #[test]

@@ -398,3 +398,46 @@ fn a_call_that_panics_rolls_its_group_back() {
     );
     assert!(active_ids_in_memory(&b).is_empty());
 }
+
+#[test]
+fn a_chosen_id_that_a_waiter_already_asked_for_is_refused() {
+    let b = broker();
+    let full = b
+        .reserve(ROOT, request(2, MemoryAsk::Exclusive, "full", false), 1000)
+        .unwrap();
+    assert!(matches!(full, ReserveOutcome::Reserved(_)));
+    let mut first = request(1, MemoryAsk::Bytes(GIB), "first", true);
+    first.id = Some("chosen".to_owned());
+    let ticket = b.reserve(ROOT, first.clone(), 1000).unwrap();
+    assert!(matches!(ticket, ReserveOutcome::Queued(_)));
+    match b.reserve(ROOT, first, 1000) {
+        Err(BrokerError::Invalid(m)) => assert!(m.contains("already taken"), "{m}"),
+        other => panic!("a second request for a waiting id was not refused: {other:?}"),
+    }
+}
+
+#[test]
+fn an_exit_of_another_process_does_not_release_the_reservation() {
+    let b = broker();
+    let mut held = request(1, MemoryAsk::Bytes(GIB), "held", false);
+    held.ttl_seconds = None;
+    held.holder_pid = Some(std::process::id());
+    let caller = Caller {
+        pid: Some(std::process::id()),
+        ..ROOT
+    };
+    let r = match b.reserve(caller, held, 1000).unwrap() {
+        ReserveOutcome::Reserved(r) => r,
+        ReserveOutcome::Queued(_) => panic!("an empty machine queued a request"),
+    };
+    let holder = r.holder.clone().unwrap();
+    // A watch left from an earlier reservation of the same id, by another process.
+    let stale = Holder {
+        start_time: holder.start_time + 1,
+        ..holder.clone()
+    };
+    b.holder_exited(&r.id, &stale, 2000).unwrap();
+    assert_eq!(b.get(&r.id).unwrap().state, ReservationState::Active);
+    b.holder_exited(&r.id, &holder, 2000).unwrap();
+    assert_eq!(b.get(&r.id).unwrap().state, ReservationState::Released);
+}
