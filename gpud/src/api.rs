@@ -352,9 +352,25 @@ impl Api {
     async fn create(&self, caller: Caller, body: &[u8]) -> Result<Reply, ApiError> {
         let wire: schema::ReservationRequest = parse_json(body)?;
         let request = to_request(wire)?;
+        let holder = match request.holder_pid {
+            Some(pid) => {
+                let broker = self.broker.clone();
+                let pinned = tokio::task::spawn_blocking(move || broker.pin_holder(&caller, pid))
+                    .await
+                    .map_err(|e| {
+                        ApiError::new(
+                            StatusCode::INTERNAL_SERVER_ERROR,
+                            codes::INTERNAL,
+                            format!("internal error: {e}"),
+                        )
+                    })??;
+                Some(pinned)
+            }
+            None => None,
+        };
         let outcome = self
             .broker
-            .call(move |broker| broker.reserve(caller, request, now_millis()))
+            .call(move |broker| broker.reserve_pinned(caller, request, holder, now_millis()))
             .await?;
         let r = match outcome {
             ReserveOutcome::Reserved(r) => r,

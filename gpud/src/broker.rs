@@ -654,6 +654,24 @@ impl Broker {
         request: ReserveRequest,
         now: Millis,
     ) -> Result<ReserveOutcome, BrokerError> {
+        let holder = match request.holder_pid {
+            Some(pid) => Some(self.pin_holder(&caller, pid)?),
+            None => None,
+        };
+        self.reserve_pinned(caller, request, holder, now)
+    }
+
+    /// [`Broker::reserve`] with the request's holder already pinned
+    /// ([`Broker::pin_holder`]): the API pins it before the call reaches the broker thread,
+    /// so that reading `/proc` (a scan of it, for a caller in another PID namespace) does
+    /// not hold up a group commit.
+    pub fn reserve_pinned(
+        &self,
+        caller: Caller,
+        request: ReserveRequest,
+        holder: Option<PinnedProcess>,
+        now: Millis,
+    ) -> Result<ReserveOutcome, BrokerError> {
         let settings = self.settings();
         if let Some(wait) = request.wait
             && wait.as_secs() > settings.config.wait.max_wait_seconds
@@ -676,10 +694,11 @@ impl Broker {
                 "ttl_seconds must be at least 1".to_owned(),
             ));
         }
-        let holder = match request.holder_pid {
-            Some(pid) => Some(self.pin_holder(&caller, pid)?),
-            None => None,
-        };
+        if request.holder_pid.is_some() != holder.is_some() {
+            return Err(BrokerError::Internal(
+                "a request's holder was not pinned".to_owned(),
+            ));
+        }
         let mut inner = self.lock();
         if inner.shutting_down {
             return Err(BrokerError::ShuttingDown);
@@ -745,7 +764,9 @@ impl Broker {
         }
     }
 
-    fn pin_holder(&self, caller: &Caller, pid: u32) -> Result<PinnedProcess, BrokerError> {
+    /// Pins the process `caller` names as a holder (`pid` as the caller sees it), checking
+    /// that it is alive and the caller's own. Reads `/proc`; takes no lock.
+    pub fn pin_holder(&self, caller: &Caller, pid: u32) -> Result<PinnedProcess, BrokerError> {
         // The caller names the holder as it sees it; a caller in a container with its own
         // PID namespace sees other numbers than gpud does.
         let seen_as = pid;
