@@ -1449,25 +1449,49 @@ impl Inner {
         }
         self.check_quota(caller, &units, &settings.config.quotas)?;
         let exclusive = request.memory == MemoryAsk::Exclusive;
+        let env_for = |id: &str, units: &[ReservedUnit]| {
+            workload_env(
+                id,
+                units,
+                &totals,
+                exclusive,
+                &self.gpus,
+                &settings.config.env,
+            )
+        };
+        let id = request.id.clone().unwrap_or_else(|| new_id(now));
+        let mut r = Reservation {
+            env: env_for(&id, &units),
+            id,
+            state: ReservationState::Active,
+            owner_uid: caller.uid,
+            owner_gid: caller.gid,
+            holder: holder.map(|h| h.holder.clone()),
+            exclusive,
+            units,
+            ttl_seconds: request.ttl_seconds,
+            expires_at: request
+                .ttl_seconds
+                .map(|t| now.saturating_add(t.saturating_mul(1000))),
+            created_at: now,
+            ended_at: None,
+            end_reason: None,
+            labels: request.labels.clone(),
+        };
         // A chosen id that is taken by now (another request with the same id got there
         // first) is refused; a generated one that is taken (someone chose it) is made anew.
-        let mut attempts = 0;
-        let r = loop {
-            attempts += 1;
-            let id = request.id.clone().unwrap_or_else(|| new_id(now));
-            let r = self.new_reservation(
-                id, caller, request, holder, exclusive, &units, &totals, now, settings,
-            );
-            if self.store.insert(&r)? {
-                break r;
-            }
+        let mut attempts = 1;
+        while !self.store.insert(&r)? {
             if request.id.is_some() || attempts >= 3 {
                 return Err(BrokerError::Invalid(format!(
                     "reservation id {:?} is already taken",
                     r.id
                 )));
             }
-        };
+            attempts += 1;
+            r.id = new_id(now);
+            r.env = env_for(&r.id, &r.units);
+        }
         tracing::info!(
             reservation = %r.id,
             uid = caller.uid,
@@ -1477,48 +1501,6 @@ impl Inner {
         );
         self.add_active(r.clone());
         Ok(r)
-    }
-
-    /// The reservation `try_reserve` records, with its workload environment.
-    #[allow(clippy::too_many_arguments)]
-    fn new_reservation(
-        &self,
-        id: String,
-        caller: &Caller,
-        request: &ReserveRequest,
-        holder: Option<&PinnedProcess>,
-        exclusive: bool,
-        units: &[ReservedUnit],
-        totals: &[u64],
-        now: Millis,
-        settings: &BrokerSettings,
-    ) -> Reservation {
-        let env = workload_env(
-            &id,
-            units,
-            totals,
-            exclusive,
-            &self.gpus,
-            &settings.config.env,
-        );
-        Reservation {
-            id,
-            state: ReservationState::Active,
-            owner_uid: caller.uid,
-            owner_gid: caller.gid,
-            holder: holder.map(|h| h.holder.clone()),
-            exclusive,
-            units: units.to_vec(),
-            ttl_seconds: request.ttl_seconds,
-            expires_at: request
-                .ttl_seconds
-                .map(|t| now.saturating_add(t.saturating_mul(1000))),
-            created_at: now,
-            ended_at: None,
-            end_reason: None,
-            labels: request.labels.clone(),
-            env,
-        }
     }
 
     fn check_quota(

@@ -508,13 +508,17 @@ fn cpus_from_mask(words: &[std::os::raw::c_ulong]) -> Vec<u32> {
     cpus
 }
 
-/// Formats CPU numbers as ranges, the way `nvidia-smi topo -m` prints affinity (`0-19,40-59`).
-pub fn format_cpu_ranges(cpus: &[u32]) -> String {
+/// Formats ascending numbers as ranges, the way `nvidia-smi topo -m` prints CPU affinity
+/// (`0-19,40-59`); also the kubelet's unit labels.
+pub fn format_ranges(numbers: impl IntoIterator<Item = u32>) -> String {
     let mut parts: Vec<String> = Vec::new();
-    let mut iter = cpus.iter().copied().peekable();
+    let mut iter = numbers.into_iter().peekable();
     while let Some(start) = iter.next() {
         let mut end = start;
-        while iter.peek() == Some(&(end + 1)) {
+        while end
+            .checked_add(1)
+            .is_some_and(|next| iter.peek() == Some(&next))
+        {
             end += 1;
             iter.next();
         }
@@ -543,8 +547,8 @@ mod tests {
         let words: Vec<std::os::raw::c_ulong> = vec![0x0000_0000_000F_FFFF, 0b1];
         let cpus = cpus_from_mask(&words);
         assert_eq!(cpus.len(), 21);
-        assert_eq!(format_cpu_ranges(&cpus), "0-19,64");
-        assert_eq!(format_cpu_ranges(&[]), "");
-        assert_eq!(format_cpu_ranges(&[3, 5, 6, 7]), "3,5-7");
+        assert_eq!(format_ranges(cpus.iter().copied()), "0-19,64");
+        assert_eq!(format_ranges([]), "");
+        assert_eq!(format_ranges([3, 5, 6, 7]), "3,5-7");
     }
 }

@@ -8,7 +8,7 @@ use std::fmt::Write as _;
 
 use gpud_schema::format_bytes;
 
-use crate::gpu::format_cpu_ranges;
+use crate::gpu::format_ranges;
 use crate::model::GpuInventory;
 
 /// Renders the inventory as the text `gpud probe` prints.
@@ -41,7 +41,7 @@ pub fn render(inventory: &GpuInventory) -> String {
             gpu.pci_bus_id,
             gpu.numa_node
                 .map_or_else(|| "-".to_owned(), |n| n.to_string()),
-            or_dash(format_cpu_ranges(&gpu.cpu_affinity)),
+            or_dash(format_ranges(gpu.cpu_affinity.iter().copied())),
             if gpu.healthy { "ok" } else { "LOST" },
             gpu.uuid
         );

@@ -13,6 +13,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
+use crate::gpu::format_ranges;
 use crate::model::{Gpu, MemoryAsk, Policy, Reservation, Topology, Unit};
 use crate::placement::{self, PlacementRequest, PlacementState, UnitLoad};
 
@@ -118,26 +119,7 @@ fn mem_devices_on(unit: &Unit, unit_bytes: u64) -> u32 {
     u32::try_from(unit.memory_total_bytes / unit_bytes).unwrap_or(u32::MAX)
 }
 
-/// `[0, 1, 2, 3, 7]` → `0-3,7`.
-pub fn format_ranges(numbers: &BTreeSet<u32>) -> String {
-    let mut parts = Vec::new();
-    let mut iter = numbers.iter().copied().peekable();
-    while let Some(start) = iter.next() {
-        let mut end = start;
-        while iter.peek() == Some(&(end.saturating_add(1))) && end < u32::MAX {
-            end += 1;
-            iter.next();
-        }
-        parts.push(if start == end {
-            start.to_string()
-        } else {
-            format!("{start}-{end}")
-        });
-    }
-    parts.join(",")
-}
-
-/// Inverse of [`format_ranges`]; `None` on anything malformed.
+/// Inverse of [`format_ranges`] (`0-3,7` → `[0, 1, 2, 3, 7]`); `None` on anything malformed.
 pub fn parse_ranges(text: &str) -> Option<BTreeSet<u32>> {
     let mut out = BTreeSet::new();
     if text.is_empty() {
@@ -348,7 +330,10 @@ pub fn claim(resource: Resource, view: &NodeView<'_>, ids: &[String]) -> Result<
             let bytes = u64::try_from(numbers.len())
                 .unwrap_or(u64::MAX)
                 .saturating_mul(unit_bytes);
-            labels.insert(LABEL_UNITS.to_owned(), format_ranges(&numbers));
+            labels.insert(
+                LABEL_UNITS.to_owned(),
+                format_ranges(numbers.iter().copied()),
+            );
             Ok(Claim {
                 units: vec![(unit.uuid.clone(), bytes)],
                 exclusive: false,

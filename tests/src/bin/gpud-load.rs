@@ -197,13 +197,7 @@ fn start_baseline() -> anyhow::Result<Server> {
         .arg(&socket)
         .stdin(Stdio::null())
         .spawn()?;
-    let mut server = Server {
-        child,
-        socket,
-        _dir: dir,
-    };
-    wait_listening(&mut server)?;
-    Ok(server)
+    listening(child, socket, dir)
 }
 
 fn fixture_path(name: &str) -> PathBuf {
@@ -254,16 +248,16 @@ fn start_gpud(args: &Args, fixture: &str) -> anyhow::Result<Server> {
         .stderr(log)
         .spawn()
         .with_context(|| format!("start {}", gpud.display()))?;
+    listening(child, socket, dir)
+}
+
+/// The server just started, once it accepts connections on `socket`.
+fn listening(child: Child, socket: PathBuf, dir: tempfile::TempDir) -> anyhow::Result<Server> {
     let mut server = Server {
         child,
         socket,
         _dir: dir,
     };
-    wait_listening(&mut server)?;
-    Ok(server)
-}
-
-fn wait_listening(server: &mut Server) -> anyhow::Result<()> {
     let deadline = Instant::now() + Duration::from_secs(20);
     while std::os::unix::net::UnixStream::connect(&server.socket).is_err() {
         if let Some(status) = server.child.try_wait()? {
@@ -274,7 +268,7 @@ fn wait_listening(server: &mut Server) -> anyhow::Result<()> {
         }
         std::thread::sleep(Duration::from_millis(20));
     }
-    Ok(())
+    Ok(server)
 }
 
 /// gpud's resident memory in KiB, by the pid the kernel reports for the socket's peer.

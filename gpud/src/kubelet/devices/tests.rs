@@ -129,7 +129,7 @@ fn device_ids_and_ranges_round_trip() {
         assert_eq!(parse_mem_device_id(bad), None, "{bad}");
     }
     let set: BTreeSet<u32> = [0, 1, 2, 3, 7, 9, 10].into();
-    assert_eq!(format_ranges(&set), "0-3,7,9-10");
+    assert_eq!(format_ranges(set.iter().copied()), "0-3,7,9-10");
     assert_eq!(parse_ranges("0-3,7,9-10"), Some(set));
     assert_eq!(parse_ranges(""), Some(BTreeSet::new()));
     for bad in ["3-1", "a", "1,,2", "0-99999999"] {
