@@ -338,6 +338,18 @@ pub fn signal(pid: u32, sig: i32) {
 }
 
 /// Polls `f` every 10 ms until it returns `Some`, for at most `limit`.
+/// Runs `cmd`, which must succeed (its stderr is the failure message), and parses its
+/// stdout as JSON.
+pub fn json_output(cmd: &mut Command) -> Value {
+    let out = cmd.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{cmd:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
 pub fn wait_for<T>(limit: Duration, mut f: impl FnMut() -> Option<T>) -> Option<T> {
     let deadline = Instant::now() + limit;
     loop {

@@ -6,7 +6,7 @@
 use std::process::{Child, Command};
 use std::time::Duration;
 
-use gpud_tests::{Daemon, GIB, Reply, wait_for};
+use gpud_tests::{Daemon, GIB, Reply, json_output, wait_for};
 use serde_json::{Value, json};
 
 /// Two audit intervals (200 ms each in tests), with room for a loaded machine.
@@ -330,17 +330,7 @@ fn gpuctl_events_lists_filters_and_follows() {
     follower.kill().unwrap();
     follower.wait().unwrap();
 
-    let out = d
-        .gpuctl()
-        .args(["events", "-o", "json", "--since", "10m"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let list: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let list = json_output(d.gpuctl().args(["events", "-o", "json", "--since", "10m"]));
     assert_eq!(list["events"].as_array().unwrap().len(), 1);
     let out = d
         .gpuctl()

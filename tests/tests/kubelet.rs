@@ -26,7 +26,7 @@ use gpud::kubelet::proto::v1beta1::{
     AllocateRequest, ContainerAllocateRequest, ContainerPreferredAllocationRequest,
     DevicePluginOptions, Empty, ListAndWatchResponse, PreferredAllocationRequest, RegisterRequest,
 };
-use gpud_tests::{Daemon, GIB, wait_for};
+use gpud_tests::{Daemon, GIB, json_output, wait_for};
 use serde_json::{Value, json};
 use tokio::net::UnixListener;
 use tokio::task::JoinHandle;
@@ -301,13 +301,7 @@ fn uuids(d: &Daemon) -> Vec<String> {
 
 /// `gpuctl ls -o json`: the active reservations.
 fn gpuctl_ls(d: &Daemon) -> Vec<Value> {
-    let out = d.gpuctl().args(["ls", "-o", "json"]).output().unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let list: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let list = json_output(d.gpuctl().args(["ls", "-o", "json"]));
     list["reservations"].as_array().unwrap().clone()
 }
 

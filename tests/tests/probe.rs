@@ -5,7 +5,7 @@
 
 use std::process::Command;
 
-use gpud_tests::{fake_nvml, fixture, gpud_bin, repo_root};
+use gpud_tests::{fake_nvml, fixture, gpud_bin, json_output, repo_root};
 use serde_json::Value;
 
 const FIXTURES: [&str; 6] = [
@@ -121,18 +121,12 @@ fn a_lost_gpu_is_listed_unhealthy_and_the_rest_still_probe() {
     fix["errors"] = serde_json::json!([{"device": 3, "call": "*", "code": "GPU_IS_LOST"}]);
     let path = dir.path().join("f.json");
     std::fs::write(&path, fix.to_string()).unwrap();
-    let out = Command::new(gpud_bin())
-        .args(["probe", "--json", "--nvml-lib"])
-        .arg(fake_nvml())
-        .env("FAKE_NVML_CONFIG", &path)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let inv = json_output(
+        Command::new(gpud_bin())
+            .args(["probe", "--json", "--nvml-lib"])
+            .arg(fake_nvml())
+            .env("FAKE_NVML_CONFIG", &path),
     );
-    let inv: Value = serde_json::from_slice(&out.stdout).unwrap();
     let healthy: Vec<bool> = inv["gpus"]
         .as_array()
         .unwrap()
