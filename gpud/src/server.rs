@@ -35,12 +35,28 @@ use crate::store::Store;
 
 /// Runs the daemon until SIGTERM or SIGINT.
 pub fn run(config: Config, config_path: Option<PathBuf>) -> anyhow::Result<()> {
-    let runtime = tokio::runtime::Builder::new_multi_thread()
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    if std::env::var_os("TOKIO_WORKER_THREADS").is_none() {
+        builder.worker_threads(runtime_threads(
+            std::thread::available_parallelism().map_or(1, std::num::NonZero::get),
+        ));
+    }
+    let runtime = builder
         .enable_all()
         .thread_name("gpud")
         .build()
         .context("cannot start the async runtime")?;
     runtime.block_on(serve(config, config_path))
+}
+
+/// Threads for the async runtime on a machine of `cpus`: one per CPU but the one the broker
+/// thread keeps busy under load, at least one. `TOKIO_WORKER_THREADS` overrides it.
+///
+/// On two CPUs one runtime thread gave 5 % more cycles/s than two with `gpud-load` (64
+/// clients, A/B in one sitting, 2.9 → 3.1 × 10⁴, 37 → 34 µs of CPU per cycle): two runtime
+/// threads and the broker thread took turns on two CPUs, each waiting for the others.
+fn runtime_threads(cpus: usize) -> usize {
+    cpus.saturating_sub(1).max(1)
 }
 
 /// Resolves admin group names (or numeric gids) to gids.
@@ -590,6 +606,13 @@ mod tests {
 
     fn parse(text: &str) -> Config {
         Config::parse(text).unwrap()
+    }
+
+    #[test]
+    fn the_runtime_leaves_a_cpu_to_the_broker_thread() {
+        assert_eq!(runtime_threads(1), 1);
+        assert_eq!(runtime_threads(2), 1);
+        assert_eq!(runtime_threads(16), 15);
     }
 
     #[test]
