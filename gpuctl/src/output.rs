@@ -312,7 +312,7 @@ pub fn reservation_details(
     }
     out.push_str(&t.render(false));
     let _ = writeln!(out, "env:");
-    for (k, v) in &r.env {
+    for (k, v) in r.env.iter() {
         let _ = writeln!(out, "  {k}={v}");
     }
     out
@@ -480,7 +480,8 @@ mod tests {
             env: BTreeMap::from([
                 ("CUDA_VISIBLE_DEVICES".to_owned(), "GPU-a".to_owned()),
                 ("GPUD_RESERVATION_ID".to_owned(), "r1".to_owned()),
-            ]),
+            ])
+            .into(),
             created_at: "2024-05-01T12:00:00Z".into(),
             expires_at: Some("2024-05-01T13:00:00Z".into()),
             ttl_seconds: Some(3600),

@@ -131,7 +131,7 @@ pub fn run(args: &ReserveArgs, socket: &Path, rt: &Runtime) -> Result<ExitCode, 
         // Only returns when exec failed: give the reservation back and say why.
         let source = std::process::Command::new(program)
             .args(rest)
-            .envs(&reservation.env)
+            .envs(reservation.env.iter())
             .env("GPUD_RESERVATION_ID", &reservation.id)
             .env("GPUD_SOCKET", socket)
             .exec();
@@ -146,7 +146,7 @@ pub fn run(args: &ReserveArgs, socket: &Path, rt: &Runtime) -> Result<ExitCode, 
 
     let text = match args.output {
         ReserveOutput::Env => {
-            let mut env = reservation.env.clone();
+            let mut env = (*reservation.env).clone();
             env.entry("GPUD_RESERVATION_ID".to_owned())
                 .or_insert_with(|| reservation.id.clone());
             export_lines(&env)

@@ -379,7 +379,7 @@ pub struct Reservation {
     /// Labels given at creation.
     pub labels: std::collections::BTreeMap<String, String>,
     /// Environment handed to the workload.
-    pub env: std::collections::BTreeMap<String, String>,
+    pub env: gpud_schema::Env,
 }
 
 /// What an audit event is about.

@@ -704,7 +704,7 @@ impl Store {
                 .map(from_sql_int),
             end_reason: row.get(12).map_err(get)?,
             labels: json_map(13)?,
-            env: json_map(14)?,
+            env: json_map(14)?.into(),
             id,
         })
     }
@@ -957,7 +957,8 @@ mod tests {
             ended_at: None,
             end_reason: None,
             labels: BTreeMap::from([("job".to_owned(), "asr".to_owned())]),
-            env: BTreeMap::from([("CUDA_VISIBLE_DEVICES".to_owned(), "GPU-a,GPU-b".to_owned())]),
+            env: BTreeMap::from([("CUDA_VISIBLE_DEVICES".to_owned(), "GPU-a,GPU-b".to_owned())])
+                .into(),
         }
     }
 

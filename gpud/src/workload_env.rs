@@ -9,6 +9,8 @@
 
 use std::collections::BTreeMap;
 
+use gpud_schema::Env;
+
 use crate::config::EnvConfig;
 use crate::model::{Gpu, ReservedUnit};
 
@@ -21,7 +23,7 @@ pub fn workload_env(
     exclusive: bool,
     gpus: &[Gpu],
     config: &EnvConfig,
-) -> BTreeMap<String, String> {
+) -> Env {
     let mut env = BTreeMap::new();
     let mut set = |k: &str, v: String| {
         env.insert(k.to_owned(), v);
@@ -90,7 +92,7 @@ pub fn workload_env(
         set("ALIYUN_COM_GPU_MEM_DEV", (total >> 30).to_string());
         set("ALIYUN_COM_GPU_MEM_CONTAINER", (limit >> 30).to_string());
     }
-    env
+    Env::new(env)
 }
 
 #[allow(clippy::cast_precision_loss)] // memory sizes are far below 2^52 bytes
