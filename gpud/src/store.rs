@@ -11,6 +11,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+use gpud_schema::Env;
 use rusqlite::{Connection, Row, Savepoint, params};
 
 use crate::model::{
@@ -500,7 +501,7 @@ impl Store {
             source,
         };
         let labels = serde_json::to_string(&r.labels).unwrap_or_else(|_| "{}".to_owned());
-        let env = serde_json::to_string(&r.env).unwrap_or_else(|_| "{}".to_owned());
+        let env = r.env.json();
         let units: Vec<(&str, u32, i64)> = r
             .units
             .iter()
@@ -704,7 +705,10 @@ impl Store {
                 .map(from_sql_int),
             end_reason: row.get(12).map_err(get)?,
             labels: json_map(13)?,
-            env: json_map(14)?.into(),
+            env: {
+                let text: String = row.get(14).map_err(get)?;
+                Env::from_json(&text).map_err(|e| corrupt(format!("{id}: env: {e}")))?
+            },
             id,
         })
     }

@@ -14,10 +14,9 @@ pub mod size;
 
 pub use size::{MemoryAmount, SizeError, format_bytes, parse_memory};
 
-/// A workload's environment, variable → value. Shared, not copied: gpud keeps each active
-/// reservation's and answers with it, and copying a dozen strings per reply showed in the
-/// profile under load.
-pub type Env = std::sync::Arc<BTreeMap<String, String>>;
+pub mod env;
+
+pub use env::Env;
 
 /// The default socket path, also the value gpuctl uses unless `--socket` or `GPUD_SOCKET`.
 pub const DEFAULT_SOCKET: &str = "/run/gpud/gpud.sock";
@@ -145,6 +144,7 @@ pub struct Reservation {
     /// The GPUs, ordered by index.
     pub gpus: Vec<ReservedGpu>,
     /// Environment for the workload (`CUDA_VISIBLE_DEVICES` and friends).
+    #[schemars(with = "BTreeMap<String, String>")]
     pub env: Env,
     /// Creation time, RFC 3339 UTC.
     pub created_at: String,

@@ -1,0 +1,138 @@
+//! [`Env`]: the environment a workload receives, shared and serialized once.
+
+use std::borrow::Cow;
+use std::collections::BTreeMap;
+use std::fmt;
+use std::ops::Deref;
+use std::sync::Arc;
+
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use serde_json::value::RawValue;
+
+/// A workload's environment, variable → value, as a JSON object on the wire.
+///
+/// Cheap to clone (shared), and one made by [`Env::new`] carries its compact JSON text,
+/// made once: gpud stores that text and writes it into every reply about the reservation
+/// instead of encoding a dozen strings again each time (under load that was a tenth of
+/// gpud's CPU). One read from JSON ([`Env::from_json`] keeps the text; `Deserialize`
+/// does not) serializes from its map, so that pretty-printing stays pretty.
+#[derive(Clone, Default)]
+pub struct Env(Arc<Inner>);
+
+#[derive(Default)]
+struct Inner {
+    vars: BTreeMap<String, String>,
+    json: Option<Box<RawValue>>,
+}
+
+impl Env {
+    /// The environment `vars`, with its JSON text.
+    pub fn new(vars: BTreeMap<String, String>) -> Env {
+        let json = serde_json::to_string(&vars)
+            .ok()
+            .and_then(|text| RawValue::from_string(text).ok());
+        Env(Arc::new(Inner { vars, json }))
+    }
+
+    /// Reads an environment from the JSON text of an object of strings, and keeps the text.
+    pub fn from_json(text: &str) -> Result<Env, serde_json::Error> {
+        let vars = serde_json::from_str(text)?;
+        let json = RawValue::from_string(text.to_owned())?;
+        Ok(Env(Arc::new(Inner {
+            vars,
+            json: Some(json),
+        })))
+    }
+
+    /// The compact JSON text of the object.
+    pub fn json(&self) -> Cow<'_, str> {
+        match &self.0.json {
+            Some(raw) => Cow::Borrowed(raw.get()),
+            None => {
+                Cow::Owned(serde_json::to_string(&self.0.vars).unwrap_or_else(|_| "{}".to_owned()))
+            }
+        }
+    }
+}
+
+impl Deref for Env {
+    type Target = BTreeMap<String, String>;
+
+    fn deref(&self) -> &BTreeMap<String, String> {
+        &self.0.vars
+    }
+}
+
+impl From<BTreeMap<String, String>> for Env {
+    fn from(vars: BTreeMap<String, String>) -> Env {
+        Env::new(vars)
+    }
+}
+
+impl PartialEq for Env {
+    fn eq(&self, other: &Env) -> bool {
+        self.0.vars == other.0.vars
+    }
+}
+
+impl Eq for Env {}
+
+impl fmt::Debug for Env {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.vars.fmt(f)
+    }
+}
+
+impl Serialize for Env {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        match &self.0.json {
+            Some(raw) => raw.serialize(serializer),
+            None => self.0.vars.serialize(serializer),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Env {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Env, D::Error> {
+        let vars = BTreeMap::deserialize(deserializer)?;
+        Ok(Env(Arc::new(Inner { vars, json: None })))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn vars() -> BTreeMap<String, String> {
+        BTreeMap::from([
+            ("CUDA_VISIBLE_DEVICES".to_owned(), "GPU-a,GPU-b".to_owned()),
+            ("QUOTE".to_owned(), "say \"hi\"\n".to_owned()),
+        ])
+    }
+
+    #[test]
+    fn serializes_as_the_object_it_holds_however_it_was_made() {
+        let expected = serde_json::to_string(&vars()).unwrap();
+        let made = Env::new(vars());
+        assert_eq!(serde_json::to_string(&made).unwrap(), expected);
+        assert_eq!(made.json(), expected);
+        let read: Env = serde_json::from_str(&expected).unwrap();
+        assert_eq!(read, made);
+        assert_eq!(serde_json::to_string(&read).unwrap(), expected);
+        assert_eq!(read.json(), expected);
+        let kept = Env::from_json(&expected).unwrap();
+        assert_eq!(kept, made);
+        assert_eq!(serde_json::to_string(&kept).unwrap(), expected);
+        assert_eq!(kept["QUOTE"], "say \"hi\"\n");
+        assert!(Env::from_json("[1]").is_err());
+    }
+
+    #[test]
+    fn pretty_printing_one_read_from_json_stays_pretty() {
+        let read: Env = serde_json::from_str(&serde_json::to_string(&vars()).unwrap()).unwrap();
+        assert_eq!(
+            serde_json::to_string_pretty(&read).unwrap(),
+            serde_json::to_string_pretty(&vars()).unwrap()
+        );
+    }
+}
