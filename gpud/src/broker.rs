@@ -169,7 +169,7 @@ pub struct Broker {
 type Job = Box<dyn FnOnce(&Broker) -> (Deliver, bool) + Send>;
 
 /// Delivers a call's result, or the group's commit error instead when the commit failed
-/// and the call saw or made a change of the group.
+/// and the call, which succeeded, saw or made a change of the group.
 type Deliver = Box<dyn FnOnce(Option<&BrokerError>) + Send>;
 
 /// Wraps `f` as a job for [`Broker::run_group`], with the receiver of its result.
@@ -184,8 +184,13 @@ where
         let panicked = result.is_err();
         let result =
             result.unwrap_or_else(|_| Err(BrokerError::Internal("a broker call panicked".into())));
+        // A call that failed keeps its own error (it says why that call failed); one that
+        // succeeded in a group that was rolled back gets the group's.
         let deliver: Deliver = Box::new(move |failed: Option<&BrokerError>| {
-            let _ = tx.send(failed.map_or(result, |e| Err(e.clone())));
+            let _ = tx.send(match (result, failed) {
+                (Ok(_), Some(e)) => Err(e.clone()),
+                (result, _) => result,
+            });
         });
         (deliver, panicked)
     });
@@ -483,9 +488,10 @@ impl Broker {
                             let Some(broker) = broker.upgrade() else {
                                 break;
                             };
-                            let mut jobs = vec![first];
-                            jobs.extend(rx.try_iter().take(MAX_GROUP - 1));
-                            broker.run_group(jobs);
+                            // Lazily: calls queued while the group runs join it too.
+                            broker.run_group(
+                                std::iter::once(first).chain(rx.try_iter()).take(MAX_GROUP),
+                            );
                         }
                     })
                     .ok()?;
@@ -494,17 +500,21 @@ impl Broker {
             .as_ref()
     }
 
-    /// Runs `jobs` in one group commit (a lone job in a transaction of its own), then
-    /// delivers their results.
-    fn run_group(&self, jobs: Vec<Job>) {
-        if jobs.len() == 1 || !self.begin_group() {
+    /// Runs `jobs` in one group commit, then delivers their results. `jobs` is drawn until
+    /// it ends, so a queue's iterator adds the calls that arrive while the group runs, and
+    /// the group commits when the queue is empty (or full: [`MAX_GROUP`]).
+    ///
+    /// Taking only the calls queued when the group began left a call that arrived alone to
+    /// a commit of its own: at 64 clients a quarter of the commits, for 2 % of the calls.
+    fn run_group(&self, jobs: impl IntoIterator<Item = Job>) {
+        if !self.begin_group() {
             for job in jobs {
                 job(self).0(None);
             }
             return;
         }
         crate::logging::batched(|| {
-            let mut delivers = Vec::with_capacity(jobs.len());
+            let mut delivers = Vec::new();
             let mut panicked = false;
             for job in jobs {
                 let (deliver, p) = job(self);

@@ -149,7 +149,7 @@ impl Metrics {
         let groups_committed = Counter::default();
         registry.register(
             "commit_groups",
-            "Group commits: one SQLite COMMIT for the broker calls queued together",
+            "Group commits: one SQLite COMMIT for the broker calls queued together (one alone, too)",
             groups_committed.clone(),
         );
         let grouped_calls = Counter::default();

@@ -116,6 +116,7 @@ fn a_group_commits_every_call_and_answers_each() {
     let (one, mut one_rx) = reserve_job(2, "one");
     let (two, mut two_rx) = reserve_job(3, "two");
     let (release, mut release_rx) = release_job(&kept.id);
+    let before = b.snapshot();
     b.run_group(vec![one, two, release]);
 
     let one = one_rx.try_recv().unwrap().unwrap();
@@ -134,9 +135,62 @@ fn a_group_commits_every_call_and_answers_each() {
     assert!(b.lock().group.is_none(), "the group is closed");
     let snap = b.snapshot();
     assert_eq!(
-        (snap.groups_committed, snap.grouped_calls),
+        (
+            snap.groups_committed - before.groups_committed,
+            snap.grouped_calls - before.grouped_calls
+        ),
         (1, 3),
         "counted once, with its calls"
+    );
+}
+
+#[test]
+fn calls_queued_while_a_group_runs_join_it() {
+    let b = broker();
+    let before = b.snapshot();
+    let (queue, queued) = std::sync::mpsc::channel::<Job>();
+    let (second, mut second_rx) = reserve_job(2, "second");
+    let later = std::sync::Mutex::new(Some((queue.clone(), second)));
+    // The first call queues the second while it runs, as a client would meanwhile.
+    let (first, mut first_rx) = job(move |b| {
+        if let Some((queue, second)) = later.lock().unwrap().take() {
+            queue.send(second).unwrap();
+        }
+        b.snapshot();
+        Ok(())
+    });
+    queue.send(first).unwrap();
+    b.run_group(queued.try_iter());
+    first_rx.try_recv().unwrap().unwrap();
+    second_rx.try_recv().unwrap().unwrap();
+    let snap = b.snapshot();
+    assert_eq!(
+        (
+            snap.groups_committed - before.groups_committed,
+            snap.grouped_calls - before.grouped_calls
+        ),
+        (1, 2),
+        "one commit for both"
+    );
+}
+
+#[test]
+fn a_call_that_failed_in_a_rolled_back_group_keeps_its_own_error() {
+    let b = broker();
+    arm_commit_failure(&b);
+    let (boom, mut boom_rx) = reserve_job(1, "boom");
+    let (unknown, mut unknown_rx) = release_job("no-such-reservation");
+    b.run_group(vec![boom, unknown]);
+    assert!(
+        matches!(boom_rx.try_recv().unwrap(), Err(BrokerError::Storage(_))),
+        "the change that was rolled back gets the commit's error"
+    );
+    assert!(
+        matches!(
+            unknown_rx.try_recv().unwrap(),
+            Err(BrokerError::NotFound(_))
+        ),
+        "a call that failed by itself says why"
     );
 }
 
@@ -169,6 +223,7 @@ fn a_failed_commit_undoes_the_group_and_fails_every_call_that_saw_a_change() {
     let kept = reserve_alone(&b, 4);
     arm_commit_failure(&b);
     let loads_before = reserved_bytes(&b);
+    let committed_before = b.snapshot().groups_committed;
 
     let kept_id = kept.id.clone();
     let (read, mut read_rx) = job(move |b| b.get(&kept_id));
@@ -203,7 +258,7 @@ fn a_failed_commit_undoes_the_group_and_fails_every_call_that_saw_a_change() {
     assert!(b.lock().group.is_none(), "the group is closed");
     assert_eq!(
         b.snapshot().groups_committed,
-        0,
+        committed_before,
         "a failed group is not counted"
     );
 
