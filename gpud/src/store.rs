@@ -1246,16 +1246,21 @@ mod tests {
         assert!(!store.insert(&dup).unwrap());
         assert_eq!(store.active().unwrap(), vec![a.clone()]);
         // A failing statement (here a trigger that refuses "b"): nothing of it stays.
-        store
-            .conn
-            .execute_batch(
-                "CREATE TRIGGER refuse_b AFTER INSERT ON reservations WHEN NEW.id = 'b'
-                 BEGIN SELECT RAISE(ABORT, 'refused'); END;",
-            )
-            .unwrap();
+        refuse(&store, "AFTER INSERT", "NEW.id = 'b'");
         assert!(store.insert(&sample("b", 3)).is_err());
         assert_eq!(store.active().unwrap(), vec![a]);
         assert!(store.get("b").unwrap().is_none());
+    }
+
+    /// Makes the statements `when` (`AFTER INSERT`, ...) on rows matching `condition` fail.
+    fn refuse(store: &Store, when: &str, condition: &str) {
+        store
+            .conn
+            .execute_batch(&format!(
+                "CREATE TRIGGER refuse {when} ON reservations WHEN {condition}
+                 BEGIN SELECT RAISE(ABORT, 'refused'); END;"
+            ))
+            .unwrap();
     }
 
     #[test]
@@ -1276,13 +1281,7 @@ mod tests {
         let before = sample("before", 1);
         store.insert(&before).unwrap();
         store.insert(&sample("half", 2)).unwrap();
-        store
-            .conn
-            .execute_batch(
-                "CREATE TRIGGER refuse_half BEFORE UPDATE ON reservations WHEN OLD.id = 'half'
-                 BEGIN SELECT RAISE(ABORT, 'refused'); END;",
-            )
-            .unwrap();
+        refuse(&store, "BEFORE UPDATE", "OLD.id = 'half'");
         store.begin_group().unwrap();
         store.insert(&sample("a", 3)).unwrap();
         assert!(store.group_changed());

@@ -101,6 +101,15 @@ fn active_ids_on_disk(b: &Broker) -> Vec<String> {
     ids
 }
 
+/// Group commits and the calls they carried since `before`.
+fn commits_since(b: &Broker, before: &Snapshot) -> (u64, u64) {
+    let now = b.snapshot();
+    (
+        now.groups_committed - before.groups_committed,
+        now.grouped_calls - before.grouped_calls,
+    )
+}
+
 fn reserved_bytes(b: &Broker) -> Vec<u64> {
     b.snapshot()
         .loads
@@ -133,12 +142,8 @@ fn a_group_commits_every_call_and_answers_each() {
         "the release is committed too"
     );
     assert!(b.lock().group.is_none(), "the group is closed");
-    let snap = b.snapshot();
     assert_eq!(
-        (
-            snap.groups_committed - before.groups_committed,
-            snap.grouped_calls - before.grouped_calls
-        ),
+        commits_since(&b, &before),
         (1, 3),
         "counted once, with its calls"
     );
@@ -163,15 +168,7 @@ fn calls_queued_while_a_group_runs_join_it() {
     b.run_group(queued.try_iter());
     first_rx.try_recv().unwrap().unwrap();
     second_rx.try_recv().unwrap().unwrap();
-    let snap = b.snapshot();
-    assert_eq!(
-        (
-            snap.groups_committed - before.groups_committed,
-            snap.grouped_calls - before.grouped_calls
-        ),
-        (1, 2),
-        "one commit for both"
-    );
+    assert_eq!(commits_since(&b, &before), (1, 2), "one commit for both");
 }
 
 #[test]
