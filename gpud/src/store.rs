@@ -218,6 +218,28 @@ fn wait_for_lock(attempts: i32) -> bool {
     true
 }
 
+/// Gives the calling thread the lowest CPU priority (nice 19), so that it runs in the
+/// time the others leave.
+///
+/// For the checkpointer: under load the request threads on two CPUs leave about a fifth of
+/// the time idle between their hand-offs, and at nice 0 checkpoints take their turn out of
+/// the requests' instead. Measured with `gpud-load` at 64 clients: reniced by hand, +3–6 %
+/// cycles/s in three pairs of runs; built in, +0–1.5 % over five (within the noise). A
+/// checkpointer that falls behind does not let the WAL grow for ever: past
+/// [`WAL_LIMIT_FRAMES`] its `RESTART` holds the writers off until it caught up.
+fn lower_this_thread_s_priority() {
+    // SAFETY: gettid takes nothing and cannot fail.
+    let Ok(tid) = libc::id_t::try_from(unsafe { libc::gettid() }) else {
+        return;
+    };
+    // SAFETY: setpriority takes a thread id and a value, and changes only that thread's
+    // nice value.
+    let failed = unsafe { libc::setpriority(libc::PRIO_PROCESS, tid, 19) };
+    if failed != 0 {
+        tracing::debug!(error = %std::io::Error::last_os_error(), "cannot lower the checkpoint thread's priority");
+    }
+}
+
 /// Checkpoints the WAL from a thread of its own, with its own connection.
 ///
 /// SQLite's automatic checkpoint runs inside the commit that crosses its threshold, that is
@@ -255,6 +277,7 @@ impl Checkpointer {
         std::thread::Builder::new()
             .name("gpud-checkpoint".to_owned())
             .spawn(move || {
+                lower_this_thread_s_priority();
                 let checkpoint = |mode: &str| -> rusqlite::Result<i64> {
                     // (busy, frames in the WAL, frames copied)
                     conn.query_row(&format!("PRAGMA wal_checkpoint({mode})"), [], |r| {
@@ -1029,6 +1052,40 @@ mod tests {
         assert_eq!(store.active().unwrap().len(), 1);
         assert!(wait_for_lock(0) && wait_for_lock(150), "keeps waiting");
         assert!(!wait_for_lock(5_090), "gives up after about 5 s");
+    }
+
+    #[test]
+    fn the_checkpoint_thread_runs_at_the_lowest_priority() {
+        let dir = tempfile::tempdir().unwrap();
+        let _store = Store::open(dir.path()).unwrap();
+        // Field 19 of /proc/<pid>/task/<tid>/stat (after the parenthesised name) is the nice.
+        let nices = || -> Vec<i64> {
+            let mut out = Vec::new();
+            for task in std::fs::read_dir("/proc/self/task").unwrap().flatten() {
+                let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
+                if comm.trim() != "gpud-checkpoint" {
+                    continue;
+                }
+                let stat = std::fs::read_to_string(task.path().join("stat")).unwrap_or_default();
+                let after_name = stat.rsplit_once(')').map_or("", |(_, rest)| rest);
+                if let Some(nice) = after_name.split_whitespace().nth(16) {
+                    out.push(nice.parse().unwrap());
+                }
+            }
+            out
+        };
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        loop {
+            let found = nices();
+            if !found.is_empty() && found.iter().all(|&n| n == 19) {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "checkpoint threads' nice values: {found:?}"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
     }
 
     #[test]
