@@ -523,8 +523,19 @@ impl Broker {
                 delivers.push((deliver, saw_change));
             }
             let committed = self.end_group(delivers.len(), panicked);
-            for (deliver, saw_change) in delivers {
-                deliver(committed.as_ref().err().filter(|_| saw_change));
+            let deliver_all = move || {
+                for (deliver, saw_change) in delivers {
+                    deliver(committed.as_ref().err().filter(|_| saw_change));
+                }
+            };
+            // Replies go out from a task on the runtime: one wake-up of a runtime thread
+            // for the group. Sent from here, each reply woke the runtime thread parked in
+            // `epoll_wait` (an eventfd write), which answered it and parked again before
+            // the next: about one wake-up per reply. Measured at 64 clients: the broker
+            // thread's `write`s went from 4 400 to 900 a second; cycles/s did not move.
+            match tokio::runtime::Handle::try_current() {
+                Ok(runtime) => drop(runtime.spawn(async move { deliver_all() })),
+                Err(_) => deliver_all(),
             }
         });
     }
