@@ -227,7 +227,7 @@ fn wait_for_lock(attempts: i32) -> bool {
 /// cycles/s in three pairs of runs; built in, +0–1.5 % over five (within the noise). A
 /// checkpointer that falls behind does not let the WAL grow for ever: past
 /// [`WAL_LIMIT_FRAMES`] its `RESTART` holds the writers off until it caught up.
-fn lower_this_thread_s_priority() {
+fn lower_own_priority() {
     // SAFETY: gettid takes nothing and cannot fail.
     let Ok(tid) = libc::id_t::try_from(unsafe { libc::gettid() }) else {
         return;
@@ -277,7 +277,7 @@ impl Checkpointer {
         std::thread::Builder::new()
             .name("gpud-checkpoint".to_owned())
             .spawn(move || {
-                lower_this_thread_s_priority();
+                lower_own_priority();
                 let checkpoint = |mode: &str| -> rusqlite::Result<i64> {
                     // (busy, frames in the WAL, frames copied)
                     conn.query_row(&format!("PRAGMA wal_checkpoint({mode})"), [], |r| {
