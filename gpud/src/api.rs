@@ -357,13 +357,7 @@ impl Api {
                 let broker = self.broker.clone();
                 let pinned = tokio::task::spawn_blocking(move || broker.pin_holder(&caller, pid))
                     .await
-                    .map_err(|e| {
-                        ApiError::new(
-                            StatusCode::INTERNAL_SERVER_ERROR,
-                            codes::INTERNAL,
-                            format!("internal error: {e}"),
-                        )
-                    })??;
+                    .map_err(|e| BrokerError::Internal(format!("pinning the holder: {e}")))??;
                 Some(pinned)
             }
             None => None,

@@ -531,7 +531,7 @@ impl Store {
         }
     }
 
-    /// Records a new reservation and its units in one transaction. `Ok(false)`, with
+    /// Records a new reservation (one row, its units in it). `Ok(false)`, with
     /// nothing written, when a reservation with that id exists already: a taken id is an
     /// answer, not a failed statement (which would fail a whole group commit).
     pub fn insert(&mut self, r: &Reservation) -> Result<bool, StoreError> {
@@ -547,12 +547,7 @@ impl Store {
         };
         let labels = serde_json::to_string(&r.labels).unwrap_or_else(|_| "{}".to_owned());
         let env = r.env.json();
-        let units: Vec<(&str, u32, i64)> = r
-            .units
-            .iter()
-            .map(|u| (u.uuid.as_str(), u.gpu_index, to_sql_int(u.memory_bytes)))
-            .collect();
-        let units = serde_json::to_string(&units).unwrap_or_else(|_| "[]".to_owned());
+        let units = units_to_json(&r.units);
         // Cached: parsing this statement anew was a tenth of a reserve's time in SQLite.
         let inserted = tx
             .prepare_cached(
@@ -728,19 +723,8 @@ impl Store {
             owner_gid: row.get(3).map_err(get)?,
             holder,
             exclusive: row.get(7).map_err(get)?,
-            units: {
-                let text: String = row.get(15).map_err(get)?;
-                let units: Vec<(String, u32, i64)> = serde_json::from_str(&text)
-                    .map_err(|e| corrupt(format!("{id}: units: {e}")))?;
-                units
-                    .into_iter()
-                    .map(|(uuid, gpu_index, memory_bytes)| ReservedUnit {
-                        uuid,
-                        gpu_index,
-                        memory_bytes: from_sql_int(memory_bytes),
-                    })
-                    .collect()
-            },
+            units: units_from_json(&row.get::<_, String>(15).map_err(get)?)
+                .map_err(|e| corrupt(format!("{id}: units: {e}")))?,
             ttl_seconds: row.get::<_, Option<i64>>(8).map_err(get)?.map(from_sql_int),
             expires_at: row.get::<_, Option<i64>>(9).map_err(get)?.map(from_sql_int),
             created_at: from_sql_int(row.get(10).map_err(get)?),
@@ -882,8 +866,8 @@ impl Store {
         Ok(out)
     }
 
-    /// Deletes up to `limit` reservations that ended before `before` (their units go with
-    /// them) and up to `limit` events recorded before it, in one change. Active
+    /// Deletes up to `limit` reservations that ended before `before` and up to `limit`
+    /// events recorded before it, in one change. Active
     /// reservations are never deleted. Returns how many reservations and events went.
     pub fn prune(&mut self, before: Millis, limit: u32) -> Result<(usize, usize), StoreError> {
         let (tx, path) = self.transaction()?;
@@ -964,6 +948,28 @@ impl Default for EventFilter {
 
 /// SQLite integers are signed 64-bit; every value gpud stores (bytes, milliseconds, clock
 /// ticks) is far below 2^63, and anything larger saturates rather than wrapping.
+/// The `units` column: `[[unit_uuid, gpu_index, memory_bytes], ...]` (migration 0003).
+fn units_to_json(units: &[ReservedUnit]) -> String {
+    let rows: Vec<(&str, u32, i64)> = units
+        .iter()
+        .map(|u| (u.uuid.as_str(), u.gpu_index, to_sql_int(u.memory_bytes)))
+        .collect();
+    serde_json::to_string(&rows).unwrap_or_else(|_| "[]".to_owned())
+}
+
+/// Inverse of [`units_to_json`].
+fn units_from_json(text: &str) -> Result<Vec<ReservedUnit>, serde_json::Error> {
+    let rows: Vec<(String, u32, i64)> = serde_json::from_str(text)?;
+    Ok(rows
+        .into_iter()
+        .map(|(uuid, gpu_index, memory_bytes)| ReservedUnit {
+            uuid,
+            gpu_index,
+            memory_bytes: from_sql_int(memory_bytes),
+        })
+        .collect())
+}
+
 fn to_sql_int(v: u64) -> i64 {
     i64::try_from(v).unwrap_or(i64::MAX)
 }
