@@ -281,6 +281,7 @@ def test_fixture_reads_back_exactly(machine_factory, fixture_path):
             with pytest.raises(pynvml.NVMLError_NotSupported):
                 pynvml.nvmlDeviceGetMigMode(h)
         assert pynvml.nvmlDeviceIsMigDeviceHandle(h).value == 0
+        assert pynvml.nvmlDeviceGetSupportedEventTypes(h) == pynvml.nvmlEventTypeXidCriticalError
 
     pcie = expected_pcie(data)
     for a, ha in enumerate(handles):
@@ -460,6 +461,47 @@ def test_error_injection_and_reload_on_rename(machine_factory):
     m.write(data)
     assert pynvml.nvmlDeviceGetName(handles[3]) == "Tesla V100-SXM2-16GB"
     assert pynvml.nvmlSystemGetDriverVersion() == data["driver_version"]
+
+
+def test_xid_events(machine_factory):
+    data = load(FIXTURES_DIR / "a100-mig.json")
+    m = machine_factory(data)
+    h0, h1 = m.handles()
+    assert pynvml.nvmlDeviceGetSupportedEventTypes(h1) == pynvml.nvmlEventTypeXidCriticalError
+    mig = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(h0, 0)
+    with pytest.raises(pynvml.NVMLError_NotSupported):
+        pynvml.nvmlDeviceGetSupportedEventTypes(mig)
+
+    event_set = pynvml.nvmlEventSetCreate()
+    try:
+        with pytest.raises(pynvml.NVMLError_NotSupported):
+            pynvml.nvmlDeviceRegisterEvents(h1, pynvml.nvmlEventTypePState, event_set)
+        with pytest.raises(pynvml.NVMLError_NotSupported):
+            pynvml.nvmlDeviceRegisterEvents(mig, pynvml.nvmlEventTypeXidCriticalError, event_set)
+        data["gpus"][1]["xid_errors"] = [13]
+        m.write(data)
+        pynvml.nvmlDeviceRegisterEvents(h1, pynvml.nvmlEventTypeXidCriticalError, event_set)
+        with pytest.raises(pynvml.NVMLError_Timeout):
+            pynvml.nvmlEventSetWait_v2(event_set, 0)  # Xid 13 came before registration
+
+        data["gpus"][1]["xid_errors"] = [13, 79]
+        m.write(data)
+        event = pynvml.nvmlEventSetWait_v2(event_set, 2000)
+        assert event.eventType == pynvml.nvmlEventTypeXidCriticalError
+        assert event.eventData == 79
+        assert (event.gpuInstanceId, event.computeInstanceId) == (NO_INSTANCE, NO_INSTANCE)
+        assert pynvml.nvmlDeviceGetUUID(event.device) == data["gpus"][1]["uuid"]
+        assert addr(event.device) == addr(h1)
+        with pytest.raises(pynvml.NVMLError_Timeout):
+            pynvml.nvmlEventSetWait_v2(event_set, 50)  # each Xid once
+
+        data["errors"] = [{"device": 1, "call": "nvmlEventSetWait_v2", "code": "GPU_IS_LOST"}]
+        m.write(data)
+        with pytest.raises(pynvml.NVMLError_GpuIsLost):
+            pynvml.nvmlEventSetWait_v2(event_set, 0)
+    finally:
+        pynvml.nvmlEventSetFree(event_set)
+    assert m.lib.nvmlEventSetFree(event_set) == pynvml.NVML_ERROR_INVALID_ARGUMENT
 
 
 def test_bad_arguments_do_not_crash(machine_factory):

@@ -20,6 +20,8 @@ pub const NOT_FOUND: NvmlReturn = 6;
 pub const INSUFFICIENT_SIZE: NvmlReturn = 7;
 /// The driver is not loaded: here, the fixture could not be read at init.
 pub const DRIVER_NOT_LOADED: NvmlReturn = 9;
+/// No event arrived within the timeout of `nvmlEventSetWait*`.
+pub const TIMEOUT: NvmlReturn = 10;
 /// The GPU has fallen off the bus.
 pub const GPU_IS_LOST: NvmlReturn = 15;
 /// A versioned struct carried a version this library does not fill.
@@ -128,6 +130,7 @@ mod tests {
         assert_eq!(parse_name("NVML_SUCCESS"), Some(SUCCESS));
         assert_eq!(parse_name("999"), Some(UNKNOWN));
         assert_eq!(parse_name("driver_not_loaded"), Some(DRIVER_NOT_LOADED));
+        assert_eq!(parse_name("NVML_ERROR_TIMEOUT"), Some(TIMEOUT));
         assert_eq!(parse_name("NO_SUCH_ERROR"), None);
     }
 

@@ -6,8 +6,9 @@
 //! Every export is an `unsafe extern "C" fn` with NVML's contract: each pointer argument
 //! is null or valid for writes (or reads, for input strings) of the type it is declared
 //! as, and string buffers hold at least `length` bytes. Null pointers are rejected with
-//! INVALID_ARGUMENT; writes are unaligned-tolerant. Device handles are opaque integers
-//! that are never dereferenced, so a stale or forged handle is INVALID_ARGUMENT, not UB.
+//! INVALID_ARGUMENT; writes are unaligned-tolerant. Device and event set handles are
+//! opaque integers that are never dereferenced, so a stale or forged handle is
+//! INVALID_ARGUMENT, not UB.
 #![allow(
     non_snake_case,
     reason = "exported names are NVML's C names, checked by name in injections"
@@ -17,21 +18,29 @@
     reason = "one contract for all exports, stated in the module docs above"
 )]
 
-use std::ffi::{CStr, c_char, c_int, c_uint, c_ulong, c_void};
+use std::ffi::{CStr, c_char, c_int, c_uint, c_ulong, c_ulonglong, c_void};
 use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::time::{Duration, Instant};
 
 use crate::codes::{
     self, ARGUMENT_VERSION_MISMATCH, INSUFFICIENT_SIZE, INVALID_ARGUMENT, NOT_FOUND, NOT_SUPPORTED,
-    NvmlReturn, SUCCESS, UNKNOWN,
+    NvmlReturn, SUCCESS, TIMEOUT, UNKNOWN,
 };
+use crate::events;
 use crate::fixture::{
-    BusId, Link, MAX_GPUS, MAX_MIG_DEVICES, Machine, ProcessEntry, Target, find_uuid,
+    BusId, Link, MAX_GPUS, MAX_MIG_DEVICES, Machine, NO_INSTANCE, ProcessEntry, Target, find_uuid,
 };
 use crate::state;
 
 /// `nvmlDevice_t`: an opaque handle. GPU `i` is `i + 1`; MIG device `m` of GPU `g` is
 /// `0x1000 + g * 64 + m + 1`.
 pub type NvmlDevice = *mut c_void;
+
+/// `nvmlEventSet_t`: an opaque handle, the set's id (from `0x1000000` up, never reused).
+pub type NvmlEventSet = *mut c_void;
+
+/// `nvmlEventTypeXidCriticalError`, the only event type this library reports.
+pub const EVENT_TYPE_XID_CRITICAL_ERROR: c_ulonglong = 0x8;
 
 /// `nvmlMemory_t` (v1): `total == free + used`, with reserved memory counted as used.
 #[repr(C)]
@@ -118,6 +127,35 @@ pub struct NvmlUtilization {
     pub memory: c_uint,
 }
 
+/// `nvmlEventData_t`, filled by `nvmlEventSetWait_v2` (and `nvmlEventSetWait`, which
+/// current headers declare with the same struct).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct NvmlEventData {
+    /// The GPU the event occurred on, as `nvmlDeviceGetHandleByIndex` returns it.
+    pub device: NvmlDevice,
+    /// [`EVENT_TYPE_XID_CRITICAL_ERROR`].
+    pub event_type: c_ulonglong,
+    /// The Xid.
+    pub event_data: c_ulonglong,
+    /// `0xFFFFFFFF`: Xids are reported on the whole GPU.
+    pub gpu_instance_id: c_uint,
+    /// `0xFFFFFFFF`: Xids are reported on the whole GPU.
+    pub compute_instance_id: c_uint,
+}
+
+impl Default for NvmlEventData {
+    fn default() -> Self {
+        Self {
+            device: std::ptr::null_mut(),
+            event_type: 0,
+            event_data: 0,
+            gpu_instance_id: 0,
+            compute_instance_id: 0,
+        }
+    }
+}
+
 const _: () = {
     assert!(size_of::<NvmlMemory>() == 24);
     assert!(size_of::<NvmlMemoryV2>() == 40);
@@ -125,6 +163,7 @@ const _: () = {
     assert!(size_of::<NvmlProcessInfoV1>() == 16);
     assert!(size_of::<NvmlProcessInfo>() == 24);
     assert!(size_of::<NvmlUtilization>() == 8);
+    assert!(size_of::<NvmlEventData>() == 32);
 };
 
 /// `NVML_NVLINK_DEVICE_TYPE_GPU`.
@@ -136,6 +175,12 @@ const TEMPERATURE_GPU: c_uint = 0;
 
 const MIG_HANDLE_BASE: usize = MAX_GPUS + 1;
 const MIG_HANDLE_STRIDE: usize = MAX_MIG_DEVICES as usize;
+
+// A device handle passed as an event set (or the reverse) is never taken for one.
+const _: () = assert!(events::FIRST_ID > MIG_HANDLE_BASE + MAX_GPUS * MIG_HANDLE_STRIDE);
+
+/// How often a wait with nothing to deliver looks at the fixture again.
+const EVENT_POLL: Duration = Duration::from_millis(5);
 
 // ---------------------------------------------------------------------------------------
 // Plumbing.
@@ -986,6 +1031,134 @@ device_fn! {
         // SAFETY: module contract.
         unsafe { put(power, value) }
     }
+}
+
+// ---------------------------------------------------------------------------------------
+// Events: critical Xid errors from the fixture's `xid_errors`.
+// ---------------------------------------------------------------------------------------
+
+fn set_handle(id: usize) -> NvmlEventSet {
+    std::ptr::without_provenance_mut(id)
+}
+
+device_fn! {
+    /// Critical Xid errors only; NOT_SUPPORTED for a MIG device handle.
+    fn nvmlDeviceGetSupportedEventTypes(device, event_types: *mut c_ulonglong) |_m, t| {
+        whole_gpu(t)?;
+        // SAFETY: module contract.
+        unsafe { put(event_types, EVENT_TYPE_XID_CRITICAL_ERROR) }
+    }
+}
+
+system_fn! {
+    /// A new event set watching nothing.
+    fn nvmlEventSetCreate(set: *mut NvmlEventSet) |_m| {
+        if set.is_null() {
+            return Err(INVALID_ARGUMENT);
+        }
+        let id = events::create().ok_or(UNKNOWN)?;
+        // SAFETY: module contract.
+        unsafe { put(set, set_handle(id)) }
+    }
+}
+
+device_fn! {
+    /// Watches a whole GPU for the Xids appended to its `xid_errors` from now on.
+    /// `eventTypes` 0 is INVALID_ARGUMENT (nvml.h: "if eventTypes is invalid or set is
+    /// NULL"); a bit other than `nvmlEventTypeXidCriticalError` is NOT_SUPPORTED ("some of
+    /// requested event types"), and then nothing is registered, as NVML documents.
+    fn nvmlDeviceRegisterEvents(device, event_types: c_ulonglong, set: NvmlEventSet) |m, t| {
+        if set.is_null() {
+            return Err(INVALID_ARGUMENT);
+        }
+        let g = whole_gpu(t)?;
+        if event_types == 0 {
+            return Err(INVALID_ARGUMENT);
+        }
+        if event_types & !EVENT_TYPE_XID_CRITICAL_ERROR != 0 {
+            return Err(NOT_SUPPORTED);
+        }
+        events::with_set(set.addr(), |s| s.register(g, m)).ok_or(INVALID_ARGUMENT)
+    }
+}
+
+/// Delivers the next Xid of a registered GPU, polling the fixture until `timeout_ms` has
+/// passed (then TIMEOUT). Injections naming a registered GPU or no device, by this call's
+/// name or a prefix, fail the wait before anything is delivered; a bare `*` does not.
+fn wait_for_event(
+    call: &str,
+    set: NvmlEventSet,
+    data: *mut NvmlEventData,
+    timeout_ms: c_uint,
+) -> NvmlReturn {
+    guard(|| {
+        state::machine()?;
+        if set.is_null() || data.is_null() {
+            return Err(INVALID_ARGUMENT);
+        }
+        let deadline = Instant::now().checked_add(Duration::from_millis(timeout_ms.into()));
+        loop {
+            let machine = state::machine()?;
+            let next = events::with_set(set.addr(), |s| {
+                let watched: Vec<Target> = s.gpus().map(Target::Gpu).collect();
+                match machine.injected_on_event_set(call, &watched) {
+                    Some(code) => Err(code),
+                    None => Ok(s.next_xid(&machine)),
+                }
+            })
+            .ok_or(INVALID_ARGUMENT)??;
+            if let Some(event) = next {
+                let value = NvmlEventData {
+                    device: encode(Target::Gpu(event.gpu)),
+                    event_type: EVENT_TYPE_XID_CRITICAL_ERROR,
+                    event_data: event.xid,
+                    gpu_instance_id: NO_INSTANCE,
+                    compute_instance_id: NO_INSTANCE,
+                };
+                // SAFETY: module contract.
+                return unsafe { put(data, value) };
+            }
+            // No deadline: a timeout too far off to represent, so wait as if forever.
+            let left = deadline.map_or(EVENT_POLL, |d| d.saturating_duration_since(Instant::now()));
+            if left.is_zero() {
+                return Err(TIMEOUT);
+            }
+            std::thread::sleep(left.min(EVENT_POLL));
+        }
+    })
+}
+
+/// The next critical Xid error of a GPU registered with `set`, or TIMEOUT.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlEventSetWait_v2(
+    set: NvmlEventSet,
+    data: *mut NvmlEventData,
+    timeoutms: c_uint,
+) -> NvmlReturn {
+    wait_for_event("nvmlEventSetWait_v2", set, data, timeoutms)
+}
+
+/// Same as `nvmlEventSetWait_v2` (same struct in current headers).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlEventSetWait(
+    set: NvmlEventSet,
+    data: *mut NvmlEventData,
+    timeoutms: c_uint,
+) -> NvmlReturn {
+    wait_for_event("nvmlEventSetWait", set, data, timeoutms)
+}
+
+/// Frees a set; works without init, so a set dropped after shutdown is still freed.
+/// A null, unknown or already freed set is INVALID_ARGUMENT.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlEventSetFree(set: NvmlEventSet) -> NvmlReturn {
+    guard(|| {
+        if events::free(set.addr()) {
+            Ok(())
+        } else {
+            Err(INVALID_ARGUMENT)
+        }
+    })
 }
 
 #[cfg(test)]

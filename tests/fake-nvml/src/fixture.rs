@@ -146,6 +146,8 @@ struct RawGpu {
     mig: Option<RawMig>,
     #[serde(default)]
     processes: Vec<RawProcess>,
+    #[serde(default)]
+    xid_errors: Vec<u64>,
 }
 
 #[derive(Deserialize)]
@@ -421,6 +423,9 @@ pub struct Gpu {
     pub mig: Option<Mig>,
     /// Running processes.
     pub processes: Vec<Process>,
+    /// Critical Xid errors that have occurred on the GPU, oldest first. Tests append to it;
+    /// an event set delivers the ones appended after the GPU was registered with it.
+    pub xid_errors: Vec<u64>,
 }
 
 /// Memory as the v2 query reports it; `total == reserved + free + used` always.
@@ -593,10 +598,26 @@ impl Machine {
 
     /// The first injected failure for `call` on any of `targets` (none: a system call).
     pub fn injected(&self, call: &str, targets: &[Target]) -> Option<NvmlReturn> {
+        self.first_injection(call, targets, !targets.is_empty())
+    }
+
+    /// The first injected failure for a wait on an event set that watches `gpus`: entries
+    /// naming one of them or no device, by exported name or prefix. A bare `*` (how tests
+    /// lose a GPU) does not fail waits, so one lost GPU does not hide the Xids of others.
+    pub fn injected_on_event_set(&self, call: &str, gpus: &[Target]) -> Option<NvmlReturn> {
+        self.first_injection(call, gpus, false)
+    }
+
+    fn first_injection(
+        &self,
+        call: &str,
+        targets: &[Target],
+        bare_star_matches: bool,
+    ) -> Option<NvmlReturn> {
         self.errors
             .iter()
             .find(|e| {
-                call_matches(&e.call, call, targets.is_empty())
+                call_matches(&e.call, call, bare_star_matches)
                     && match e.target {
                         None => true,
                         Some(Target::Gpu(g)) => targets.iter().any(|t| t.gpu() == g),
@@ -607,11 +628,12 @@ impl Machine {
     }
 }
 
-/// `*` matches every device call (not system calls, which need their name or a prefix);
-/// `prefix*` matches by prefix; anything else must equal the exported name.
-fn call_matches(pattern: &str, call: &str, system_call: bool) -> bool {
+/// `*` matches when `bare_star_matches` (device calls; not system calls or event-set
+/// waits, which need their name or a prefix); `prefix*` matches by prefix; anything else
+/// must equal the exported name.
+fn call_matches(pattern: &str, call: &str, bare_star_matches: bool) -> bool {
     if pattern == "*" {
-        return !system_call;
+        return bare_star_matches;
     }
     match pattern.strip_suffix('*') {
         Some(prefix) => call.starts_with(prefix),
@@ -892,6 +914,7 @@ fn build_gpu(index: usize, raw: RawGpu, uuids: &mut HashSet<String>) -> Result<G
         links: vec![Link::Inactive; usize::try_from(raw.nvlink_links).unwrap_or(0)],
         mig,
         processes,
+        xid_errors: raw.xid_errors,
     })
 }
 
@@ -1313,5 +1336,50 @@ mod tests {
             None,
             "bare * is device calls only"
         );
+        assert_eq!(
+            m.injected_on_event_set("nvmlEventSetWait_v2", &[Target::Gpu(1)]),
+            None,
+            "a lost GPU (bare *) does not fail event-set waits"
+        );
+    }
+
+    #[test]
+    fn event_set_injections_match_watched_gpus_by_name_or_prefix() {
+        let m = Machine::from_json(&minimal(
+            "",
+            r#", "errors": [
+                {"device": 1, "call": "nvmlEventSetWait_v2", "code": "GPU_IS_LOST"},
+                {"call": "nvmlEventSetWait", "code": "UNKNOWN"}
+            ]"#,
+        ))
+        .unwrap();
+        let wait = "nvmlEventSetWait_v2";
+        assert_eq!(m.injected_on_event_set(wait, &[Target::Gpu(1)]), Some(15));
+        assert_eq!(
+            m.injected_on_event_set(wait, &[Target::Gpu(0), Target::Gpu(1)]),
+            Some(15)
+        );
+        assert_eq!(m.injected_on_event_set(wait, &[Target::Gpu(0)]), None);
+        assert_eq!(m.injected_on_event_set(wait, &[]), None);
+        assert_eq!(
+            m.injected_on_event_set("nvmlEventSetWait", &[]),
+            Some(999),
+            "no device: every set, even one watching nothing"
+        );
+    }
+
+    #[test]
+    fn xid_errors_default_to_none_and_must_be_a_list_of_numbers() {
+        let m = Machine::from_json(&minimal(r#", "xid_errors": [79, 48]"#, "")).unwrap();
+        assert_eq!(m.gpus[0].xid_errors, vec![79, 48]);
+        assert!(m.gpus[1].xid_errors.is_empty());
+        for bad in [
+            r#", "xid_errors": 79"#,
+            r#", "xid_errors": ["79"]"#,
+            r#", "xid_errors": [-1]"#,
+        ] {
+            let err = Machine::from_json(&minimal(bad, "")).unwrap_err();
+            assert!(err.0.contains("invalid JSON"), "{bad}: {err}");
+        }
     }
 }

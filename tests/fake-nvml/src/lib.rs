@@ -8,9 +8,10 @@
 //! fixture format and for how NVLink and PCIe topology are reported.
 //!
 //! Modules: `codes` (return codes), `fixture` (the JSON model, all validation), `state`
-//! (init count and reloading), `ffi` (the exports).
+//! (init count and reloading), `events` (event sets for Xid errors), `ffi` (the exports).
 
 pub mod codes;
+mod events;
 pub mod ffi;
 pub mod fixture;
 mod state;

@@ -1,5 +1,6 @@
-//! The library's one piece of global state: the init reference count and the fixture
-//! currently loaded, re-read whenever the file behind `FAKE_NVML_CONFIG` changes.
+//! The library's global state apart from event sets (see `events`): the init reference
+//! count and the fixture currently loaded, re-read whenever the file behind
+//! `FAKE_NVML_CONFIG` changes.
 //! Depends on `fixture` (parsing) and `codes`; knows nothing about pointers.
 
 use std::io::Write as _;

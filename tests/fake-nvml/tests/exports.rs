@@ -9,6 +9,7 @@
 use std::ffi::{CStr, c_char, c_uint};
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use fake_nvml::codes::*;
 use fake_nvml::ffi::*;
@@ -352,5 +353,269 @@ fn mig_devices_answer_identity_memory_and_processes() {
         unsafe { nvmlDeviceGetUtilizationRates(gpu0, &mut util) },
         NOT_SUPPORTED
     );
+    assert_eq!(unsafe { nvmlShutdown() }, SUCCESS);
+}
+
+// ---------------------------------------------------------------------------------------
+// Events: critical Xid errors.
+// ---------------------------------------------------------------------------------------
+
+const XID: u64 = EVENT_TYPE_XID_CRITICAL_ERROR;
+
+/// `name` with GPU `i`'s `xid_errors` set to `xids[i]` and `errors` to `errors`.
+fn with_xids(name: &str, xids: &[&[u64]], errors: serde_json::Value) -> String {
+    let mut data: serde_json::Value = serde_json::from_str(&fixture_text(name)).unwrap();
+    for (gpu, list) in data["gpus"].as_array_mut().unwrap().iter_mut().zip(xids) {
+        gpu["xid_errors"] = serde_json::json!(list);
+    }
+    data["errors"] = errors;
+    data.to_string()
+}
+
+fn no_errors() -> serde_json::Value {
+    serde_json::json!([])
+}
+
+fn new_set() -> NvmlEventSet {
+    let mut set = std::ptr::null_mut();
+    assert_eq!(unsafe { nvmlEventSetCreate(&mut set) }, SUCCESS);
+    assert!(!set.is_null());
+    set
+}
+
+fn wait(set: NvmlEventSet, timeout_ms: u32) -> Result<NvmlEventData, NvmlReturn> {
+    let mut data = NvmlEventData::default();
+    match unsafe { nvmlEventSetWait_v2(set, &mut data, timeout_ms) } {
+        SUCCESS => Ok(data),
+        code => Err(code),
+    }
+}
+
+#[test]
+fn xids_appended_after_registration_are_delivered_once_in_order() {
+    let _guard = lock();
+    let fixture = TempFixture::new("xid", &with_xids("t4-pair", &[&[13], &[]], no_errors()));
+    assert_eq!(init_with(&fixture.path), SUCCESS);
+    let (gpu0, gpu1) = (handle(0), handle(1));
+    let mut supported = 0;
+    assert_eq!(
+        unsafe { nvmlDeviceGetSupportedEventTypes(gpu0, &mut supported) },
+        SUCCESS
+    );
+    assert_eq!(supported, XID);
+
+    let set = new_set();
+    for gpu in [gpu0, gpu1] {
+        assert_eq!(unsafe { nvmlDeviceRegisterEvents(gpu, XID, set) }, SUCCESS);
+    }
+    assert_eq!(
+        wait(set, 0).unwrap_err(),
+        TIMEOUT,
+        "Xid 13 predates registration"
+    );
+
+    fixture.write(&with_xids("t4-pair", &[&[13, 79, 48], &[31]], no_errors()));
+    let first = wait(set, 1000).unwrap();
+    assert_eq!(
+        (
+            first.device,
+            first.event_type,
+            first.event_data,
+            first.gpu_instance_id,
+            first.compute_instance_id
+        ),
+        (gpu0, XID, 79, 0xFFFF_FFFF, 0xFFFF_FFFF)
+    );
+    let rest: Vec<_> = (0..2)
+        .map(|_| wait(set, 1000).map(|e| (e.device, e.event_data)).unwrap())
+        .collect();
+    assert_eq!(rest, vec![(gpu0, 48), (gpu1, 31)]);
+
+    let started = Instant::now();
+    assert_eq!(wait(set, 100).unwrap_err(), TIMEOUT, "each Xid once");
+    let waited = started.elapsed();
+    assert!(
+        waited >= Duration::from_millis(100) && waited < Duration::from_secs(2),
+        "{waited:?}"
+    );
+
+    // The unversioned wait shares the set's state.
+    fixture.write(&with_xids(
+        "t4-pair",
+        &[&[13, 79, 48], &[31, 94]],
+        no_errors(),
+    ));
+    let mut data = NvmlEventData::default();
+    assert_eq!(unsafe { nvmlEventSetWait(set, &mut data, 1000) }, SUCCESS);
+    assert_eq!((data.device, data.event_data), (gpu1, 94));
+
+    assert_eq!(unsafe { nvmlEventSetFree(set) }, SUCCESS);
+    assert_eq!(unsafe { nvmlEventSetFree(set) }, INVALID_ARGUMENT);
+    assert_eq!(wait(set, 0).unwrap_err(), INVALID_ARGUMENT);
+    assert_eq!(unsafe { nvmlShutdown() }, SUCCESS);
+}
+
+#[test]
+fn a_wait_on_another_thread_sees_an_xid_written_meanwhile() {
+    let _guard = lock();
+    let fixture = TempFixture::new("xid-thread", &fixture_text("t4-pair"));
+    assert_eq!(init_with(&fixture.path), SUCCESS);
+    let set = new_set();
+    assert_eq!(
+        unsafe { nvmlDeviceRegisterEvents(handle(1), XID, set) },
+        SUCCESS
+    );
+    // Raw pointers are not Send; the handle is an integer.
+    let set_addr = set.addr();
+    let waiter = std::thread::spawn(move || {
+        let started = Instant::now();
+        let event = wait(std::ptr::without_provenance_mut(set_addr), 10_000);
+        (
+            event.map(|e| (e.device.addr(), e.event_data)),
+            started.elapsed(),
+        )
+    });
+    std::thread::sleep(Duration::from_millis(50));
+    fixture.write(&with_xids("t4-pair", &[&[], &[79]], no_errors()));
+    let (event, waited) = waiter.join().unwrap();
+    assert_eq!(event, Ok((handle(1).addr(), 79)));
+    assert!(waited < Duration::from_secs(5), "{waited:?}");
+    assert_eq!(unsafe { nvmlShutdown() }, SUCCESS);
+    // Freeing works after the last shutdown (a drop that comes late).
+    assert_eq!(unsafe { nvmlEventSetFree(set) }, SUCCESS);
+}
+
+#[test]
+fn event_calls_reject_mig_handles_bad_types_and_null_pointers() {
+    let _guard = lock();
+    let mut set = std::ptr::null_mut();
+    assert_eq!(unsafe { nvmlEventSetCreate(&mut set) }, UNINITIALIZED);
+    let fixture = TempFixture::new("xid-args", &fixture_text("a100-mig"));
+    assert_eq!(init_with(&fixture.path), SUCCESS);
+    let gpu1 = handle(1);
+    let mut mig = std::ptr::null_mut();
+    assert_eq!(
+        unsafe { nvmlDeviceGetMigDeviceHandleByIndex(handle(0), 0, &mut mig) },
+        SUCCESS
+    );
+    let mut supported = 0;
+    assert_eq!(
+        unsafe { nvmlDeviceGetSupportedEventTypes(mig, &mut supported) },
+        NOT_SUPPORTED
+    );
+    assert_eq!(
+        unsafe { nvmlDeviceGetSupportedEventTypes(gpu1, std::ptr::null_mut()) },
+        INVALID_ARGUMENT
+    );
+    assert_eq!(
+        unsafe { nvmlEventSetCreate(std::ptr::null_mut()) },
+        INVALID_ARGUMENT
+    );
+
+    let set = new_set();
+    assert_eq!(
+        unsafe { nvmlDeviceRegisterEvents(mig, XID, set) },
+        NOT_SUPPORTED
+    );
+    for (types, code) in [
+        (0x1, NOT_SUPPORTED),
+        (XID | 0x10, NOT_SUPPORTED),
+        (1 << 63, NOT_SUPPORTED),
+        (0, INVALID_ARGUMENT),
+    ] {
+        assert_eq!(
+            unsafe { nvmlDeviceRegisterEvents(gpu1, types, set) },
+            code,
+            "{types:#x}"
+        );
+    }
+    assert_eq!(
+        unsafe { nvmlDeviceRegisterEvents(gpu1, XID, std::ptr::null_mut()) },
+        INVALID_ARGUMENT
+    );
+    assert_eq!(
+        unsafe { nvmlDeviceRegisterEvents(gpu1, XID, gpu1) },
+        INVALID_ARGUMENT,
+        "a device handle is no set"
+    );
+    assert_eq!(
+        unsafe { nvmlDeviceRegisterEvents(std::ptr::null_mut(), XID, set) },
+        INVALID_ARGUMENT
+    );
+    assert_eq!(
+        unsafe { nvmlEventSetWait_v2(set, std::ptr::null_mut(), 0) },
+        INVALID_ARGUMENT
+    );
+    assert_eq!(wait(std::ptr::null_mut(), 0).unwrap_err(), INVALID_ARGUMENT);
+    assert_eq!(
+        unsafe { nvmlEventSetFree(std::ptr::null_mut()) },
+        INVALID_ARGUMENT
+    );
+    assert_eq!(
+        wait(set, 0).unwrap_err(),
+        TIMEOUT,
+        "failed registrations left the set usable and empty"
+    );
+    assert_eq!(unsafe { nvmlShutdown() }, SUCCESS);
+    assert_eq!(wait(set, 0).unwrap_err(), UNINITIALIZED);
+    assert_eq!(unsafe { nvmlEventSetFree(set) }, SUCCESS);
+}
+
+#[test]
+fn injected_failures_reach_the_event_calls() {
+    let _guard = lock();
+    let fixture = TempFixture::new("xid-inject", &fixture_text("t4-pair"));
+    assert_eq!(init_with(&fixture.path), SUCCESS);
+    let (gpu0, gpu1) = (handle(0), handle(1));
+    let (watch0, watch1) = (new_set(), new_set());
+    assert_eq!(
+        unsafe { nvmlDeviceRegisterEvents(gpu0, XID, watch0) },
+        SUCCESS
+    );
+    assert_eq!(
+        unsafe { nvmlDeviceRegisterEvents(gpu1, XID, watch1) },
+        SUCCESS
+    );
+
+    fixture.write(&with_xids(
+        "t4-pair",
+        &[&[], &[79]],
+        serde_json::json!([
+            {"device": 1, "call": "nvmlEventSetWait_v2", "code": "GPU_IS_LOST"},
+            {"call": "nvmlEventSetCreate", "code": "UNKNOWN"},
+        ]),
+    ));
+    assert_eq!(wait(watch1, 0).unwrap_err(), GPU_IS_LOST);
+    assert_eq!(wait(watch0, 0).unwrap_err(), TIMEOUT, "GPU 0 is fine");
+    let mut set = std::ptr::null_mut();
+    assert_eq!(unsafe { nvmlEventSetCreate(&mut set) }, UNKNOWN);
+
+    // A GPU lost with a bare `*` fails its device calls but not waits, so the Xids of
+    // the other GPUs in a set still arrive.
+    fixture.write(&with_xids(
+        "t4-pair",
+        &[&[43], &[79]],
+        serde_json::json!([{"device": 1, "call": "*", "code": "GPU_IS_LOST"}]),
+    ));
+    let mut supported = 0;
+    assert_eq!(
+        unsafe { nvmlDeviceGetSupportedEventTypes(gpu1, &mut supported) },
+        GPU_IS_LOST
+    );
+    assert_eq!(
+        unsafe { nvmlDeviceRegisterEvents(gpu1, XID, watch0) },
+        GPU_IS_LOST
+    );
+    assert_eq!(
+        wait(watch0, 0).map(|e| (e.device, e.event_data)),
+        Ok((gpu0, 43))
+    );
+    assert_eq!(
+        wait(watch1, 0).map(|e| (e.device, e.event_data)),
+        Ok((gpu1, 79))
+    );
+    for set in [watch0, watch1] {
+        assert_eq!(unsafe { nvmlEventSetFree(set) }, SUCCESS);
+    }
     assert_eq!(unsafe { nvmlShutdown() }, SUCCESS);
 }
