@@ -5,7 +5,10 @@
 //! Depends on `broker`, `gpu`, `holder`, `config`. One pass, in order:
 //! 1. ask NVML for the processes on every GPU (a GPU whose query fails keeps its previous
 //!    findings; NVML reporting it lost, or `failures_before_unhealthy` failures in a row,
-//!    make it unhealthy — one bad GPU never stops the others from being checked);
+//!    make it unhealthy — one bad GPU never stops the others from being checked). A GPU
+//!    whose driver reported a critical Xid error (`Nvml::watch_xids`; not one of
+//!    `xid_ignore`, which a program causes) is unhealthy from then until gpud restarts,
+//!    even though NVML still answers for it;
 //! 2. attribute each process to a reservation: the holder itself or one of its descendants
 //!    (walking `/proc/<pid>/stat` parents), or a process in the holder's cgroup when that
 //!    cgroup is the holder's own (a container's), not a shared one like gpud's or `/`;
@@ -198,6 +201,10 @@ pub struct Auditor<S, T> {
     failures: HashMap<u32, u32>,
     kills: Vec<PendingKill>,
     self_pid: u32,
+    /// Critical Xid errors as `(GPU index, Xid)`, from [`Nvml::watch_xids`].
+    xids: Option<std::sync::mpsc::Receiver<(u32, u64)>>,
+    /// GPUs a critical Xid made unhealthy, and why: they stay so until gpud restarts.
+    xid_failed: HashMap<u32, String>,
 }
 
 impl<S, T> std::fmt::Debug for Auditor<S, T> {
@@ -229,6 +236,42 @@ impl<S: ProcessSource, T: ProcessTable> Auditor<S, T> {
             failures: HashMap::new(),
             kills: Vec::new(),
             self_pid: std::process::id(),
+            xids: None,
+            xid_failed: HashMap::new(),
+        }
+    }
+
+    /// Also marks GPUs unhealthy on the critical Xid errors `xids` brings.
+    #[must_use]
+    pub fn with_xids(mut self, xids: std::sync::mpsc::Receiver<(u32, u64)>) -> Self {
+        self.xids = Some(xids);
+        self
+    }
+
+    /// Takes the Xid errors reported since the last pass; those not in `ignore` make their
+    /// GPU unhealthy for good.
+    fn take_xids(&mut self, ignore: &[u64]) {
+        let Some(xids) = &self.xids else {
+            return;
+        };
+        for (gpu, xid) in xids.try_iter() {
+            if ignore.contains(&xid) {
+                tracing::info!(
+                    gpu,
+                    xid,
+                    "Xid error of a program, not the GPU (xid_ignore); GPU kept in service"
+                );
+                continue;
+            }
+            self.xid_failed.entry(gpu).or_insert_with(|| {
+                let meaning = xid_meaning(xid)
+                    .map(|m| format!(" ({m})"))
+                    .unwrap_or_default();
+                format!(
+                    "GPU {gpu} reported critical Xid {xid}{meaning}; it stays out of service \
+                     until gpud restarts (after the GPU is reset or the node rebooted)"
+                )
+            });
         }
     }
 
@@ -239,21 +282,28 @@ impl<S: ProcessSource, T: ProcessTable> Auditor<S, T> {
         let mut events = Vec::new();
 
         // 1. Processes per GPU, and health.
+        self.take_xids(&config.xid_ignore);
         let mut listed: Vec<(u32, Vec<GpuProcess>)> = Vec::new();
         let mut unlisted: Vec<u32> = Vec::new();
         for gpu in &view.gpus {
             match self.source.processes(gpu) {
                 Ok(procs) => {
                     self.failures.remove(&gpu.index);
-                    self.set_health(gpu, true, "NVML answers again", now, &mut events);
+                    match self.xid_failed.get(&gpu.index).cloned() {
+                        Some(reason) => self.set_health(gpu, false, &reason, now, &mut events),
+                        None => self.set_health(gpu, true, "NVML answers again", now, &mut events),
+                    }
                     listed.push((gpu.index, procs));
                 }
                 Err((lost, why)) => {
                     let failures = self.failures.entry(gpu.index).or_insert(0);
                     *failures += 1;
                     unlisted.push(gpu.index);
-                    if lost || *failures >= config.failures_before_unhealthy {
-                        let reason = if lost {
+                    let xid = self.xid_failed.get(&gpu.index).cloned();
+                    if lost || *failures >= config.failures_before_unhealthy || xid.is_some() {
+                        let reason = if let Some(reason) = xid {
+                            reason
+                        } else if lost {
                             format!("NVML reports GPU {} lost: {why}", gpu.index)
                         } else {
                             format!(
@@ -732,6 +782,24 @@ fn log_event(e: &Event) {
     }
 }
 
+/// What an Xid means, for the ones that take a GPU out of service most often (NVIDIA's Xid
+/// catalogue).
+fn xid_meaning(xid: u64) -> Option<&'static str> {
+    Some(match xid {
+        48 => "double-bit ECC error",
+        61 | 62 => "internal micro-controller error",
+        63 => "ECC page retirement or row remapping recorded",
+        64 => "ECC page retirement or row remapping failed",
+        74 => "NVLink error",
+        79 => "GPU has fallen off the bus",
+        92 => "high single-bit ECC error rate",
+        94 => "contained ECC error",
+        95 => "uncontained ECC error",
+        119 | 120 => "GSP firmware error",
+        _ => return None,
+    })
+}
+
 /// Runs passes forever at the configured interval (re-read each pass, so a reload applies).
 pub async fn run(
     auditor: Auditor<Arc<Nvml>, ProcFs>,
@@ -1170,6 +1238,56 @@ mod tests {
             kinds(&a.pass(&config, 6)),
             [(EventKind::GpuUnhealthy, EventPhase::Start)]
         );
+    }
+
+    #[test]
+    fn a_critical_xid_takes_its_gpu_out_of_service_for_good_and_a_programs_xid_does_not() {
+        let b = broker();
+        let (nvml, procs) = (FakeNvml::default(), FakeProcs::default());
+        let (tx, rx) = std::sync::mpsc::channel();
+        let mut a = Auditor::new(b.clone(), &nvml, &procs, Arc::new(Metrics::new())).with_xids(rx);
+        let config = AuditConfig::default();
+        assert!(a.pass(&config, 1).events.is_empty());
+        // 31 (a program's page fault) is in the default `xid_ignore`; 79 is the card.
+        tx.send((0, 31)).unwrap();
+        tx.send((1, 79)).unwrap();
+        let report = a.pass(&config, 2);
+        assert_eq!(
+            kinds(&report),
+            [(EventKind::GpuUnhealthy, EventPhase::Start)]
+        );
+        let event = &report.events[0];
+        assert_eq!(event.gpu_index, Some(1));
+        assert!(
+            event
+                .message
+                .contains("Xid 79 (GPU has fallen off the bus)"),
+            "{}",
+            event.message
+        );
+        let snap = b.snapshot();
+        assert!(
+            snap.gpus[0].healthy,
+            "a program's Xid leaves the GPU in service"
+        );
+        assert!(!snap.gpus[1].healthy);
+        // NVML still answers for GPU 1 (FakeNvml lists no processes): it stays unhealthy,
+        // and the finding is not recorded again.
+        for now in 3..6 {
+            assert!(a.pass(&config, now).events.is_empty());
+        }
+        assert!(!b.snapshot().gpus[1].healthy);
+        // A configured `xid_ignore` replaces the default list.
+        let strict = AuditConfig {
+            xid_ignore: Vec::new(),
+            ..AuditConfig::default()
+        };
+        tx.send((0, 31)).unwrap();
+        assert_eq!(
+            kinds(&a.pass(&strict, 6)),
+            [(EventKind::GpuUnhealthy, EventPhase::Start)]
+        );
+        assert!(!b.snapshot().gpus[0].healthy);
     }
 
     #[test]

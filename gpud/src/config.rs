@@ -187,6 +187,10 @@ pub struct AuditConfig {
     /// Consecutive failed NVML queries after which a GPU is marked unhealthy (a GPU NVML
     /// reports lost is marked at once).
     pub failures_before_unhealthy: u32,
+    /// Xid errors that do not make a GPU unhealthy: those a program causes (a bad memory
+    /// access, a hung kernel), not the card. Any other Xid the driver reports as critical
+    /// marks its GPU unhealthy until gpud restarts.
+    pub xid_ignore: Vec<u64>,
 }
 
 impl Default for AuditConfig {
@@ -198,9 +202,15 @@ impl Default for AuditConfig {
             terminate_root: false,
             over_limit_tolerance: Tolerance::BasisPoints(500),
             failures_before_unhealthy: 3,
+            xid_ignore: APPLICATION_XIDS.to_vec(),
         }
     }
 }
+
+/// Xids a program causes, not the GPU: 13 (graphics engine exception), 31 (memory page
+/// fault), 43 (a kernel stopped), 45 (preemptive cleanup), 68 (video processor exception),
+/// 109 (context switch timeout). The same list NVIDIA's Kubernetes device plugin skips.
+pub const APPLICATION_XIDS: [u64; 6] = [13, 31, 43, 45, 68, 109];
 
 /// What the audit does about a finding.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
@@ -494,6 +504,14 @@ mod tests {
         );
         assert_eq!(Tolerance::BasisPoints(500).limit(1000), 1050);
         assert_eq!(c.metrics.listen.unwrap().port(), 9400);
+        assert_eq!(c.audit.xid_ignore, APPLICATION_XIDS);
+        let c = Config::parse("[audit]\nxid_ignore = [13, 43]\n").unwrap();
+        assert_eq!(c.audit.xid_ignore, [13, 43]);
+        assert!(
+            Config::parse("[audit]\nxid_ignore = \"13\"\n")
+                .unwrap_err()
+                .contains("xid_ignore")
+        );
         assert!(
             Config::parse("[audit]\nenforcement = \"maim\"\n")
                 .unwrap_err()

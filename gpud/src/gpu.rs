@@ -436,6 +436,115 @@ impl Nvml {
         Ok(out.into_values().collect())
     }
 
+    /// Watches every GPU that supports it for critical Xid errors, from a thread of its
+    /// own, and sends each as `(GPU index, Xid)`. Returns once the GPUs are registered, so
+    /// that an error from then on is seen. The thread stops at the first event after the
+    /// receiver is dropped. A driver (or GPU) without the event API gives a receiver that
+    /// never yields: the audit still sees a GPU that stops answering.
+    pub fn watch_xids(self: &std::sync::Arc<Self>) -> std::sync::mpsc::Receiver<(u32, u64)> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (registered, wait_registered) = std::sync::mpsc::sync_channel(1);
+        let nvml = self.clone();
+        let spawned = std::thread::Builder::new()
+            .name("gpud-xid".to_owned())
+            .spawn(move || nvml.forward_xids(&tx, &registered));
+        match spawned {
+            // Also returns when the thread gives up (it drops `registered`).
+            Ok(_) => {
+                let _ = wait_registered.recv_timeout(std::time::Duration::from_secs(10));
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot start the Xid watch; lost GPUs are still found by the audit");
+            }
+        }
+        rx
+    }
+
+    /// The body of [`Nvml::watch_xids`]' thread.
+    fn forward_xids(
+        &self,
+        tx: &std::sync::mpsc::Sender<(u32, u64)>,
+        registered: &std::sync::mpsc::SyncSender<()>,
+    ) {
+        use nvml_wrapper::bitmasks::event::EventTypes;
+        use nvml_wrapper::enums::event::XidError;
+
+        let unwatched = |why: String| {
+            tracing::info!("critical Xid errors are not watched: {why}");
+        };
+        let count = match self.nvml.device_count() {
+            Ok(n) => n,
+            Err(e) => return unwatched(format!("nvmlDeviceGetCount: {e}")),
+        };
+        let mut watched: Vec<u32> = (0..count)
+            .filter(|&index| {
+                self.device(index).is_ok_and(|d| {
+                    d.supported_event_types()
+                        .is_ok_and(|t| t.contains(EventTypes::CRITICAL_XID_ERROR))
+                })
+            })
+            .collect();
+        // A failed registration frees the whole set (NVML's rule): leave that GPU out and
+        // register the others again in a new one.
+        let set = 'register: loop {
+            let mut set = match self.nvml.create_event_set() {
+                Ok(set) => set,
+                Err(e) => return unwatched(format!("nvmlEventSetCreate: {e}")),
+            };
+            for (i, &index) in watched.iter().enumerate() {
+                let registered = self.device(index).map_err(|e| e.to_string()).and_then(|d| {
+                    d.register_events(EventTypes::CRITICAL_XID_ERROR, set)
+                        .map_err(|e| e.to_string())
+                });
+                match registered {
+                    Ok(next) => set = next,
+                    Err(e) => {
+                        tracing::warn!(gpu = index, error = %e, "cannot watch this GPU for Xid errors");
+                        watched.remove(i);
+                        continue 'register;
+                    }
+                }
+            }
+            break set;
+        };
+        if watched.is_empty() {
+            return unwatched("no GPU supports the event".to_owned());
+        }
+        tracing::info!(gpus = %format_ranges(watched.iter().copied()), "watching for critical Xid errors");
+        let _ = registered.try_send(());
+        let mut last_error = None;
+        loop {
+            match set.wait(1_000) {
+                Ok(event) => {
+                    last_error = None;
+                    let xid = match event.event_data {
+                        Some(XidError::Value(xid)) => xid,
+                        Some(XidError::Unknown) => 999,
+                        None => continue,
+                    };
+                    let Ok(index) = event.device.index() else {
+                        tracing::warn!(xid, "an Xid error on a GPU NVML cannot name");
+                        continue;
+                    };
+                    if tx.send((index, xid)).is_err() {
+                        return;
+                    }
+                }
+                Err(NvmlError::Timeout) => {}
+                Err(e) => {
+                    // Say it once, not every second; a GPU that is lost is also found by
+                    // the audit's queries.
+                    let text = e.to_string();
+                    if last_error.as_ref() != Some(&text) {
+                        tracing::warn!(error = %text, "waiting for Xid errors failed; retrying every second");
+                        last_error = Some(text);
+                    }
+                    std::thread::sleep(std::time::Duration::from_secs(1));
+                }
+            }
+        }
+    }
+
     /// Checks that GPU `index` still answers; `Err` with [`GpuError::is_gpu_lost`] when lost.
     pub fn check_health(&self, index: u32) -> Result<(), GpuError> {
         let device = self.device(index)?;

@@ -124,7 +124,8 @@ async fn serve(config: Config, config_path: Option<PathBuf>) -> anyhow::Result<(
 
     tokio::spawn(expiry_loop(broker.clone()));
     tokio::spawn(history_loop(broker.clone()));
-    let auditor = Auditor::new(broker.clone(), nvml.clone(), ProcFs, metrics.clone());
+    let auditor = Auditor::new(broker.clone(), nvml.clone(), ProcFs, metrics.clone())
+        .with_xids(nvml.watch_xids());
     let audit_broker = broker.clone();
     tokio::spawn(audit::run(auditor, move || {
         audit_broker.settings().config.audit.clone()

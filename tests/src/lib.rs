@@ -91,6 +91,18 @@ pub struct Reply {
     pub text: String,
 }
 
+impl Reply {
+    /// The indices of the GPUs a reservation reply names.
+    pub fn gpu_indices(&self) -> Vec<u64> {
+        self.body["gpus"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|g| g["index"].as_u64().unwrap())
+            .collect()
+    }
+}
+
 /// One HTTP/1.1 request over the Unix socket, `Connection: close`.
 pub fn http(socket: &Path, method: &str, path: &str, body: Option<&str>) -> Reply {
     try_http(socket, method, path, body).unwrap_or_else(|e| panic!("{method} {path}: {e}"))
@@ -281,6 +293,16 @@ impl Daemon {
             .as_array()
             .cloned()
             .unwrap_or_default()
+    }
+
+    /// Per GPU: whether `GET /v1/gpus` reports it healthy.
+    pub fn healthy_gpus(&self) -> Vec<bool> {
+        self.get("/v1/gpus").body["gpus"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|g| g["healthy"].as_bool().unwrap())
+            .collect()
     }
 
     /// Per GPU: (reserved, total) bytes as `GET /v1/gpus` reports them.

@@ -218,23 +218,14 @@ fn a_gpu_fails_and_recovers_without_affecting_the_others() {
     let (event, took) = wait_event(&d, "gpu_unhealthy", "start", None);
     println!("GPU 3 marked unhealthy after {took:?}");
     assert_eq!(event["gpu_index"], 3);
-    let gpus = d.get("/v1/gpus").body;
-    let healthy: Vec<bool> = gpus["gpus"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|g| g["healthy"].as_bool().unwrap())
-        .collect();
-    assert_eq!(healthy, [true, true, true, false, true, true, true, true]);
+    assert_eq!(
+        d.healthy_gpus(),
+        [true, true, true, false, true, true, true, true]
+    );
     assert_eq!(d.get("/v1/health").body["status"], "degraded");
     // Whole-GPU requests go around it: all 7 others can still be had, not an 8th.
     let r = reserve(&d, json!({"gpus": 7, "exclusive": true, "ttl_seconds": 60}));
-    let indices: Vec<u64> = r.body["gpus"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|g| g["index"].as_u64().unwrap())
-        .collect();
+    let indices = r.gpu_indices();
     assert!(!indices.contains(&3), "{indices:?}");
     fixture["errors"] = json!([]);
     d.write_fixture(&fixture);
@@ -242,6 +233,39 @@ fn a_gpu_fails_and_recovers_without_affecting_the_others() {
     assert_eq!(d.get("/v1/health").body["status"], "ok");
     let r = reserve(&d, json!({"exclusive": true, "ttl_seconds": 60}));
     assert_eq!(r.body["gpus"][0]["index"], 3);
+}
+
+#[test]
+fn a_critical_xid_takes_its_gpu_out_of_service_until_restart() {
+    let mut d = Daemon::start("dgx1-v100", "");
+    // The driver reports Xid 79 on GPU 5 and a program's page fault (31) on GPU 6.
+    let mut fixture = d.read_fixture();
+    fixture["gpus"][5]["xid_errors"] = json!([79]);
+    fixture["gpus"][6]["xid_errors"] = json!([31]);
+    d.write_fixture(&fixture);
+    let (event, took) = wait_event(&d, "gpu_unhealthy", "start", None);
+    println!("GPU 5 marked unhealthy {took:?} after its Xid");
+    assert_eq!(event["gpu_index"], 5);
+    let message = event["message"].as_str().unwrap();
+    assert!(message.contains("Xid 79"), "{message}");
+    assert_eq!(
+        d.healthy_gpus(),
+        [true, true, true, true, true, false, true, true]
+    );
+    // NVML keeps answering for GPU 5: it stays out of service, pass after pass.
+    std::thread::sleep(TWO_INTERVALS);
+    assert!(!d.healthy_gpus()[5]);
+    assert_eq!(events(&d, "?kind=gpu_unhealthy").len(), 1);
+    let r = reserve(&d, json!({"gpus": 7, "exclusive": true, "ttl_seconds": 60}));
+    let indices = r.gpu_indices();
+    assert!(!indices.contains(&5), "{indices:?}");
+    // A restart (after the GPU was reset) puts it back in service; old Xids are not
+    // reported again.
+    d.stop();
+    d.spawn();
+    assert_eq!(d.healthy_gpus(), [true; 8]);
+    std::thread::sleep(TWO_INTERVALS);
+    assert_eq!(d.healthy_gpus(), [true; 8]);
 }
 
 #[test]

@@ -16,15 +16,6 @@ fn reserve(d: &Daemon, body: Value) -> Reply {
     d.post("/v1/reservations", &body.to_string())
 }
 
-fn indices(r: &Reply) -> Vec<u64> {
-    r.body["gpus"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|g| g["index"].as_u64().unwrap())
-        .collect()
-}
-
 fn id(r: &Reply) -> String {
     r.body["id"].as_str().unwrap().to_owned()
 }
@@ -37,13 +28,13 @@ fn four_gpu_requests_on_dgx1_get_the_nvlink_quads() {
         json!({"gpus": 4, "exclusive": true, "ttl_seconds": 600}),
     );
     assert_eq!(a.status, 201, "{}", a.text);
-    assert_eq!(indices(&a), [0, 1, 2, 3]);
+    assert_eq!(a.gpu_indices(), [0, 1, 2, 3]);
     let b = reserve(
         &d,
         json!({"gpus": 4, "exclusive": true, "ttl_seconds": 600}),
     );
     assert_eq!(b.status, 201, "{}", b.text);
-    assert_eq!(indices(&b), [4, 5, 6, 7]);
+    assert_eq!(b.gpu_indices(), [4, 5, 6, 7]);
     let c = reserve(
         &d,
         json!({"gpus": 1, "exclusive": true, "ttl_seconds": 600}),
@@ -67,7 +58,7 @@ fn two_gpus_on_dgx1_are_a_double_nvlink_pair() {
     let d = Daemon::start("dgx1-v100", "");
     let r = reserve(&d, json!({"gpus": 2, "exclusive": true, "ttl_seconds": 60}));
     assert_eq!(r.status, 201, "{}", r.text);
-    let pair = indices(&r);
+    let pair = r.gpu_indices();
     let [a, b] = [pair[0], pair[1]].map(|i| usize::try_from(i).unwrap());
     let links = &d.get("/v1/gpus").body["gpus"][a]["links"];
     assert_eq!(links[b], "NV2", "{pair:?}");
@@ -319,7 +310,7 @@ fn a_waiter_gets_capacity_when_it_frees() {
     assert_eq!(d.delete(&format!("/v1/reservations/{first}")).status, 200);
     let got = waiter.join().unwrap();
     assert_eq!(got.status, 201, "{}", got.text);
-    assert_eq!(indices(&got), [0]);
+    assert_eq!(got.gpu_indices(), [0]);
 
     // And one that times out says so.
     let r = reserve(
@@ -381,7 +372,7 @@ fn backfill_lets_a_small_request_past_a_big_waiter() {
     }
     let got = big.join().unwrap();
     assert_eq!(got.status, 201, "{}", got.text);
-    assert_eq!(indices(&got), [0, 1]);
+    assert_eq!(got.gpu_indices(), [0, 1]);
 }
 
 #[test]

@@ -1262,15 +1262,6 @@ fn a_full_or_read_only_state_dir_refuses_changes_keeps_reads_and_corrupts_nothin
 // 5. NVML faults
 // ---------------------------------------------------------------------------------------
 
-fn healthy(d: &Daemon) -> Vec<bool> {
-    d.get("/v1/gpus").body["gpus"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|g| g["healthy"].as_bool().unwrap())
-        .collect()
-}
-
 #[test]
 fn nvml_failures_mark_only_the_affected_gpus_and_never_stop_the_daemon() {
     let rounds = pick(3, 30);
@@ -1333,12 +1324,12 @@ fn nvml_failures_mark_only_the_affected_gpus_and_never_stop_the_daemon() {
         want[lost] = false;
         want[flaky] = false;
         let marked = wait_for(Duration::from_secs(10), || {
-            (healthy(&d) == want).then_some(())
+            (d.healthy_gpus() == want).then_some(())
         });
         assert!(
             marked.is_some(),
             "round {round}: lost {lost}, flaky {flaky}: health is {:?}",
-            healthy(&d)
+            d.healthy_gpus()
         );
         assert_eq!(d.get("/v1/health").body["status"], "degraded");
         // New reservations go around the unhealthy GPUs (spread would otherwise pick them
@@ -1364,9 +1355,9 @@ fn nvml_failures_mark_only_the_affected_gpus_and_never_stop_the_daemon() {
         fixture["errors"] = json!([]);
         d.write_fixture(&fixture);
         let healed = wait_for(Duration::from_secs(10), || {
-            (healthy(&d) == all_healthy).then_some(())
+            (d.healthy_gpus() == all_healthy).then_some(())
         });
-        assert!(healed.is_some(), "round {round}: {:?}", healthy(&d));
+        assert!(healed.is_some(), "round {round}: {:?}", d.healthy_gpus());
     }
     stop.store(true, Ordering::SeqCst);
     let cycles: u32 = clients.into_iter().map(|c| c.join().unwrap()).sum();
@@ -1385,7 +1376,7 @@ fn nvml_failures_mark_only_the_affected_gpus_and_never_stop_the_daemon() {
     d.spawn();
     let mut want = all_healthy.clone();
     want[6] = false;
-    assert_eq!(healthy(&d), want);
+    assert_eq!(d.healthy_gpus(), want);
     let r = d.post(
         "/v1/reservations",
         r#"{"gpus": 7, "exclusive": true, "ttl_seconds": 60}"#,
