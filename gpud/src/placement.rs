@@ -250,14 +250,14 @@ fn need_on(ask: MemoryAsk, total: u64) -> u64 {
 }
 
 /// Total − reserved − unaccounted, saturating at 0.
-fn free_bytes(unit: &Unit, load: &UnitLoad) -> u64 {
+pub fn free_bytes(unit: &Unit, load: &UnitLoad) -> u64 {
     unit.memory_total_bytes
         .saturating_sub(load.reserved_bytes)
         .saturating_sub(load.unaccounted_bytes)
 }
 
 /// Nothing at all on the unit: no reservation and nothing gpud cannot account for.
-fn is_completely_free(load: &UnitLoad) -> bool {
+pub fn is_completely_free(load: &UnitLoad) -> bool {
     load.reservations == 0
         && load.reserved_bytes == 0
         && load.unaccounted_bytes == 0

@@ -169,9 +169,9 @@ pub fn devices_of(r: &Reservation) -> Option<(&str, Vec<String>)> {
     }
 }
 
-/// Memory device numbers held per GPU uuid by `Allocate` reservations, with their bytes.
-fn mem_holdings(view: &NodeView<'_>) -> HashMap<String, (BTreeSet<u32>, u64)> {
-    let mut out: HashMap<String, (BTreeSet<u32>, u64)> = HashMap::new();
+/// Memory device numbers held per GPU uuid by `Allocate` reservations.
+fn mem_holdings(view: &NodeView<'_>) -> HashMap<String, BTreeSet<u32>> {
+    let mut out: HashMap<String, BTreeSet<u32>> = HashMap::new();
     for r in view.reservations {
         if kubelet_resource(r) != Some(RESOURCE_MEM) {
             continue;
@@ -182,9 +182,7 @@ fn mem_holdings(view: &NodeView<'_>) -> HashMap<String, (BTreeSet<u32>, u64)> {
         ) else {
             continue;
         };
-        let entry = out.entry(unit.uuid.clone()).or_default();
-        entry.0.extend(numbers);
-        entry.1 = entry.1.saturating_add(unit.memory_bytes);
+        out.entry(unit.uuid.clone()).or_default().extend(numbers);
     }
     out
 }
@@ -206,29 +204,24 @@ pub fn advertise(resource: Resource, view: &NodeView<'_>) -> Vec<Advertised> {
 fn advertise_memory(unit_bytes: u64, view: &NodeView<'_>) -> Vec<Advertised> {
     let holdings = mem_holdings(view);
     let mut out = Vec::new();
-    for unit in view.units {
+    for (pos, unit) in view.units.iter().enumerate() {
         let count = mem_devices_on(unit, unit_bytes);
         if count == 0 {
             continue;
         }
         let healthy_gpu = view.gpu_healthy(unit);
         let numa_node = view.gpu_of(unit).and_then(|g| g.numa_node);
-        let (held, held_bytes) = holdings.get(&unit.uuid).cloned().unwrap_or_default();
-        // Everything else reserved on this GPU: bare-metal users, whole-GPU pods.
-        let other: u64 = view
-            .reservations
-            .iter()
-            .filter(|r| kubelet_resource(r) != Some(RESOURCE_MEM))
-            .flat_map(|r| r.units.iter())
-            .filter(|u| u.uuid == unit.uuid)
-            .map(|u| u.memory_bytes)
-            .sum();
-        let held_count = u32::try_from(held.len()).unwrap_or(u32::MAX);
-        let room = unit
-            .memory_total_bytes
-            .saturating_sub(held_bytes)
-            .saturating_sub(other)
+        let held = holdings.get(&unit.uuid).cloned().unwrap_or_default();
+        // New devices fit in what bare-metal placement would still promise on this unit:
+        // its memory less everything reserved (pods' devices, bare-metal users, whole-GPU
+        // pods) and less what processes no reservation accounts for use (the audit's
+        // finding), so a rogue process withholds its memory from pods too.
+        let room = view
+            .loads
+            .get(pos)
+            .map_or(0, |load| placement::free_bytes(unit, load))
             / unit_bytes;
+        let held_count = u32::try_from(held.len()).unwrap_or(u32::MAX);
         let free = u32::try_from(room)
             .unwrap_or(u32::MAX)
             .min(count.saturating_sub(held_count));
@@ -261,10 +254,12 @@ fn advertise_whole(view: &NodeView<'_>) -> Vec<Advertised> {
         .iter()
         .enumerate()
         .map(|(pos, unit)| {
+            // As for an exclusive bare-metal reservation: no reservation on it, and no
+            // process gpud cannot account for.
             let taken = view
                 .loads
                 .get(pos)
-                .is_none_or(|l| l.reservations > 0 || l.reserved_bytes > 0 || l.exclusive);
+                .is_none_or(|l| !placement::is_completely_free(l));
             let available = held.contains(unit.uuid.as_str()) || !taken;
             Advertised {
                 id: unit.uuid.clone(),
