@@ -99,6 +99,10 @@ pub enum Command {
     /// Per GPU (and MIG instance): memory reserved, used and total, reservations, health.
     #[command(after_help = EXIT_CODES_HELP)]
     Gpus(TableArgs),
+    /// Requests waiting for capacity (`reserve --wait`), in the order gpud tries them: who
+    /// asked, for what, since when.
+    #[command(after_help = EXIT_CODES_HELP)]
+    Waiters(TableArgs),
     /// Audit events: processes nobody reserved for, on the wrong GPU, or over their limit;
     /// GPUs lost and recovered.
     #[command(after_help = EXIT_CODES_HELP)]

@@ -17,8 +17,8 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use gpud_schema::{
-    ErrorBody, EventList, GpuList, Health, RenewRequest, Reservation, ReservationList,
-    ReservationRequest,
+    ErrorBody, EventList, GpuList, RenewRequest, Reservation, ReservationList, ReservationRequest,
+    WaiterList,
 };
 
 use crate::error::CliError;
@@ -82,14 +82,14 @@ impl Client {
             .await
     }
 
+    /// `GET /v1/waiters`.
+    pub async fn waiters(&self) -> Result<WaiterList, CliError> {
+        self.call::<(), _>(Method::GET, "/v1/waiters", None).await
+    }
+
     /// `GET /v1/gpus`.
     pub async fn gpus(&self) -> Result<GpuList, CliError> {
         self.call::<(), _>(Method::GET, "/v1/gpus", None).await
-    }
-
-    /// `GET /v1/health`.
-    pub async fn health(&self) -> Result<Health, CliError> {
-        self.call::<(), _>(Method::GET, "/v1/health", None).await
     }
 
     /// One request; a 2xx body becomes `T`, anything else a [`CliError`].
@@ -207,7 +207,7 @@ mod tests {
     #[test]
     fn error_bodies_keep_their_code() {
         let body = br#"{"error": {"code": "no_capacity", "message": "no GPU has 4 GiB free"}}"#;
-        match decode::<Health>(StatusCode::CONFLICT, body) {
+        match decode::<WaiterList>(StatusCode::CONFLICT, body) {
             Err(Decoded::Api(CliError::Api {
                 status,
                 code,
@@ -223,11 +223,11 @@ mod tests {
     #[test]
     fn foreign_replies_are_protocol_errors() {
         assert!(matches!(
-            decode::<Health>(StatusCode::OK, b"<html>hello</html>"),
+            decode::<WaiterList>(StatusCode::OK, b"<html>hello</html>"),
             Err(Decoded::Garbage(_))
         ));
         assert!(matches!(
-            decode::<Health>(StatusCode::BAD_GATEWAY, b"bad gateway"),
+            decode::<WaiterList>(StatusCode::BAD_GATEWAY, b"bad gateway"),
             Err(Decoded::Garbage(_))
         ));
     }

@@ -17,7 +17,9 @@ use tokio::runtime::Runtime;
 use crate::cli::{Cli, EventsArgs, IdArgs, ListArgs, Output, RenewArgs, TableArgs, whole_seconds};
 use crate::client::Client;
 use crate::error::CliError;
-use crate::output::{events_table, gpus_table, reservation_details, reservations_table};
+use crate::output::{
+    events_table, gpus_table, reservation_details, reservations_table, waiters_table,
+};
 use crate::print;
 
 /// Pretty JSON with a final newline.
@@ -89,6 +91,21 @@ pub fn gpus(args: &TableArgs, socket: &Path, rt: &Runtime) -> Result<ExitCode, C
     match args.output {
         Output::Json => print(&json(&list)?)?,
         Output::Table => print(&gpus_table(&list, colour()))?,
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `gpuctl waiters`: the queue.
+pub fn waiters(
+    args: &TableArgs,
+    socket: &Path,
+    rt: &Runtime,
+    now: SystemTime,
+) -> Result<ExitCode, CliError> {
+    let list = rt.block_on(Client::new(socket).waiters())?;
+    match args.output {
+        Output::Json => print(&json(&list)?)?,
+        Output::Table => print(&waiters_table(&list.waiters, now, &user_names()))?,
     }
     Ok(ExitCode::SUCCESS)
 }

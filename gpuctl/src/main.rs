@@ -68,6 +68,7 @@ fn run(cli: &Cli) -> Result<ExitCode, CliError> {
         Command::Show(args) => commands::show(args, socket, &rt, now),
         Command::Gpus(args) => commands::gpus(args, socket, &rt),
         Command::Events(args) => commands::events(args, socket, &rt, now),
+        Command::Waiters(args) => commands::waiters(args, socket, &rt, now),
         Command::Completions { shell } => commands::completions(*shell),
         Command::Man { subcommand } => commands::man(subcommand.as_deref()),
     }

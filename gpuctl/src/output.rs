@@ -7,7 +7,9 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::time::{Duration, SystemTime};
 
-use gpud_schema::{GpuList, Reservation, ReservationState, format_bytes};
+use gpud_schema::{
+    GpuList, MemorySpec, Reservation, ReservationRequest, ReservationState, Waiter, format_bytes,
+};
 
 /// Column alignment.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -255,6 +257,71 @@ pub fn reservations_table(
         ]);
     }
     t.render(false)
+}
+
+/// What the request asks for, for the status line and `gpuctl waiters`: `4 GiB on 1 GPU`, `2 whole GPUs`.
+pub fn describe(request: &ReservationRequest) -> String {
+    let n = request.gpus.unwrap_or(1);
+    let gpus = if n == 1 {
+        "1 GPU".to_owned()
+    } else {
+        format!("each of {n} GPUs")
+    };
+    match &request.memory {
+        _ if request.exclusive => {
+            if n == 1 {
+                "1 whole GPU".to_owned()
+            } else {
+                format!("{n} whole GPUs")
+            }
+        }
+        Some(MemorySpec::Bytes(b)) => format!("{} on {gpus}", format_bytes(*b)),
+        Some(MemorySpec::Text(t)) if t.ends_with('%') => format!("{t} of {gpus}"),
+        Some(MemorySpec::Text(t)) => format!("{t} on {gpus}"),
+        None => gpus,
+    }
+}
+
+/// `gpuctl waiters`: the queue, first first.
+pub fn waiters_table(
+    waiters: &[Waiter],
+    now: SystemTime,
+    owner_name: &dyn Fn(u32) -> String,
+) -> String {
+    let mut t = Table::new(&[
+        ("#", Align::Right),
+        ("OWNER", Align::Left),
+        ("PID", Align::Right),
+        ("WANTS", Align::Left),
+        ("WAITING", Align::Right),
+        ("GIVES UP IN", Align::Right),
+    ]);
+    for w in waiters {
+        let remaining = parse_time(&w.gives_up_at)
+            .and_then(|t| t.duration_since(now).ok())
+            .map_or_else(|| "-".to_owned(), short_duration);
+        t.row(vec![
+            w.position.to_string().into(),
+            owner_name(w.owner_uid).into(),
+            w.pid
+                .map_or_else(|| "-".to_owned(), |p| p.to_string())
+                .into(),
+            describe(&asked(w)).into(),
+            age_cell(&w.waiting_since, now).into(),
+            remaining.into(),
+        ]);
+    }
+    t.render(false)
+}
+
+/// What a waiter asked for, as a request (for [`describe`]).
+pub fn asked(w: &Waiter) -> ReservationRequest {
+    ReservationRequest {
+        gpus: Some(w.gpus),
+        memory: w.memory.clone(),
+        exclusive: w.exclusive,
+        ..ReservationRequest::default()
+    }
 }
 
 /// `gpuctl show`: one reservation, field by field.

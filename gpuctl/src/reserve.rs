@@ -19,14 +19,14 @@ use std::path::Path;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use gpud_schema::{MemoryAmount, MemorySpec, Reservation, ReservationRequest, format_bytes};
+use gpud_schema::{MemoryAmount, MemorySpec, Reservation, ReservationRequest};
 use tokio::runtime::Runtime;
 use tokio::signal::unix::{SignalKind, signal};
 
 use crate::cli::{ReserveArgs, ReserveOutput, whole_seconds};
 use crate::client::Client;
 use crate::error::CliError;
-use crate::output::{export_lines, summary};
+use crate::output::{describe, export_lines, summary};
 use crate::write_stdout;
 
 /// Who will hold the reservation.
@@ -88,29 +88,6 @@ fn basis_points_text(bp: u32) -> String {
         0 => format!("{whole}%"),
         f if f % 10 == 0 => format!("{whole}.{}%", f / 10),
         f => format!("{whole}.{f:02}%"),
-    }
-}
-
-/// What the request asks for, for the status line: `4 GiB on 1 GPU`, `2 whole GPUs`.
-pub fn describe(request: &ReservationRequest) -> String {
-    let n = request.gpus.unwrap_or(1);
-    let gpus = if n == 1 {
-        "1 GPU".to_owned()
-    } else {
-        format!("each of {n} GPUs")
-    };
-    match &request.memory {
-        _ if request.exclusive => {
-            if n == 1 {
-                "1 whole GPU".to_owned()
-            } else {
-                format!("{n} whole GPUs")
-            }
-        }
-        Some(MemorySpec::Bytes(b)) => format!("{} on {gpus}", format_bytes(*b)),
-        Some(MemorySpec::Text(t)) if t.ends_with('%') => format!("{t} of {gpus}"),
-        Some(MemorySpec::Text(t)) => format!("{t} on {gpus}"),
-        None => gpus,
     }
 }
 
@@ -247,9 +224,10 @@ async fn reserve_interruptibly(
     })
 }
 
-/// The live line on a terminal: what is asked for, how many wait, how long it has been.
-/// gpud does not report a waiter's position, so the line shows the queue's length (from
-/// `/v1/health` on a second connection) and nothing it cannot know. Never returns.
+/// The live line on a terminal: what is asked for, where this request is in the queue
+/// (`/v1/waiters` on a second connection, found by gpuctl's own pid; only the queue's length
+/// when gpud sees another pid, as from inside a container), how long it has been. Never
+/// returns.
 async fn status_line(client: &Client, request: &ReservationRequest, show: bool) -> Infallible {
     if !show {
         return std::future::pending().await;
@@ -259,7 +237,8 @@ async fn status_line(client: &Client, request: &ReservationRequest, show: bool) 
     tokio::time::sleep(Duration::from_millis(300)).await;
     let what = describe(request);
     let limit = request.wait_seconds.map(Duration::from_secs);
-    let mut waiting: Option<u64> = None;
+    let me = std::process::id();
+    let mut queue = "queue unknown".to_owned();
     let mut tick = tokio::time::interval(Duration::from_millis(250));
     let mut last_poll: Option<Instant> = None;
     let mut shown = String::new();
@@ -267,13 +246,10 @@ async fn status_line(client: &Client, request: &ReservationRequest, show: bool) 
         tick.tick().await;
         if last_poll.is_none_or(|t| t.elapsed() >= Duration::from_secs(1)) {
             last_poll = Some(Instant::now());
-            waiting = client.health().await.ok().map(|h| h.waiting);
+            if let Ok(list) = client.waiters().await {
+                queue = queue_place(&list.waiters, me);
+            }
         }
-        let queue = match waiting {
-            Some(1) => "1 request waiting (this one)".to_owned(),
-            Some(n) => format!("{n} requests waiting"),
-            None => "queue unknown".to_owned(),
-        };
         let elapsed = clock(started.elapsed());
         let of = limit
             .map(|l| format!(" of {}", clock(l)))
@@ -286,6 +262,28 @@ async fn status_line(client: &Client, request: &ReservationRequest, show: bool) 
             shown = line;
         }
     }
+}
+
+/// `2nd of 3 waiting`, or the queue's length when `me` is not among the waiters.
+fn queue_place(waiters: &[gpud_schema::Waiter], me: u32) -> String {
+    let n = waiters.len();
+    match waiters.iter().find(|w| w.pid == Some(me)) {
+        Some(w) => format!("{} of {n} waiting", ordinal(w.position)),
+        None if n == 1 => "1 request waiting".to_owned(),
+        None => format!("{n} requests waiting"),
+    }
+}
+
+/// `1st`, `2nd`, `3rd`, `4th`, `11th`, `21st`.
+fn ordinal(n: u32) -> String {
+    let suffix = match (n % 10, n % 100) {
+        (_, 11..=13) => "th",
+        (1, _) => "st",
+        (2, _) => "nd",
+        (3, _) => "rd",
+        _ => "th",
+    };
+    format!("{n}{suffix}")
 }
 
 fn clear_status(shown: bool) {
@@ -334,6 +332,37 @@ mod tests {
         assert_eq!(
             h(&["--mem", "1G", "--holder-pid", "7", "--ttl", "1m"]),
             Holder::Given(7)
+        );
+    }
+
+    #[test]
+    fn the_status_line_names_this_requests_place_or_the_queues_length() {
+        let waiter = |position, pid| gpud_schema::Waiter {
+            position,
+            owner_uid: 0,
+            owner_gid: 0,
+            pid,
+            gpus: 1,
+            memory: None,
+            exclusive: true,
+            waiting_since: String::new(),
+            gives_up_at: String::new(),
+        };
+        let queue = [waiter(1, Some(10)), waiter(2, None), waiter(3, Some(30))];
+        assert_eq!(queue_place(&queue, 30), "3rd of 3 waiting");
+        assert_eq!(queue_place(&queue, 10), "1st of 3 waiting");
+        assert_eq!(queue_place(&queue, 99), "3 requests waiting");
+        assert_eq!(queue_place(&queue[..1], 99), "1 request waiting");
+        let names: Vec<String> = [1, 2, 3, 4, 11, 12, 13, 21, 22, 101, 111]
+            .into_iter()
+            .map(ordinal)
+            .collect();
+        assert_eq!(
+            names,
+            [
+                "1st", "2nd", "3rd", "4th", "11th", "12th", "13th", "21st", "22nd", "101st",
+                "111th"
+            ]
         );
     }
 

@@ -179,7 +179,15 @@ impl Api {
             }
             (["metrics"], &Method::GET) => Ok(self.metrics_reply()),
             (["v1", "events"], &Method::GET) => self.events(&query).await,
-            (["v1", "health"] | ["v1", "gpus"] | ["v1", "events"] | ["metrics"], _)
+            (["v1", "waiters"], &Method::GET) => Ok(self.waiters()),
+            (
+                ["v1", "health"]
+                | ["v1", "gpus"]
+                | ["v1", "events"]
+                | ["v1", "waiters"]
+                | ["metrics"],
+                _,
+            )
             | (["v1", "reservations"], _)
             | (["v1", "reservations", _], _)
             | (["v1", "reservations", _, "renew"], _) => Err(ApiError::new(
@@ -236,6 +244,33 @@ impl Api {
                 waiting: snap.waiting as u64,
             },
         )
+    }
+
+    fn waiters(&self) -> Reply {
+        let waiters =
+            self.broker
+                .waiting()
+                .into_iter()
+                .zip(1..)
+                .map(|(w, position)| schema::Waiter {
+                    position,
+                    owner_uid: w.caller.uid,
+                    owner_gid: w.caller.gid,
+                    pid: w.caller.pid,
+                    gpus: w.gpus,
+                    memory: match w.memory {
+                        model::MemoryAsk::Bytes(b) => Some(schema::MemorySpec::Bytes(b)),
+                        model::MemoryAsk::BasisPoints(bp) => Some(schema::MemorySpec::Text(
+                            format!("{}%", f64::from(bp) / 100.0),
+                        )),
+                        model::MemoryAsk::Exclusive => None,
+                    },
+                    exclusive: w.memory == model::MemoryAsk::Exclusive,
+                    waiting_since: rfc3339(w.since),
+                    gives_up_at: rfc3339(w.gives_up_at),
+                })
+                .collect();
+        json(StatusCode::OK, &schema::WaiterList { waiters })
     }
 
     fn gpus(&self) -> Reply {
@@ -414,6 +449,7 @@ fn route_name(path: &str) -> &'static str {
         ["v1", "reservations", _] => "/v1/reservations/{id}",
         ["v1", "reservations", _, "renew"] => "/v1/reservations/{id}/renew",
         ["v1", "events"] => "/v1/events",
+        ["v1", "waiters"] => "/v1/waiters",
         ["metrics"] => "/metrics",
         _ => "other",
     }

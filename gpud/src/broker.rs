@@ -63,6 +63,21 @@ pub struct ReserveRequest {
     pub id: Option<String>,
 }
 
+/// A request waiting for capacity, as [`Broker::waiting`] lists it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WaitingRequest {
+    /// Who asked.
+    pub caller: Caller,
+    /// Units wanted.
+    pub gpus: u32,
+    /// Memory per unit, or exclusive.
+    pub memory: MemoryAsk,
+    /// When it began to wait.
+    pub since: Millis,
+    /// When it gives up unless served.
+    pub gives_up_at: Millis,
+}
+
 /// A reservation of named units ([`Broker::reserve_exact`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ExactRequest {
@@ -1264,6 +1279,25 @@ impl Broker {
             return Ok(out);
         }
         Ok(inner.store.list(state, owner)?)
+    }
+
+    /// The requests waiting for capacity, in the order they are tried (`GET /v1/waiters`).
+    pub fn waiting(&self) -> Vec<WaitingRequest> {
+        let inner = self.lock();
+        inner
+            .waiters
+            .iter()
+            .map(|w| WaitingRequest {
+                caller: w.caller,
+                gpus: w.request.gpus,
+                memory: w.request.memory,
+                since: w.since,
+                gives_up_at: w.request.wait.map_or(w.since, |wait| {
+                    w.since
+                        .saturating_add(u64::try_from(wait.as_millis()).unwrap_or(u64::MAX))
+                }),
+            })
+            .collect()
     }
 
     /// A consistent snapshot for `GET /v1/gpus`, metrics and the audit.

@@ -279,6 +279,38 @@ pub struct EventList {
     pub events: Vec<Event>,
 }
 
+/// A request waiting for capacity (`GET /v1/waiters`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct Waiter {
+    /// Place in the queue, 1 for the first. gpud tries waiters in this order; a later one
+    /// is served first only when it fits and the first has not waited too long (backfill).
+    pub position: u32,
+    /// Uid that asked (from the kernel).
+    pub owner_uid: u32,
+    /// Primary gid of the caller that asked.
+    pub owner_gid: u32,
+    /// The process that sent the request (`gpuctl reserve --wait`, usually), when known.
+    pub pid: Option<u32>,
+    /// GPUs wanted.
+    pub gpus: u32,
+    /// Memory per GPU (bytes, or a percentage); absent when `exclusive`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory: Option<MemorySpec>,
+    /// Whole GPUs.
+    pub exclusive: bool,
+    /// When it began to wait, RFC 3339 UTC.
+    pub waiting_since: String,
+    /// When it gives up unless served, RFC 3339 UTC.
+    pub gives_up_at: String,
+}
+
+/// `GET /v1/waiters` response.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct WaiterList {
+    /// The queue, first first.
+    pub waiters: Vec<Waiter>,
+}
+
 /// Error response: `{"error": {"code": "...", "message": "..."}}`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct ErrorBody {

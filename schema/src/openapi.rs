@@ -10,7 +10,7 @@ use serde_json::{Value, json};
 
 use crate::{
     ErrorBody, EventList, GpuList, Health, RenewRequest, Reservation, ReservationList,
-    ReservationRequest,
+    ReservationRequest, WaiterList,
 };
 
 /// Builds the whole document.
@@ -26,6 +26,7 @@ pub fn document() -> Value {
     let health = r(&mut generator, |g| g.subschema_for::<Health>());
     let error = r(&mut generator, |g| g.subschema_for::<ErrorBody>());
     let event_list = r(&mut generator, |g| g.subschema_for::<EventList>());
+    let waiter_list = r(&mut generator, |g| g.subschema_for::<WaiterList>());
     let components = generator.take_definitions(true);
 
     let body = |schema: &Value| json!({"content": {"application/json": {"schema": schema}}});
@@ -131,6 +132,10 @@ pub fn document() -> Value {
                      "schema": {"type": "integer", "format": "uint32", "minimum": 1, "maximum": 10000}}
                 ],
                 "responses": {"200": reply("Events", &event_list), "400": error_reply("Bad filter")}
+            }},
+            "/v1/waiters": {"get": {
+                "summary": "Requests waiting for capacity, in the order gpud tries them",
+                "responses": {"200": reply("Waiters", &waiter_list)}
             }},
             "/metrics": {"get": {
                 "summary": "Prometheus text exposition",

@@ -355,6 +355,57 @@ fn a_disconnected_waiter_holds_nothing() {
 }
 
 #[test]
+fn the_queue_lists_waiters_in_order_with_who_asked_and_until_when() {
+    let d = Daemon::start("t4-pair", "");
+    assert_eq!(d.get("/v1/waiters").body, json!({"waiters": []}));
+    let (first, second) = fill_t4(&d);
+    let big = queue(
+        &d,
+        json!({"gpus": 2, "exclusive": true, "ttl_seconds": 60, "wait_seconds": 20}),
+    );
+    let small = queue(
+        &d,
+        json!({"gpus": 2, "memory": "25%", "ttl_seconds": 60, "wait_seconds": 30}),
+    );
+    let r = d.get("/v1/waiters");
+    assert_eq!(r.status, 200, "{}", r.text);
+    let waiters = r.body["waiters"].as_array().unwrap();
+    assert_eq!(waiters.len(), 2, "{}", r.text);
+    let (uid, gid) = gpud_tests::my_ids();
+    assert_eq!(waiters[0]["position"], 1);
+    assert_eq!(waiters[0]["gpus"], 2);
+    assert_eq!(waiters[0]["exclusive"], true);
+    assert!(waiters[0].get("memory").is_none(), "{}", r.text);
+    assert_eq!(waiters[1]["position"], 2);
+    assert_eq!(waiters[1]["memory"], "25%");
+    assert_eq!(waiters[1]["exclusive"], false);
+    for w in waiters {
+        assert_eq!(
+            (w["owner_uid"].as_u64(), w["owner_gid"].as_u64()),
+            (Some(u64::from(uid)), Some(u64::from(gid)))
+        );
+        // The test process itself sent both requests.
+        assert_eq!(w["pid"], std::process::id());
+        assert!(w["waiting_since"].as_str().unwrap() < w["gives_up_at"].as_str().unwrap());
+    }
+    assert_eq!(d.post("/v1/waiters", "{}").status, 405);
+    // Served, they leave the queue.
+    for id in [first, second] {
+        assert_eq!(d.delete(&format!("/v1/reservations/{id}")).status, 200);
+    }
+    let big = big.join().unwrap();
+    assert_eq!(big.status, 201, "{}", big.text);
+    assert_eq!(d.get("/v1/waiters").body["waiters"][0]["position"], 1);
+    assert_eq!(
+        d.delete(&format!("/v1/reservations/{}", id(&big))).status,
+        200
+    );
+    let small = small.join().unwrap();
+    assert_eq!(small.status, 201, "{}", small.text);
+    assert_eq!(d.get("/v1/waiters").body, json!({"waiters": []}));
+}
+
+#[test]
 fn backfill_lets_a_small_request_past_a_big_waiter() {
     let d = Daemon::start("t4-pair", "");
     // GPU0 partly used, GPU1 whole-held: a 2-GPU exclusive waiter cannot fit, a small one can.

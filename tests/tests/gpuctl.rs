@@ -386,7 +386,14 @@ fn json_outputs_parse_and_tables_show_the_same() {
     assert_eq!(gone.state, ReservationState::Released);
 }
 
-/// One GPU row of `gpuctl gpus`, with runs of blanks squeezed.
+/// This user's name, as gpuctl's OWNER columns show it.
+fn whoami() -> String {
+    text(&run(Command::new("id").arg("-un")).stdout)
+        .trim()
+        .to_owned()
+}
+
+/// One row of a gpuctl table by its first cell, with runs of blanks squeezed.
 fn squeezed(table: &str, first: &str) -> String {
     table
         .lines()
@@ -601,6 +608,17 @@ fn ctrl_c_while_waiting_cancels_and_holds_nothing() {
         .spawn()
         .unwrap();
     wait_for(Duration::from_secs(5), || (waiting(&d) == 1).then_some(())).expect("queued");
+    // `gpuctl waiters` shows it: first in line, its pid, what it wants.
+    let table = expect(&d, &["waiters"], 0);
+    let row = squeezed(&table, "1");
+    assert!(
+        row.starts_with(&format!("1 {} {} 4 GiB on 1 GPU ", whoami(), child.id())),
+        "{table}"
+    );
+    assert!(row.ends_with(" 29s") || row.ends_with(" 30s"), "{table}");
+    let listed: Value = serde_json::from_str(&expect(&d, &["waiters", "-o", "json"], 0)).unwrap();
+    assert_eq!(listed["waiters"][0]["pid"], child.id());
+    assert_eq!(listed["waiters"][0]["memory"], 4 * GIB);
     signal(child.id(), SIGINT);
     let out = child.wait_with_output().unwrap();
     assert_eq!(out.status.code(), Some(130));
@@ -637,9 +655,7 @@ fn a_terminal_shows_a_live_status_line_while_waiting() {
     assert_eq!(out.status.code(), Some(5));
     let screen = text(&out.stdout);
     assert!(
-        screen.contains(
-            "gpuctl: waiting for 4 GiB on 1 GPU; 1 request waiting (this one); 0:01 of 0:02"
-        ),
+        screen.contains("gpuctl: waiting for 4 GiB on 1 GPU; 1st of 1 waiting; 0:01 of 0:02"),
         "{screen:?}"
     );
     // The line is cleared before the final message.
