@@ -36,7 +36,7 @@ use crate::config::{AuditConfig, Enforcement};
 use crate::gpu::{GpuProcess, Nvml};
 use crate::holder::process_info;
 use crate::metrics::Metrics;
-use crate::model::{Event, EventKind, EventPhase, Gpu, Millis};
+use crate::model::{Event, EventKind, EventPhase, Gpu, Millis, Topology};
 
 /// How deep to walk a process's ancestors looking for a holder.
 const MAX_ANCESTRY: usize = 64;
@@ -59,15 +59,24 @@ pub struct AuditedReservation {
 /// One GPU's process listing, or why it failed (`true`: NVML says the GPU is lost).
 pub type Listing = Result<Vec<GpuProcess>, (bool, String)>;
 
-/// Where NVML process lists come from (the real `gpu::Nvml`; a stand-in in unit tests).
+/// Where NVML process lists come from, and the topology when a GPU comes back (the real
+/// `gpu::Nvml`; a stand-in in unit tests).
 pub trait ProcessSource {
     /// The processes on `gpu`, or why they could not be listed (`true`: the GPU is lost).
     fn processes(&self, gpu: &Gpu) -> Listing;
+    /// The link matrix between `gpus` read anew; `None` when the source cannot tell.
+    fn topology(&self, _gpus: &[Gpu]) -> Option<Topology> {
+        None
+    }
 }
 
 impl ProcessSource for Nvml {
     fn processes(&self, gpu: &Gpu) -> Listing {
         Nvml::processes(self, gpu).map_err(|e| (e.is_gpu_lost(), e.to_string()))
+    }
+
+    fn topology(&self, gpus: &[Gpu]) -> Option<Topology> {
+        Some(self.read_topology(gpus))
     }
 }
 
@@ -285,13 +294,20 @@ impl<S: ProcessSource, T: ProcessTable> Auditor<S, T> {
         self.take_xids(&config.xid_ignore);
         let mut listed: Vec<(u32, Vec<GpuProcess>)> = Vec::new();
         let mut unlisted: Vec<u32> = Vec::new();
+        let mut recovered = Vec::new();
         for gpu in &view.gpus {
             match self.source.processes(gpu) {
                 Ok(procs) => {
                     self.failures.remove(&gpu.index);
                     match self.xid_failed.get(&gpu.index).cloned() {
-                        Some(reason) => self.set_health(gpu, false, &reason, now, &mut events),
-                        None => self.set_health(gpu, true, "NVML answers again", now, &mut events),
+                        Some(reason) => {
+                            self.set_health(gpu, false, &reason, now, &mut events);
+                        }
+                        None => {
+                            if self.set_health(gpu, true, "NVML answers again", now, &mut events) {
+                                recovered.push(gpu.index);
+                            }
+                        }
                     }
                     listed.push((gpu.index, procs));
                 }
@@ -315,6 +331,15 @@ impl<S: ProcessSource, T: ProcessTable> Auditor<S, T> {
                     }
                 }
             }
+        }
+
+        // A GPU that came back may have come back changed (a reset can leave NVLinks down):
+        // placement uses its links as they are now.
+        if !recovered.is_empty()
+            && let Some(topology) = self.source.topology(&view.gpus)
+            && self.broker.set_topology(topology)
+        {
+            tracing::info!(gpus = %crate::gpu::format_ranges(recovered), "GPU links read again after a GPU came back");
         }
 
         // 2. Attribution.
@@ -546,6 +571,7 @@ impl<S: ProcessSource, T: ProcessTable> Auditor<S, T> {
         }
     }
 
+    /// Marks `gpu` healthy or not, with an event; `false` when it already was.
     fn set_health(
         &mut self,
         gpu: &Gpu,
@@ -553,9 +579,9 @@ impl<S: ProcessSource, T: ProcessTable> Auditor<S, T> {
         reason: &str,
         now: Millis,
         events: &mut Vec<Event>,
-    ) {
+    ) -> bool {
         if !self.broker.set_gpu_health(gpu.index, healthy) {
-            return;
+            return false;
         }
         let key = FindingKey {
             kind: EventKind::GpuUnhealthy,
@@ -598,6 +624,7 @@ impl<S: ProcessSource, T: ProcessTable> Auditor<S, T> {
             self.open.insert(key, event.clone());
         }
         events.push(event);
+        true
     }
 
     /// Applies the enforcement policy to a new finding; returns the action taken, in words.
@@ -823,6 +850,10 @@ impl ProcessSource for Arc<Nvml> {
     fn processes(&self, gpu: &Gpu) -> Listing {
         ProcessSource::processes(self.as_ref(), gpu)
     }
+
+    fn topology(&self, gpus: &[Gpu]) -> Option<Topology> {
+        ProcessSource::topology(self.as_ref(), gpus)
+    }
 }
 
 #[cfg(test)]
@@ -841,8 +872,9 @@ mod tests {
     const GIB: u64 = 1 << 30;
     const ME: u32 = 1000;
 
+    /// Process lists per GPU index, and the topology a re-read finds.
     #[derive(Default)]
-    struct FakeNvml(Mutex<BTreeMap<u32, Listing>>);
+    struct FakeNvml(Mutex<BTreeMap<u32, Listing>>, Mutex<Option<Topology>>);
 
     impl ProcessSource for &FakeNvml {
         fn processes(&self, gpu: &Gpu) -> Listing {
@@ -852,6 +884,10 @@ mod tests {
                 .get(&gpu.index)
                 .cloned()
                 .unwrap_or(Ok(Vec::new()))
+        }
+
+        fn topology(&self, _gpus: &[Gpu]) -> Option<Topology> {
+            self.1.lock().unwrap().clone()
         }
     }
 
@@ -1220,13 +1256,32 @@ mod tests {
             b.snapshot().gpus[0].healthy,
             "one bad GPU does not affect the others"
         );
+        // The links as a re-read would find them now: only a recovery re-reads them.
+        let before = b.snapshot().topology;
+        let mut after = before.clone();
+        after.set_link(
+            0,
+            1,
+            crate::model::Link {
+                pcie: crate::model::PcieLevel::Board,
+                nvlinks: 4,
+            },
+        );
+        assert_ne!(after, before);
+        *nvml.1.lock().unwrap() = Some(after.clone());
         assert!(a.pass(&config, 2).events.is_empty());
+        assert_eq!(b.snapshot().topology, before);
         nvml.0.lock().unwrap().insert(1, Ok(vec![]));
         assert_eq!(
             kinds(&a.pass(&config, 3)),
             [(EventKind::GpuUnhealthy, EventPhase::End)]
         );
         assert!(b.snapshot().gpus[1].healthy);
+        assert_eq!(
+            b.snapshot().topology,
+            after,
+            "read again when GPU 1 came back"
+        );
         // A GPU whose queries fail turns unhealthy only after several failures in a row.
         nvml.0
             .lock()

@@ -1350,6 +1350,17 @@ impl Broker {
         true
     }
 
+    /// Replaces the link matrix (re-read after a GPU came back). One of another size (the
+    /// GPUs cannot change while gpud runs) is ignored; `false` then.
+    pub fn set_topology(&self, topology: Topology) -> bool {
+        let mut inner = self.lock();
+        if topology.size() != inner.topology.size() {
+            return false;
+        }
+        inner.topology = topology;
+        true
+    }
+
     /// Refuses new requests and fails every waiter (graceful stop).
     pub fn shut_down(&self) {
         let mut inner = self.lock();

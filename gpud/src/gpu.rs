@@ -297,7 +297,9 @@ impl Nvml {
         Ok(id)
     }
 
-    fn read_topology(&self, gpus: &[Gpu]) -> Topology {
+    /// Reads the link matrix between `gpus` anew (PCIe levels and NVLinks), as discovery
+    /// does: for a GPU that came back, whose links may have changed with a reset.
+    pub fn read_topology(&self, gpus: &[Gpu]) -> Topology {
         let n = gpus.len();
         let mut topology = Topology::uniform(
             n,

@@ -227,9 +227,27 @@ fn a_gpu_fails_and_recovers_without_affecting_the_others() {
     let r = reserve(&d, json!({"gpus": 7, "exclusive": true, "ttl_seconds": 60}));
     let indices = r.gpu_indices();
     assert!(!indices.contains(&3), "{indices:?}");
+    let links_of_3 = |d: &Daemon| -> Vec<String> {
+        serde_json::from_value(d.get("/v1/gpus").body["gpus"][3]["links"].clone()).unwrap()
+    };
+    assert!(
+        links_of_3(&d).iter().any(|l| l.starts_with("NV")),
+        "{:?}",
+        links_of_3(&d)
+    );
+    // It comes back after a reset with its NVLinks down: placement must see that.
     fixture["errors"] = json!([]);
+    for other in 0..8 {
+        fixture["topology"]["nvlink"][3][other] = json!(0);
+        fixture["topology"]["nvlink"][other][3] = json!(0);
+    }
     d.write_fixture(&fixture);
     wait_event(&d, "gpu_unhealthy", "end", None);
+    assert!(
+        links_of_3(&d).iter().all(|l| !l.starts_with("NV")),
+        "links read again: {:?}",
+        links_of_3(&d)
+    );
     assert_eq!(d.get("/v1/health").body["status"], "ok");
     let r = reserve(&d, json!({"exclusive": true, "ttl_seconds": 60}));
     assert_eq!(r.body["gpus"][0]["index"], 3);
