@@ -70,7 +70,7 @@ pub fn request(args: &ReserveArgs, holder: Holder) -> ReservationRequest {
         gpus: Some(args.gpus),
         memory: args.mem.map(|m| match m {
             MemoryAmount::Bytes(b) => MemorySpec::Bytes(b),
-            MemoryAmount::BasisPoints(bp) => MemorySpec::Text(basis_points_text(bp)),
+            MemoryAmount::BasisPoints(bp) => MemorySpec::Text(gpud_schema::format_basis_points(bp)),
         }),
         exclusive: args.exclusive,
         wait_seconds: args.wait.map(whole_seconds),
@@ -78,16 +78,6 @@ pub fn request(args: &ReserveArgs, holder: Holder) -> ReservationRequest {
         holder_pid: holder.pid(),
         labels: args.labels.iter().cloned().collect(),
         policy: args.policy.map(Into::into),
-    }
-}
-
-/// `2500` → `25%`, `1250` → `12.5%`, `1` → `0.01%` (what the size parser reads back).
-fn basis_points_text(bp: u32) -> String {
-    let (whole, frac) = (bp / 100, bp % 100);
-    match frac {
-        0 => format!("{whole}%"),
-        f if f % 10 == 0 => format!("{whole}.{}%", f / 10),
-        f => format!("{whole}.{f:02}%"),
     }
 }
 
@@ -237,7 +227,7 @@ async fn status_line(client: &Client, request: &ReservationRequest, show: bool) 
     tokio::time::sleep(Duration::from_millis(300)).await;
     let what = describe(request);
     let limit = request.wait_seconds.map(Duration::from_secs);
-    let me = std::process::id();
+    let me = (nix::unistd::getuid().as_raw(), std::process::id());
     let mut queue = "queue unknown".to_owned();
     let mut tick = tokio::time::interval(Duration::from_millis(250));
     let mut last_poll: Option<Instant> = None;
@@ -264,13 +254,17 @@ async fn status_line(client: &Client, request: &ReservationRequest, show: bool) 
     }
 }
 
-/// `2nd of 3 waiting`, or the queue's length when `me` is not among the waiters.
-fn queue_place(waiters: &[gpud_schema::Waiter], me: u32) -> String {
+/// `2nd of 3 waiting`, or the queue's length unless exactly one waiter is `me` (uid, pid):
+/// inside a container gpuctl's pid is not the one gpud sees, and may be another's.
+fn queue_place(waiters: &[gpud_schema::Waiter], me: (u32, u32)) -> String {
     let n = waiters.len();
-    match waiters.iter().find(|w| w.pid == Some(me)) {
-        Some(w) => format!("{} of {n} waiting", ordinal(w.position)),
-        None if n == 1 => "1 request waiting".to_owned(),
-        None => format!("{n} requests waiting"),
+    let mut mine = waiters
+        .iter()
+        .filter(|w| (w.owner_uid, w.pid) == (me.0, Some(me.1)));
+    match (mine.next(), mine.next()) {
+        (Some(w), None) => format!("{} of {n} waiting", ordinal(w.position)),
+        _ if n == 1 => "1 request waiting".to_owned(),
+        _ => format!("{n} requests waiting"),
     }
 }
 
@@ -339,7 +333,7 @@ mod tests {
     fn the_status_line_names_this_requests_place_or_the_queues_length() {
         let waiter = |position, pid| gpud_schema::Waiter {
             position,
-            owner_uid: 0,
+            owner_uid: 7,
             owner_gid: 0,
             pid,
             gpus: 1,
@@ -349,10 +343,18 @@ mod tests {
             gives_up_at: String::new(),
         };
         let queue = [waiter(1, Some(10)), waiter(2, None), waiter(3, Some(30))];
-        assert_eq!(queue_place(&queue, 30), "3rd of 3 waiting");
-        assert_eq!(queue_place(&queue, 10), "1st of 3 waiting");
-        assert_eq!(queue_place(&queue, 99), "3 requests waiting");
-        assert_eq!(queue_place(&queue[..1], 99), "1 request waiting");
+        assert_eq!(queue_place(&queue, (7, 30)), "3rd of 3 waiting");
+        assert_eq!(queue_place(&queue, (7, 10)), "1st of 3 waiting");
+        assert_eq!(queue_place(&queue, (7, 99)), "3 requests waiting");
+        assert_eq!(
+            queue_place(&queue, (8, 30)),
+            "3 requests waiting",
+            "another uid's pid"
+        );
+        assert_eq!(queue_place(&queue[..1], (7, 99)), "1 request waiting");
+        // Two of mine with the same pid (two namespaces): no guessing.
+        let twice = [waiter(1, Some(10)), waiter(2, Some(10))];
+        assert_eq!(queue_place(&twice, (7, 10)), "2 requests waiting");
         let names: Vec<String> = [1, 2, 3, 4, 11, 12, 13, 21, 22, 101, 111]
             .into_iter()
             .map(ordinal)
@@ -390,18 +392,6 @@ mod tests {
         let r = request(&args(&["--mem", "4GiB"]), Holder::Parent(1));
         assert_eq!(r.memory, Some(MemorySpec::Bytes(4 << 30)));
         assert_eq!(describe(&r), "4 GiB on 1 GPU");
-    }
-
-    #[test]
-    fn percentages_round_trip_through_the_size_parser() {
-        for bp in [1, 10, 99, 100, 1250, 2500, 3333, 10_000] {
-            let text = basis_points_text(bp);
-            assert_eq!(
-                gpud_schema::parse_memory(&text),
-                Ok(MemoryAmount::BasisPoints(bp)),
-                "{text}"
-            );
-        }
     }
 
     #[test]

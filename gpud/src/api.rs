@@ -247,29 +247,30 @@ impl Api {
     }
 
     fn waiters(&self) -> Reply {
-        let waiters =
-            self.broker
-                .waiting()
-                .into_iter()
-                .zip(1..)
-                .map(|(w, position)| schema::Waiter {
-                    position,
-                    owner_uid: w.caller.uid,
-                    owner_gid: w.caller.gid,
-                    pid: w.caller.pid,
-                    gpus: w.gpus,
-                    memory: match w.memory {
-                        model::MemoryAsk::Bytes(b) => Some(schema::MemorySpec::Bytes(b)),
-                        model::MemoryAsk::BasisPoints(bp) => Some(schema::MemorySpec::Text(
-                            format!("{}%", f64::from(bp) / 100.0),
-                        )),
-                        model::MemoryAsk::Exclusive => None,
-                    },
-                    exclusive: w.memory == model::MemoryAsk::Exclusive,
-                    waiting_since: rfc3339(w.since),
-                    gives_up_at: rfc3339(w.gives_up_at),
-                })
-                .collect();
+        let waiters = self
+            .broker
+            .waiting()
+            .into_iter()
+            .zip(1..)
+            .map(|(w, position)| schema::Waiter {
+                position,
+                owner_uid: w.caller.uid,
+                owner_gid: w.caller.gid,
+                // 0: the kernel could not name it in gpud's pid namespace.
+                pid: w.caller.pid.filter(|&p| p != 0),
+                gpus: w.gpus,
+                memory: match w.memory {
+                    model::MemoryAsk::Bytes(b) => Some(schema::MemorySpec::Bytes(b)),
+                    model::MemoryAsk::BasisPoints(bp) => {
+                        Some(schema::MemorySpec::Text(schema::format_basis_points(bp)))
+                    }
+                    model::MemoryAsk::Exclusive => None,
+                },
+                exclusive: w.memory == model::MemoryAsk::Exclusive,
+                waiting_since: rfc3339(w.since),
+                gives_up_at: rfc3339(w.gives_up_at),
+            })
+            .collect();
         json(StatusCode::OK, &schema::WaiterList { waiters })
     }
 

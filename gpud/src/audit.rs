@@ -258,10 +258,11 @@ impl<S: ProcessSource, T: ProcessTable> Auditor<S, T> {
     }
 
     /// Takes the Xid errors reported since the last pass; those not in `ignore` make their
-    /// GPU unhealthy for good.
-    fn take_xids(&mut self, ignore: &[u64]) {
+    /// GPU unhealthy for good. Returns the GPUs that failed now, with why.
+    fn take_xids(&mut self, ignore: &[u64]) -> Vec<(u32, String)> {
+        let mut fresh = Vec::new();
         let Some(xids) = &self.xids else {
-            return;
+            return fresh;
         };
         for (gpu, xid) in xids.try_iter() {
             if ignore.contains(&xid) {
@@ -272,16 +273,19 @@ impl<S: ProcessSource, T: ProcessTable> Auditor<S, T> {
                 );
                 continue;
             }
-            self.xid_failed.entry(gpu).or_insert_with(|| {
+            if let std::collections::hash_map::Entry::Vacant(entry) = self.xid_failed.entry(gpu) {
                 let meaning = xid_meaning(xid)
                     .map(|m| format!(" ({m})"))
                     .unwrap_or_default();
-                format!(
+                let reason = format!(
                     "GPU {gpu} reported critical Xid {xid}{meaning}; it stays out of service \
                      until gpud restarts (after the GPU is reset or the node rebooted)"
-                )
-            });
+                );
+                entry.insert(reason.clone());
+                fresh.push((gpu, reason));
+            }
         }
+        fresh
     }
 
     /// One audit pass at time `now`.
@@ -290,8 +294,15 @@ impl<S: ProcessSource, T: ProcessTable> Auditor<S, T> {
         let view = self.broker.audit_view();
         let mut events = Vec::new();
 
-        // 1. Processes per GPU, and health.
-        self.take_xids(&config.xid_ignore);
+        // 1. Processes per GPU, and health. An Xid is recorded even on a GPU already
+        // unhealthy for another reason: it is why the GPU will not come back.
+        for (index, reason) in self.take_xids(&config.xid_ignore) {
+            if let Some(gpu) = view.gpus.iter().find(|g| g.index == index)
+                && !self.set_health(gpu, false, &reason, now, &mut events)
+            {
+                self.record_health(gpu, false, &reason, now, &mut events);
+            }
+        }
         let mut listed: Vec<(u32, Vec<GpuProcess>)> = Vec::new();
         let mut unlisted: Vec<u32> = Vec::new();
         let mut recovered = Vec::new();
@@ -583,6 +594,19 @@ impl<S: ProcessSource, T: ProcessTable> Auditor<S, T> {
         if !self.broker.set_gpu_health(gpu.index, healthy) {
             return false;
         }
+        self.record_health(gpu, healthy, reason, now, events);
+        true
+    }
+
+    /// The event (and open finding) for a health change of `gpu`, or a new reason for it.
+    fn record_health(
+        &mut self,
+        gpu: &Gpu,
+        healthy: bool,
+        reason: &str,
+        now: Millis,
+        events: &mut Vec<Event>,
+    ) {
         let key = FindingKey {
             kind: EventKind::GpuUnhealthy,
             unit: gpu.uuid.clone(),
@@ -624,7 +648,6 @@ impl<S: ProcessSource, T: ProcessTable> Auditor<S, T> {
             self.open.insert(key, event.clone());
         }
         events.push(event);
-        true
     }
 
     /// Applies the enforcement policy to a new finding; returns the action taken, in words.
@@ -923,11 +946,15 @@ mod tests {
     }
 
     fn broker() -> Arc<Broker> {
+        broker_on(&inventory())
+    }
+
+    fn broker_on(inventory: &GpuInventory) -> Arc<Broker> {
         let settings = BrokerSettings {
             admin_gids: vec![],
             config: Config::default(),
         };
-        Broker::open(Store::open_in_memory().unwrap(), &inventory(), settings, 0)
+        Broker::open(Store::open_in_memory().unwrap(), inventory, settings, 0)
             .unwrap()
             .0
     }
@@ -1297,7 +1324,7 @@ mod tests {
 
     #[test]
     fn a_critical_xid_takes_its_gpu_out_of_service_for_good_and_a_programs_xid_does_not() {
-        let b = broker();
+        let b = broker_on(&GpuInventory::test_machine(3, 16));
         let (nvml, procs) = (FakeNvml::default(), FakeProcs::default());
         let (tx, rx) = std::sync::mpsc::channel();
         let mut a = Auditor::new(b.clone(), &nvml, &procs, Arc::new(Metrics::new())).with_xids(rx);
@@ -1332,6 +1359,32 @@ mod tests {
             assert!(a.pass(&config, now).events.is_empty());
         }
         assert!(!b.snapshot().gpus[1].healthy);
+        // An Xid on a GPU already unhealthy for another reason is recorded too, and keeps
+        // it out once NVML answers again.
+        nvml.0
+            .lock()
+            .unwrap()
+            .insert(2, Err((true, "GPU is lost".into())));
+        assert_eq!(
+            kinds(&a.pass(&config, 6)),
+            [(EventKind::GpuUnhealthy, EventPhase::Start)]
+        );
+        tx.send((2, 48)).unwrap();
+        let report = a.pass(&config, 7);
+        assert_eq!(
+            kinds(&report),
+            [(EventKind::GpuUnhealthy, EventPhase::Start)]
+        );
+        assert!(
+            report.events[0]
+                .message
+                .contains("Xid 48 (double-bit ECC error)"),
+            "{}",
+            report.events[0].message
+        );
+        nvml.0.lock().unwrap().insert(2, Ok(vec![]));
+        assert!(a.pass(&config, 8).events.is_empty());
+        assert!(!b.snapshot().gpus[2].healthy);
         // A configured `xid_ignore` replaces the default list.
         let strict = AuditConfig {
             xid_ignore: Vec::new(),
@@ -1339,7 +1392,7 @@ mod tests {
         };
         tx.send((0, 31)).unwrap();
         assert_eq!(
-            kinds(&a.pass(&strict, 6)),
+            kinds(&a.pass(&strict, 9)),
             [(EventKind::GpuUnhealthy, EventPhase::Start)]
         );
         assert!(!b.snapshot().gpus[0].healthy);

@@ -1287,6 +1287,8 @@ impl Broker {
         inner
             .waiters
             .iter()
+            // A client that went away is dropped at the next retry; it waits for nothing.
+            .filter(|w| !w.reply.is_closed())
             .map(|w| WaitingRequest {
                 caller: w.caller,
                 gpus: w.request.gpus,

@@ -443,6 +443,7 @@ mod tests {
         assert_eq!(config.socket, PathBuf::from("/run/gpud/gpud.sock"));
         assert_eq!(config.state_dir, PathBuf::from("/var/lib/gpud"));
         assert_eq!(config.audit.interval, Duration::from_secs(2));
+        assert_eq!(config.audit.xid_ignore, APPLICATION_XIDS);
         assert_eq!(config.history, HistoryConfig::default());
         // Installed as /etc/gpud/gpud.toml, it must limit nobody; its commented-out quota
         // example must be valid once uncommented.

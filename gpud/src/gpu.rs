@@ -468,15 +468,76 @@ impl Nvml {
         tx: &std::sync::mpsc::Sender<(u32, u64)>,
         registered: &std::sync::mpsc::SyncSender<()>,
     ) {
-        use nvml_wrapper::bitmasks::event::EventTypes;
         use nvml_wrapper::enums::event::XidError;
+
+        /// Failed waits in a row (one a second) after which the GPUs are registered anew:
+        /// a GPU that fell off the bus can fail every wait of its set, and a new set leaves
+        /// it out, so that the others are heard again.
+        const FAILURES_BEFORE_REGISTERING_AGAIN: u32 = 10;
+        loop {
+            let Some((set, by_handle)) = self.register_xids() else {
+                return;
+            };
+            let _ = registered.try_send(());
+            let mut failures = 0;
+            let mut last_error = None;
+            while failures < FAILURES_BEFORE_REGISTERING_AGAIN {
+                match set.wait(1_000) {
+                    Ok(event) => {
+                        failures = 0;
+                        let xid = match event.event_data {
+                            Some(XidError::Value(xid)) => xid,
+                            Some(XidError::Unknown) => 999,
+                            None => continue,
+                        };
+                        // By the handle registered, not by asking NVML: a GPU that fell off
+                        // the bus no longer answers for its index.
+                        // SAFETY: the handle is only compared, never dereferenced.
+                        let handle = unsafe { event.device.handle() }.addr();
+                        let Some(index) = by_handle
+                            .get(&handle)
+                            .copied()
+                            .or_else(|| event.device.index().ok())
+                        else {
+                            tracing::warn!(xid, "an Xid error on a GPU NVML cannot name");
+                            continue;
+                        };
+                        if tx.send((index, xid)).is_err() {
+                            return;
+                        }
+                    }
+                    Err(NvmlError::Timeout) => failures = 0,
+                    Err(e) => {
+                        failures += 1;
+                        // Say it once, not every second; a lost GPU is also found by the
+                        // audit's queries.
+                        let text = e.to_string();
+                        if last_error.as_ref() != Some(&text) {
+                            tracing::warn!(error = %text, "waiting for Xid errors failed; retrying every second");
+                            last_error = Some(text);
+                        }
+                        std::thread::sleep(std::time::Duration::from_secs(1));
+                    }
+                }
+            }
+            tracing::warn!("waiting for Xid errors keeps failing; registering the GPUs again");
+        }
+    }
+
+    /// One event set with every GPU that supports the critical Xid event, and each
+    /// registered GPU's index by its handle. `None`, logged, when there is nothing to watch.
+    fn register_xids(&self) -> Option<(nvml_wrapper::EventSet<'_>, BTreeMap<usize, u32>)> {
+        use nvml_wrapper::bitmasks::event::EventTypes;
 
         let unwatched = |why: String| {
             tracing::info!("critical Xid errors are not watched: {why}");
         };
         let count = match self.nvml.device_count() {
             Ok(n) => n,
-            Err(e) => return unwatched(format!("nvmlDeviceGetCount: {e}")),
+            Err(e) => {
+                unwatched(format!("nvmlDeviceGetCount: {e}"));
+                return None;
+            }
         };
         let mut watched: Vec<u32> = (0..count)
             .filter(|&index| {
@@ -488,13 +549,23 @@ impl Nvml {
             .collect();
         // A failed registration frees the whole set (NVML's rule): leave that GPU out and
         // register the others again in a new one.
-        let set = 'register: loop {
+        'register: loop {
+            if watched.is_empty() {
+                unwatched("no GPU supports the event".to_owned());
+                return None;
+            }
             let mut set = match self.nvml.create_event_set() {
                 Ok(set) => set,
-                Err(e) => return unwatched(format!("nvmlEventSetCreate: {e}")),
+                Err(e) => {
+                    unwatched(format!("nvmlEventSetCreate: {e}"));
+                    return None;
+                }
             };
+            let mut by_handle = BTreeMap::new();
             for (i, &index) in watched.iter().enumerate() {
                 let registered = self.device(index).map_err(|e| e.to_string()).and_then(|d| {
+                    // SAFETY: the handle is only kept to compare, never dereferenced.
+                    by_handle.insert(unsafe { d.handle() }.addr(), index);
                     d.register_events(EventTypes::CRITICAL_XID_ERROR, set)
                         .map_err(|e| e.to_string())
                 });
@@ -507,43 +578,8 @@ impl Nvml {
                     }
                 }
             }
-            break set;
-        };
-        if watched.is_empty() {
-            return unwatched("no GPU supports the event".to_owned());
-        }
-        tracing::info!(gpus = %format_ranges(watched.iter().copied()), "watching for critical Xid errors");
-        let _ = registered.try_send(());
-        let mut last_error = None;
-        loop {
-            match set.wait(1_000) {
-                Ok(event) => {
-                    last_error = None;
-                    let xid = match event.event_data {
-                        Some(XidError::Value(xid)) => xid,
-                        Some(XidError::Unknown) => 999,
-                        None => continue,
-                    };
-                    let Ok(index) = event.device.index() else {
-                        tracing::warn!(xid, "an Xid error on a GPU NVML cannot name");
-                        continue;
-                    };
-                    if tx.send((index, xid)).is_err() {
-                        return;
-                    }
-                }
-                Err(NvmlError::Timeout) => {}
-                Err(e) => {
-                    // Say it once, not every second; a GPU that is lost is also found by
-                    // the audit's queries.
-                    let text = e.to_string();
-                    if last_error.as_ref() != Some(&text) {
-                        tracing::warn!(error = %text, "waiting for Xid errors failed; retrying every second");
-                        last_error = Some(text);
-                    }
-                    std::thread::sleep(std::time::Duration::from_secs(1));
-                }
-            }
+            tracing::info!(gpus = %format_ranges(watched.iter().copied()), "watching for critical Xid errors");
+            return Some((set, by_handle));
         }
     }
 

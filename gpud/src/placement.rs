@@ -1,8 +1,8 @@
 //! Pure choice of units (GPUs or MIG instances) for a request: no I/O, no async, no clock.
 //!
-//! Depends on `model` only (and `gpud_schema::format_bytes` to word its messages). See DESIGN.md
-//! "Placement" for the rules this implements; this page records how, and the decisions
-//! DESIGN.md leaves open.
+//! Depends on `model` only (and `gpud_schema`'s `format_bytes` and `format_basis_points` to
+//! word its messages). See DESIGN.md "Placement" for the rules this implements; this page
+//! records how, and the decisions DESIGN.md leaves open.
 //!
 //! # Feasibility (rule 1)
 //!
@@ -348,7 +348,7 @@ fn check_possible(
         MemoryAsk::BasisPoints(bp) if bp == 0 || bp > 10_000 => {
             return impossible(format!(
                 "asked for {} of each GPU's memory; ask for more than 0% and at most 100%",
-                format_percent(bp)
+                gpud_schema::format_basis_points(bp)
             ));
         }
         _ => {}
@@ -905,19 +905,6 @@ fn unit_name(unit: &Unit) -> String {
     }
 }
 
-/// `2500` → `25%`, `1250` → `12.5%`, `1` → `0.01%`.
-fn format_percent(bp: u32) -> String {
-    let whole = bp / 100;
-    let frac = bp % 100;
-    if frac == 0 {
-        format!("{whole}%")
-    } else if frac.is_multiple_of(10) {
-        format!("{whole}.{}%", frac / 10)
-    } else {
-        format!("{whole}.{frac:02}%")
-    }
-}
-
 /// `1 GPU` / `3 GPUs`.
 fn count_noun(n: usize, one: &str, many: &str) -> String {
     if n == 1 {
@@ -949,8 +936,12 @@ fn join_limited(items: &[String], separator: &str) -> String {
 fn ask_text(ask: MemoryAsk, plural: bool) -> String {
     match ask {
         MemoryAsk::Bytes(b) => format_bytes(b),
-        MemoryAsk::BasisPoints(bp) if plural => format!("{} of their memory", format_percent(bp)),
-        MemoryAsk::BasisPoints(bp) => format!("{} of its memory", format_percent(bp)),
+        MemoryAsk::BasisPoints(bp) if plural => {
+            format!("{} of their memory", gpud_schema::format_basis_points(bp))
+        }
+        MemoryAsk::BasisPoints(bp) => {
+            format!("{} of its memory", gpud_schema::format_basis_points(bp))
+        }
         MemoryAsk::Exclusive => "the whole GPU".to_owned(),
     }
 }

@@ -124,8 +124,12 @@ async fn serve(config: Config, config_path: Option<PathBuf>) -> anyhow::Result<(
 
     tokio::spawn(expiry_loop(broker.clone()));
     tokio::spawn(history_loop(broker.clone()));
-    let auditor = Auditor::new(broker.clone(), nvml.clone(), ProcFs, metrics.clone())
-        .with_xids(nvml.watch_xids());
+    let xids = {
+        let nvml = nvml.clone();
+        tokio::task::spawn_blocking(move || nvml.watch_xids()).await?
+    };
+    let auditor =
+        Auditor::new(broker.clone(), nvml.clone(), ProcFs, metrics.clone()).with_xids(xids);
     let audit_broker = broker.clone();
     tokio::spawn(audit::run(auditor, move || {
         audit_broker.settings().config.audit.clone()

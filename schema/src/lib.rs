@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 pub mod openapi;
 pub mod size;
 
-pub use size::{MemoryAmount, SizeError, format_bytes, parse_memory};
+pub use size::{MemoryAmount, SizeError, format_basis_points, format_bytes, parse_memory};
 
 pub mod env;
 

@@ -130,6 +130,17 @@ fn parse_decimal(s: &str) -> Option<(u64, Fraction)> {
     Some((whole, Fraction { digits, places }))
 }
 
+/// A fraction in basis points as the size parser reads it back: `2500` → `25%`, `1250` →
+/// `12.5%`, `1` → `0.01%`.
+pub fn format_basis_points(bp: u32) -> String {
+    let (whole, frac) = (bp / 100, bp % 100);
+    match frac {
+        0 => format!("{whole}%"),
+        f if f.is_multiple_of(10) => format!("{whole}.{}%", f / 10),
+        f => format!("{whole}.{f:02}%"),
+    }
+}
+
 /// Formats bytes for people, binary units with one decimal: `3.2 GiB`, `512 MiB`, `100 B`.
 pub fn format_bytes(bytes: u64) -> String {
     BytesDisplay(bytes).to_string()
@@ -175,6 +186,21 @@ mod tests {
         assert_eq!(parse_memory("1024"), Ok(MemoryAmount::Bytes(1024)));
         assert_eq!(parse_memory("2k"), Ok(MemoryAmount::Bytes(2048)));
         assert_eq!(parse_memory("1T"), Ok(MemoryAmount::Bytes(1 << 40)));
+    }
+
+    #[test]
+    fn basis_points_print_as_the_parser_reads_them() {
+        for (bp, text) in [
+            (2500, "25%"),
+            (1250, "12.5%"),
+            (1, "0.01%"),
+            (10, "0.1%"),
+            (3333, "33.33%"),
+            (10_000, "100%"),
+        ] {
+            assert_eq!(format_basis_points(bp), text);
+            assert_eq!(parse_memory(text), Ok(MemoryAmount::BasisPoints(bp)));
+        }
     }
 
     #[test]

@@ -287,6 +287,35 @@ fn a_critical_xid_takes_its_gpu_out_of_service_until_restart() {
 }
 
 #[test]
+fn an_xid_from_a_gpu_that_fell_off_the_bus_keeps_it_out_when_nvml_answers_again() {
+    let d = Daemon::start("dgx1-v100", "");
+    // GPU 2 stops answering altogether (even for its index) and its driver reports Xid 79.
+    let mut fixture = d.read_fixture();
+    fixture["errors"] = json!([{"device": 2, "call": "*", "code": "GPU_IS_LOST"}]);
+    fixture["gpus"][2]["xid_errors"] = json!([79]);
+    d.write_fixture(&fixture);
+    let xid = wait_for(PATIENCE, || {
+        events(&d, "?kind=gpu_unhealthy")
+            .into_iter()
+            .find(|e| e["message"].as_str().is_some_and(|m| m.contains("Xid 79")))
+    })
+    .unwrap_or_else(|| panic!("no Xid event; have {:?}", events(&d, "")));
+    assert_eq!(xid["gpu_index"], 2);
+    // NVML answers for it again (a reset): it stays out until gpud restarts.
+    fixture["errors"] = json!([]);
+    d.write_fixture(&fixture);
+    std::thread::sleep(TWO_INTERVALS * 2);
+    assert!(!d.healthy_gpus()[2]);
+    assert!(
+        events(&d, "?kind=gpu_unhealthy")
+            .iter()
+            .all(|e| e["phase"] == "start"),
+        "{:?}",
+        events(&d, "")
+    );
+}
+
+#[test]
 fn metrics_parse_as_prometheus_text() {
     let d = Daemon::start("t4-pair", "");
     reserve(&d, json!({"memory": "2GiB", "ttl_seconds": 60}));

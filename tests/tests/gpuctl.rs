@@ -615,7 +615,14 @@ fn ctrl_c_while_waiting_cancels_and_holds_nothing() {
         row.starts_with(&format!("1 {} {} 4 GiB on 1 GPU ", whoami(), child.id())),
         "{table}"
     );
-    assert!(row.ends_with(" 29s") || row.ends_with(" 30s"), "{table}");
+    // GIVES UP IN: the 30 s wait less the time since it was queued.
+    let left: u64 = row
+        .rsplit(' ')
+        .next()
+        .and_then(|c| c.strip_suffix('s'))
+        .and_then(|c| c.parse().ok())
+        .unwrap_or_else(|| panic!("{table}"));
+    assert!((20..=30).contains(&left), "{table}");
     let listed: Value = serde_json::from_str(&expect(&d, &["waiters", "-o", "json"], 0)).unwrap();
     assert_eq!(listed["waiters"][0]["pid"], child.id());
     assert_eq!(listed["waiters"][0]["memory"], 4 * GIB);

@@ -127,8 +127,9 @@ pub struct NvmlUtilization {
     pub memory: c_uint,
 }
 
-/// `nvmlEventData_t`, filled by `nvmlEventSetWait_v2` (and `nvmlEventSetWait`, which
-/// current headers declare with the same struct).
+/// `nvmlEventData_t` as `nvmlEventSetWait_v2` fills it. The unversioned
+/// `nvmlEventSetWait` predates the two instance ids (R450) and fills only the first three
+/// fields: a caller built against older headers passes the 24-byte struct.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct NvmlEventData {
@@ -142,6 +143,18 @@ pub struct NvmlEventData {
     pub gpu_instance_id: c_uint,
     /// `0xFFFFFFFF`: Xids are reported on the whole GPU.
     pub compute_instance_id: c_uint,
+}
+
+/// The 24-byte `nvmlEventData_t` of headers before R450, which `nvmlEventSetWait` fills.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct NvmlEventDataV1 {
+    /// As in [`NvmlEventData`].
+    pub device: NvmlDevice,
+    /// As in [`NvmlEventData`].
+    pub event_type: c_ulonglong,
+    /// As in [`NvmlEventData`].
+    pub event_data: c_ulonglong,
 }
 
 impl Default for NvmlEventData {
@@ -164,6 +177,7 @@ const _: () = {
     assert!(size_of::<NvmlProcessInfo>() == 24);
     assert!(size_of::<NvmlUtilization>() == 8);
     assert!(size_of::<NvmlEventData>() == 32);
+    assert!(size_of::<NvmlEventDataV1>() == 24);
 };
 
 /// `NVML_NVLINK_DEVICE_TYPE_GPU`.
@@ -1090,6 +1104,7 @@ fn wait_for_event(
     set: NvmlEventSet,
     data: *mut NvmlEventData,
     timeout_ms: c_uint,
+    with_instances: bool,
 ) -> NvmlReturn {
     guard(|| {
         state::machine()?;
@@ -1115,8 +1130,17 @@ fn wait_for_event(
                     gpu_instance_id: NO_INSTANCE,
                     compute_instance_id: NO_INSTANCE,
                 };
-                // SAFETY: module contract.
-                return unsafe { put(data, value) };
+                if with_instances {
+                    // SAFETY: module contract.
+                    return unsafe { put(data, value) };
+                }
+                let v1 = NvmlEventDataV1 {
+                    device: value.device,
+                    event_type: value.event_type,
+                    event_data: value.event_data,
+                };
+                // SAFETY: module contract; the caller passed at least the v1 struct.
+                return unsafe { put(data.cast::<NvmlEventDataV1>(), v1) };
             }
             // No deadline: a timeout too far off to represent, so wait as if forever.
             let left = deadline.map_or(EVENT_POLL, |d| d.saturating_duration_since(Instant::now()));
@@ -1135,17 +1159,17 @@ pub unsafe extern "C" fn nvmlEventSetWait_v2(
     data: *mut NvmlEventData,
     timeoutms: c_uint,
 ) -> NvmlReturn {
-    wait_for_event("nvmlEventSetWait_v2", set, data, timeoutms)
+    wait_for_event("nvmlEventSetWait_v2", set, data, timeoutms, true)
 }
 
-/// Same as `nvmlEventSetWait_v2` (same struct in current headers).
+/// Same as `nvmlEventSetWait_v2`, filling only the v1 struct's fields (device, type, data).
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlEventSetWait(
     set: NvmlEventSet,
     data: *mut NvmlEventData,
     timeoutms: c_uint,
 ) -> NvmlReturn {
-    wait_for_event("nvmlEventSetWait", set, data, timeoutms)
+    wait_for_event("nvmlEventSetWait", set, data, timeoutms, false)
 }
 
 /// Frees a set; works without init, so a set dropped after shutdown is still freed.

@@ -439,15 +439,21 @@ fn xids_appended_after_registration_are_delivered_once_in_order() {
         "{waited:?}"
     );
 
-    // The unversioned wait shares the set's state.
+    // The unversioned wait shares the set's state, and fills only the 24-byte struct of
+    // the headers it comes from: the instance ids after it stay as they were.
     fixture.write(&with_xids(
         "t4-pair",
         &[&[13, 79, 48], &[31, 94]],
         no_errors(),
     ));
-    let mut data = NvmlEventData::default();
+    let mut data = NvmlEventData {
+        gpu_instance_id: 7,
+        compute_instance_id: 7,
+        ..NvmlEventData::default()
+    };
     assert_eq!(unsafe { nvmlEventSetWait(set, &mut data, 1000) }, SUCCESS);
     assert_eq!((data.device, data.event_data), (gpu1, 94));
+    assert_eq!((data.gpu_instance_id, data.compute_instance_id), (7, 7));
 
     assert_eq!(unsafe { nvmlEventSetFree(set) }, SUCCESS);
     assert_eq!(unsafe { nvmlEventSetFree(set) }, INVALID_ARGUMENT);

@@ -184,7 +184,8 @@ fn memory_used_by_processes_nobody_reserved_is_withheld_too() {
     // 16 - 2 (the pod's) - 5.5 leaves room for 8 more devices on GPU 0: 2 to 9.
     assert_eq!(healthy_ids(&list, 0), mem_ids(0, 0..10), "{pod:?}");
     assert_eq!(healthy_ids(&list, 1).len(), 16);
-    // A whole GPU is offered only with nothing on it, as for an exclusive reservation.
+    // A whole GPU is offered only with nothing on it, as for an exclusive reservation:
+    // GPU 0 has the pod's reservation, GPU 1 only a process nobody reserved for.
     let whole = with_view(&b, |v| advertise(Resource::WholeGpu, v));
     assert_eq!(
         whole.iter().map(|d| d.healthy).collect::<Vec<_>>(),
