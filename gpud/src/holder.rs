@@ -199,13 +199,19 @@ pub fn boot_id() -> String {
 
 /// A holder process pinned by a pidfd: it refers to this very process even if the pid is
 /// reused later.
+///
+/// On a kernel without `pidfd_open` (Linux before 5.3, as RHEL 8's 4.18; gVisor) the
+/// process is followed by its pid and start time instead, read from `/proc` every 200 ms:
+/// a reused pid has another start time, so it is never mistaken for the holder, and an exit
+/// is seen within 200 ms instead of at once.
 #[derive(Debug)]
 pub struct PinnedProcess {
     /// The holder record (pid, start time, boot id).
     pub holder: Holder,
     /// Owner and groups at the time it was pinned.
     pub info: ProcessInfo,
-    pidfd: OwnedFd,
+    /// `None` where the kernel has no pidfds.
+    pidfd: Option<OwnedFd>,
 }
 
 impl PinnedProcess {
@@ -213,7 +219,24 @@ impl PinnedProcess {
     /// process the pidfd refers to (had the pid been reused in between, the pidfd would
     /// report the original as exited and [`wait_exit`] would fire at once).
     pub fn pin(pid: u32) -> Result<PinnedProcess, HolderError> {
-        let pidfd = pidfd_open(pid)?;
+        let pidfd = match pidfd_open(pid) {
+            Ok(fd) => Some(fd),
+            Err(HolderError::Pidfd { source, .. })
+                if source.raw_os_error() == Some(libc::ENOSYS) =>
+            {
+                static SAID: std::sync::Once = std::sync::Once::new();
+                SAID.call_once(|| {
+                    tracing::warn!("this kernel has no pidfd_open (Linux 5.3 or later has): holder processes are watched through /proc every 200 ms");
+                });
+                None
+            }
+            Err(e) => return Err(e),
+        };
+        PinnedProcess::with_pidfd(pid, pidfd)
+    }
+
+    /// Reads `pid`'s facts and pins it with `pidfd` (or by pid and start time alone).
+    fn with_pidfd(pid: u32, pidfd: Option<OwnedFd>) -> Result<PinnedProcess, HolderError> {
         let info = process_info(pid)?;
         Ok(PinnedProcess {
             holder: Holder {
@@ -240,9 +263,12 @@ impl PinnedProcess {
 
     /// Resolves when the process exits (immediately if it already has).
     pub async fn wait_exit(self) {
+        let Some(pidfd) = self.pidfd else {
+            return poll_exit(self.holder).await;
+        };
         // SAFETY: the OwnedFd is a valid open pidfd, moved into the AsyncFd, which owns it
         // (and so keeps it open and unchanged) until dropped.
-        let registered = unsafe { AsyncFd::register_with_interest(self.pidfd, Interest::READABLE) };
+        let registered = unsafe { AsyncFd::register_with_interest(pidfd, Interest::READABLE) };
         let Ok(fd) = registered else {
             // Could not register with the reactor: fall back to polling /proc.
             return poll_exit(self.holder).await;
@@ -253,8 +279,11 @@ impl PinnedProcess {
 
     /// Whether the process has exited, without waiting.
     pub fn has_exited(&self) -> bool {
+        let Some(pidfd) = &self.pidfd else {
+            return is_gone(&self.holder);
+        };
         let mut pfd = libc::pollfd {
-            fd: self.pidfd.as_raw_fd(),
+            fd: pidfd.as_raw_fd(),
             events: libc::POLLIN,
             revents: 0,
         };
@@ -265,13 +294,27 @@ impl PinnedProcess {
 }
 
 async fn poll_exit(holder: Holder) {
-    loop {
-        match stat_fields(holder.pid) {
-            Ok((start, _)) if start == holder.start_time => {}
-            _ => return,
-        }
+    while !is_gone(&holder) {
         tokio::time::sleep(std::time::Duration::from_millis(200)).await;
     }
+}
+
+/// Whether `holder` has exited, by `/proc`: no such pid, a pid now another process's (a
+/// different start time), or a zombie (exited, not yet reaped by its parent).
+fn is_gone(holder: &Holder) -> bool {
+    match stat_fields(holder.pid) {
+        Ok((start, _)) if start == holder.start_time => {
+            process_state(holder.pid).is_none_or(|state| matches!(state, 'Z' | 'X' | 'x'))
+        }
+        _ => true,
+    }
+}
+
+/// The state letter (field 3) of `/proc/<pid>/stat`: `R`, `S`, `Z` (zombie)…
+fn process_state(pid: u32) -> Option<char> {
+    let stat = read_proc(pid, "stat").ok()?;
+    let (_, after_comm) = stat.rsplit_once(')')?;
+    after_comm.split_whitespace().next()?.chars().next()
 }
 
 fn pidfd_open(pid: u32) -> Result<OwnedFd, HolderError> {
@@ -338,6 +381,30 @@ mod tests {
         let mut other_boot = me.holder.clone();
         other_boot.boot_id = "another-boot".to_owned();
         assert!(PinnedProcess::repin(&other_boot).is_none());
+    }
+
+    #[tokio::test]
+    async fn without_pidfds_a_holder_is_followed_through_proc() {
+        let mut child = Command::new("sleep").arg("30").spawn().unwrap();
+        let pinned = PinnedProcess::with_pidfd(child.id(), None).unwrap();
+        assert!(!pinned.has_exited());
+        child.kill().unwrap();
+        // Not reaped yet: a zombie has exited.
+        let started = std::time::Instant::now();
+        while !pinned.has_exited() {
+            assert!(started.elapsed() < Duration::from_secs(2), "exit not seen");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        tokio::time::timeout(Duration::from_secs(2), pinned.wait_exit())
+            .await
+            .expect("exit seen within 2 s");
+        child.wait().unwrap();
+        // A pid now another process's (another start time) is not the holder.
+        let me = PinnedProcess::with_pidfd(std::process::id(), None).unwrap();
+        assert!(!me.has_exited());
+        let mut older = me.holder.clone();
+        older.start_time -= 1;
+        assert!(is_gone(&older));
     }
 
     #[tokio::test]

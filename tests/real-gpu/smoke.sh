@@ -5,6 +5,12 @@
 #   tests/real-gpu/smoke.sh          the real driver (libnvidia-ml.so.1), CUDA processes
 #   tests/real-gpu/smoke.sh --fake   the same steps on the fake NVML (CI runs this, so the
 #                                    script cannot rot between GPU sessions)
+#   tests/real-gpu/smoke.sh --pack DIR
+#                                    only build, and put stripped gpud, gpuctl and
+#                                    libfake_nvml.so in DIR: for a GPU machine without a
+#                                    Rust toolchain, run there with SMOKE_BIN=DIR
+#
+# SMOKE_BIN=DIR uses the binaries in DIR instead of building.
 #
 # Steps: build; start gpud; list the GPUs; reserve 1 GiB; run a process holding GPU memory
 # with the reservation's environment (real: tests/real-gpu/cuda_hold.py through libcuda;
@@ -18,14 +24,28 @@ mode=real
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
 
+if [ "${1:-}" = "--pack" ]; then
+    dir=${2:?"--pack DIR"}
+    cargo build --release -p gpud -p gpuctl -p fake-nvml 2>&1 | tail -1
+    mkdir -p "$dir"
+    for f in gpud gpuctl libfake_nvml.so; do strip -o "$dir/$f" "target/release/$f"; done
+    ls -l "$dir"
+    exit 0
+fi
+
 say() { printf 'smoke: %s\n' "$*"; }
 fail() { printf 'smoke: FAILED: %s\n' "$*" >&2; [ -f "${work:-}/gpud.log" ] && tail -20 "$work/gpud.log" >&2; exit 1; }
 
-packages=(-p gpud -p gpuctl)
-[ "$mode" = fake ] && packages+=(-p fake-nvml)
-cargo build --release "${packages[@]}" 2>&1 | tail -1
-gpud=$root/target/release/gpud
-gpuctl=$root/target/release/gpuctl
+if [ -n "${SMOKE_BIN:-}" ]; then
+    bin=$(cd "$SMOKE_BIN" && pwd)
+else
+    packages=(-p gpud -p gpuctl)
+    [ "$mode" = fake ] && packages+=(-p fake-nvml)
+    cargo build --release "${packages[@]}" 2>&1 | tail -1
+    bin=$root/target/release
+fi
+gpud=$bin/gpud
+gpuctl=$bin/gpuctl
 
 work=$(mktemp -d /tmp/gpud-smoke.XXXXXX)
 pids=()
@@ -41,7 +61,7 @@ args=(--config "$work/gpud.toml" --socket "$work/gpud.sock" --state-dir "$work/s
 if [ "$mode" = fake ]; then
     cp tests/fixtures/dgx1-v100.json "$work/fixture.json"
     export FAKE_NVML_CONFIG=$work/fixture.json
-    args+=(--nvml-lib "$root/target/release/libfake_nvml.so")
+    args+=(--nvml-lib "$bin/libfake_nvml.so")
 fi
 export GPUD_SOCKET=$work/gpud.sock
 "$gpud" "${args[@]}" 2> "$work/gpud.log" &
