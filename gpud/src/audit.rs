@@ -265,6 +265,7 @@ impl<S: ProcessSource, T: ProcessTable> Auditor<S, T> {
             return fresh;
         };
         for (gpu, xid) in xids.try_iter() {
+            self.metrics.count_xid(gpu, xid);
             if ignore.contains(&xid) {
                 tracing::info!(
                     gpu,
@@ -1327,7 +1328,8 @@ mod tests {
         let b = broker_on(&GpuInventory::test_machine(3, 16));
         let (nvml, procs) = (FakeNvml::default(), FakeProcs::default());
         let (tx, rx) = std::sync::mpsc::channel();
-        let mut a = Auditor::new(b.clone(), &nvml, &procs, Arc::new(Metrics::new())).with_xids(rx);
+        let metrics = Arc::new(Metrics::new());
+        let mut a = Auditor::new(b.clone(), &nvml, &procs, metrics.clone()).with_xids(rx);
         let config = AuditConfig::default();
         assert!(a.pass(&config, 1).events.is_empty());
         // 31 (a program's page fault) is in the default `xid_ignore`; 79 is the card.
@@ -1353,6 +1355,14 @@ mod tests {
             "a program's Xid leaves the GPU in service"
         );
         assert!(!snap.gpus[1].healthy);
+        // Both are counted, for dashboards and alerts.
+        let text = metrics.render(&snap);
+        for line in [
+            "gpud_xid_errors_total{gpu=\"0\",xid=\"31\"} 1",
+            "gpud_xid_errors_total{gpu=\"1\",xid=\"79\"} 1",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} in\n{text}");
+        }
         // NVML still answers for GPU 1 (FakeNvml lists no processes): it stays unhealthy,
         // and the finding is not recorded again.
         for now in 3..6 {

@@ -42,6 +42,12 @@ struct KindLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct XidLabels {
+    gpu: u32,
+    xid: u64,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct StateLabels {
     state: String,
 }
@@ -59,6 +65,7 @@ pub struct Metrics {
     reservations: Family<StateLabels, Gauge>,
     waiting: Gauge,
     events: Family<KindLabels, Counter>,
+    xids: Family<XidLabels, Counter>,
     audit_pass: Histogram,
     groups_committed: Counter,
     grouped_calls: Counter,
@@ -140,6 +147,12 @@ impl Metrics {
         );
         let events = Family::<KindLabels, Counter>::default();
         registry.register("audit_events", "Audit findings by kind", events.clone());
+        let xids = Family::<XidLabels, Counter>::default();
+        registry.register(
+            "xid_errors",
+            "Critical Xid errors the driver reported, by GPU and Xid (xid_ignore ones too)",
+            xids.clone(),
+        );
         let audit_pass = Histogram::new(exponential_buckets(0.000_1, 2.0, 16));
         registry.register(
             "audit_pass_duration_seconds",
@@ -170,6 +183,7 @@ impl Metrics {
             reservations,
             waiting,
             events,
+            xids,
             audit_pass,
             groups_committed,
             grouped_calls,
@@ -205,6 +219,11 @@ impl Metrics {
         self.latency
             .get_or_create(&RouteLabels { route })
             .observe(elapsed.as_secs_f64());
+    }
+
+    /// Counts one critical Xid error on GPU `gpu`.
+    pub fn count_xid(&self, gpu: u32, xid: u64) {
+        self.xids.get_or_create(&XidLabels { gpu, xid }).inc();
     }
 
     /// Counts one audit finding.
