@@ -200,10 +200,10 @@ pub fn boot_id() -> String {
 /// A holder process pinned by a pidfd: it refers to this very process even if the pid is
 /// reused later.
 ///
-/// On a kernel without `pidfd_open` (Linux before 5.3, as RHEL 8's 4.18; gVisor) the
-/// process is followed by its pid and start time instead, read from `/proc` every 200 ms:
-/// a reused pid has another start time, so it is never mistaken for the holder, and an exit
-/// is seen within 200 ms instead of at once.
+/// On a kernel without `pidfd_open` (Linux before 5.3, as older enterprise kernels without
+/// the backport; gVisor) the process is followed by its pid and start time instead, read
+/// from `/proc` every 200 ms: a reused pid has another start time, so it is never mistaken
+/// for the holder, and an exit is seen within 200 ms instead of at once.
 #[derive(Debug)]
 pub struct PinnedProcess {
     /// The holder record (pid, start time, boot id).
