@@ -204,8 +204,15 @@ fn labels_cell(labels: &BTreeMap<String, String>) -> String {
 }
 
 fn age_cell(created_at: &str, now: SystemTime) -> String {
-    parse_time(created_at)
-        .and_then(|t| now.duration_since(t).ok())
+    span_cell(parse_time(created_at), Some(now))
+}
+
+/// The time from `earlier` to `later`, for a table cell; `-` when either is unknown or
+/// `later` is not later.
+fn span_cell(earlier: Option<SystemTime>, later: Option<SystemTime>) -> String {
+    earlier
+        .zip(later)
+        .and_then(|(a, b)| b.duration_since(a).ok())
         .map_or_else(|| "-".to_owned(), short_duration)
 }
 
@@ -259,7 +266,8 @@ pub fn reservations_table(
     t.render(false)
 }
 
-/// What the request asks for, for the status line and `gpuctl waiters`: `4 GiB on 1 GPU`, `2 whole GPUs`.
+/// What the request asks for, for the status line and `gpuctl waiters`: `4 GiB on 1 GPU`,
+/// `2 whole GPUs`.
 pub fn describe(request: &ReservationRequest) -> String {
     let n = request.gpus.unwrap_or(1);
     let gpus = if n == 1 {
@@ -297,9 +305,6 @@ pub fn waiters_table(
         ("GIVES UP IN", Align::Right),
     ]);
     for w in waiters {
-        let remaining = parse_time(&w.gives_up_at)
-            .and_then(|t| t.duration_since(now).ok())
-            .map_or_else(|| "-".to_owned(), short_duration);
         t.row(vec![
             w.position.to_string().into(),
             owner_name(w.owner_uid).into(),
@@ -308,14 +313,14 @@ pub fn waiters_table(
                 .into(),
             describe(&asked(w)).into(),
             age_cell(&w.waiting_since, now).into(),
-            remaining.into(),
+            span_cell(Some(now), parse_time(&w.gives_up_at)).into(),
         ]);
     }
     t.render(false)
 }
 
 /// What a waiter asked for, as a request (for [`describe`]).
-pub fn asked(w: &Waiter) -> ReservationRequest {
+fn asked(w: &Waiter) -> ReservationRequest {
     ReservationRequest {
         gpus: Some(w.gpus),
         memory: w.memory.clone(),

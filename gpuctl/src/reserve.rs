@@ -19,7 +19,7 @@ use std::path::Path;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use gpud_schema::{MemoryAmount, MemorySpec, Reservation, ReservationRequest};
+use gpud_schema::{MemoryAmount, MemorySpec, Reservation, ReservationRequest, format_basis_points};
 use tokio::runtime::Runtime;
 use tokio::signal::unix::{SignalKind, signal};
 
@@ -70,7 +70,7 @@ pub fn request(args: &ReserveArgs, holder: Holder) -> ReservationRequest {
         gpus: Some(args.gpus),
         memory: args.mem.map(|m| match m {
             MemoryAmount::Bytes(b) => MemorySpec::Bytes(b),
-            MemoryAmount::BasisPoints(bp) => MemorySpec::Text(gpud_schema::format_basis_points(bp)),
+            MemoryAmount::BasisPoints(bp) => MemorySpec::Text(format_basis_points(bp)),
         }),
         exclusive: args.exclusive,
         wait_seconds: args.wait.map(whole_seconds),

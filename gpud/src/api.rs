@@ -256,17 +256,10 @@ impl Api {
                 position,
                 owner_uid: w.caller.uid,
                 owner_gid: w.caller.gid,
-                // 0: the kernel could not name it in gpud's pid namespace.
-                pid: w.caller.pid.filter(|&p| p != 0),
+                pid: w.caller.pid,
                 gpus: w.gpus,
-                memory: match w.memory {
-                    model::MemoryAsk::Bytes(b) => Some(schema::MemorySpec::Bytes(b)),
-                    model::MemoryAsk::BasisPoints(bp) => {
-                        Some(schema::MemorySpec::Text(schema::format_basis_points(bp)))
-                    }
-                    model::MemoryAsk::Exclusive => None,
-                },
-                exclusive: w.memory == model::MemoryAsk::Exclusive,
+                memory: memory_spec(w.memory),
+                exclusive: w.memory == MemoryAsk::Exclusive,
                 waiting_since: rfc3339(w.since),
                 gives_up_at: rfc3339(w.gives_up_at),
             })
@@ -474,6 +467,16 @@ fn valid_id(id: &str) -> Result<String, ApiError> {
         Err(ApiError::invalid(format!(
             "{id:?} is not a reservation id (letters, digits, '-', '_' and '.', at most {MAX_ID_LEN})"
         )))
+    }
+}
+
+/// A memory ask as the wire writes it (the reverse of [`to_request`]'s); `None` when
+/// exclusive.
+fn memory_spec(ask: MemoryAsk) -> Option<MemorySpec> {
+    match ask {
+        MemoryAsk::Bytes(b) => Some(MemorySpec::Bytes(b)),
+        MemoryAsk::BasisPoints(bp) => Some(MemorySpec::Text(schema::format_basis_points(bp))),
+        MemoryAsk::Exclusive => None,
     }
 }
 

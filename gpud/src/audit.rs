@@ -25,7 +25,7 @@
 //! The pass runs on a blocking thread and takes the broker's lock only to read a view and to
 //! write results, so NVML latency never blocks the API.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -212,8 +212,8 @@ pub struct Auditor<S, T> {
     self_pid: u32,
     /// Critical Xid errors as `(GPU index, Xid)`, from [`Nvml::watch_xids`].
     xids: Option<std::sync::mpsc::Receiver<(u32, u64)>>,
-    /// GPUs a critical Xid made unhealthy, and why: they stay so until gpud restarts.
-    xid_failed: HashMap<u32, String>,
+    /// GPUs a critical Xid made unhealthy: they stay so until gpud restarts.
+    xid_failed: HashSet<u32>,
 }
 
 impl<S, T> std::fmt::Debug for Auditor<S, T> {
@@ -246,7 +246,7 @@ impl<S: ProcessSource, T: ProcessTable> Auditor<S, T> {
             kills: Vec::new(),
             self_pid: std::process::id(),
             xids: None,
-            xid_failed: HashMap::new(),
+            xid_failed: HashSet::new(),
         }
     }
 
@@ -274,16 +274,17 @@ impl<S: ProcessSource, T: ProcessTable> Auditor<S, T> {
                 );
                 continue;
             }
-            if let std::collections::hash_map::Entry::Vacant(entry) = self.xid_failed.entry(gpu) {
+            if self.xid_failed.insert(gpu) {
                 let meaning = xid_meaning(xid)
                     .map(|m| format!(" ({m})"))
                     .unwrap_or_default();
-                let reason = format!(
-                    "GPU {gpu} reported critical Xid {xid}{meaning}; it stays out of service \
-                     until gpud restarts (after the GPU is reset or the node rebooted)"
-                );
-                entry.insert(reason.clone());
-                fresh.push((gpu, reason));
+                fresh.push((
+                    gpu,
+                    format!(
+                        "GPU {gpu} reported critical Xid {xid}{meaning}; it stays out of service \
+                         until gpud restarts (after the GPU is reset or the node rebooted)"
+                    ),
+                ));
             }
         }
         fresh
@@ -298,9 +299,8 @@ impl<S: ProcessSource, T: ProcessTable> Auditor<S, T> {
         // 1. Processes per GPU, and health. An Xid is recorded even on a GPU already
         // unhealthy for another reason: it is why the GPU will not come back.
         for (index, reason) in self.take_xids(&config.xid_ignore) {
-            if let Some(gpu) = view.gpus.iter().find(|g| g.index == index)
-                && !self.set_health(gpu, false, &reason, now, &mut events)
-            {
+            if let Some(gpu) = view.gpus.iter().find(|g| g.index == index) {
+                self.broker.set_gpu_health(index, false);
                 self.record_health(gpu, false, &reason, now, &mut events);
             }
         }
@@ -311,15 +311,11 @@ impl<S: ProcessSource, T: ProcessTable> Auditor<S, T> {
             match self.source.processes(gpu) {
                 Ok(procs) => {
                     self.failures.remove(&gpu.index);
-                    match self.xid_failed.get(&gpu.index).cloned() {
-                        Some(reason) => {
-                            self.set_health(gpu, false, &reason, now, &mut events);
-                        }
-                        None => {
-                            if self.set_health(gpu, true, "NVML answers again", now, &mut events) {
-                                recovered.push(gpu.index);
-                            }
-                        }
+                    // An Xid keeps the GPU out (it was marked when the Xid came).
+                    if !self.xid_failed.contains(&gpu.index)
+                        && self.set_health(gpu, true, "NVML answers again", now, &mut events)
+                    {
+                        recovered.push(gpu.index);
                     }
                     listed.push((gpu.index, procs));
                 }
@@ -327,11 +323,8 @@ impl<S: ProcessSource, T: ProcessTable> Auditor<S, T> {
                     let failures = self.failures.entry(gpu.index).or_insert(0);
                     *failures += 1;
                     unlisted.push(gpu.index);
-                    let xid = self.xid_failed.get(&gpu.index).cloned();
-                    if lost || *failures >= config.failures_before_unhealthy || xid.is_some() {
-                        let reason = if let Some(reason) = xid {
-                            reason
-                        } else if lost {
+                    if lost || *failures >= config.failures_before_unhealthy {
+                        let reason = if lost {
                             format!("NVML reports GPU {} lost: {why}", gpu.index)
                         } else {
                             format!(

@@ -38,7 +38,7 @@ pub struct Caller {
     pub uid: u32,
     /// Effective gid.
     pub gid: u32,
-    /// Pid in gpud's pid namespace.
+    /// Pid in gpud's pid namespace; `None` for a peer outside it.
     pub pid: Option<u32>,
 }
 
@@ -806,13 +806,13 @@ impl Broker {
         // The caller names the holder as it sees it; a caller in a container with its own
         // PID namespace sees other numbers than gpud does.
         let seen_as = pid;
-        let pid = match caller.pid.filter(|&p| p != 0) {
+        let pid = match caller.pid {
             Some(caller_pid) => crate::holder::translate_pid(caller_pid, pid).map_err(|e| {
                 BrokerError::Invalid(format!(
                     "holder_pid {seen_as} cannot hold a reservation: {e} in your PID namespace"
                 ))
             })?,
-            // The kernel reports pid 0 for a peer outside gpud's PID namespace.
+            // A peer outside gpud's PID namespace (see `server::peer`).
             None => {
                 return Err(BrokerError::Invalid(format!(
                     "holder_pid {seen_as} cannot be checked: gpud cannot see your processes (it runs \

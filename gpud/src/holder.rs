@@ -58,7 +58,7 @@ pub struct ProcessInfo {
 
 /// Reads uid, groups, parent and start time of `pid`.
 pub fn process_info(pid: u32) -> Result<ProcessInfo, HolderError> {
-    let (start_time, ppid) = stat_fields(pid)?;
+    let (start_time, ppid, _) = stat_fields(pid)?;
     let status = read_proc(pid, "status")?;
     let field = |name: &str| -> Option<Vec<u32>> {
         status
@@ -98,9 +98,10 @@ fn read_proc(pid: u32, file: &str) -> Result<String, HolderError> {
     })
 }
 
-/// Start time (field 22) and parent pid (field 4) from `/proc/<pid>/stat`. The command name
-/// (field 2) may contain spaces and parentheses, so fields are counted after its last `)`.
-fn stat_fields(pid: u32) -> Result<(u64, u32), HolderError> {
+/// Start time (field 22), parent pid (field 4) and state letter (field 3: `R`, `S`, `Z` for
+/// a zombie…) from `/proc/<pid>/stat`. The command name (field 2) may contain spaces and
+/// parentheses, so fields are counted after its last `)`.
+fn stat_fields(pid: u32) -> Result<(u64, u32, char), HolderError> {
     let stat = read_proc(pid, "stat")?;
     let parse_err = || HolderError::Proc {
         pid,
@@ -112,6 +113,10 @@ fn stat_fields(pid: u32) -> Result<(u64, u32), HolderError> {
         .ok_or_else(parse_err)?;
     // after_comm starts at field 3 (state).
     let fields: Vec<&str> = after_comm.split_whitespace().collect();
+    let state = fields
+        .first()
+        .and_then(|v| v.chars().next())
+        .ok_or_else(parse_err)?;
     let ppid = fields
         .get(1)
         .and_then(|v| v.parse().ok())
@@ -120,7 +125,7 @@ fn stat_fields(pid: u32) -> Result<(u64, u32), HolderError> {
         .get(19)
         .and_then(|v| v.parse().ok())
         .ok_or_else(parse_err)?;
-    Ok((start, ppid))
+    Ok((start, ppid, state))
 }
 
 /// The PID namespace `pid` (a number, or `self`) lives in, as the `/proc/<pid>/ns/pid` link.
@@ -167,7 +172,7 @@ pub fn translate_pid(caller_pid: u32, pid: u32) -> Result<u32, HolderError> {
             return Ok(candidate);
         }
         match stat_fields(candidate) {
-            Ok((_, ppid)) if ppid > 0 && ppid != candidate => candidate = ppid,
+            Ok((_, ppid, _)) if ppid > 0 && ppid != candidate => candidate = ppid,
             _ => break,
         }
     }
@@ -303,18 +308,9 @@ async fn poll_exit(holder: Holder) {
 /// different start time), or a zombie (exited, not yet reaped by its parent).
 fn is_gone(holder: &Holder) -> bool {
     match stat_fields(holder.pid) {
-        Ok((start, _)) if start == holder.start_time => {
-            process_state(holder.pid).is_none_or(|state| matches!(state, 'Z' | 'X' | 'x'))
-        }
+        Ok((start, _, state)) if start == holder.start_time => matches!(state, 'Z' | 'X' | 'x'),
         _ => true,
     }
-}
-
-/// The state letter (field 3) of `/proc/<pid>/stat`: `R`, `S`, `Z` (zombie)…
-fn process_state(pid: u32) -> Option<char> {
-    let stat = read_proc(pid, "stat").ok()?;
-    let (_, after_comm) = stat.rsplit_once(')')?;
-    after_comm.split_whitespace().next()?.chars().next()
 }
 
 fn pidfd_open(pid: u32) -> Result<OwnedFd, HolderError> {

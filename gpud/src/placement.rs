@@ -192,6 +192,7 @@ pub fn place(
     }
 }
 
+use gpud_schema::format_basis_points;
 pub use gpud_schema::format_bytes;
 
 // ---------------------------------------------------------------------------------------
@@ -348,7 +349,7 @@ fn check_possible(
         MemoryAsk::BasisPoints(bp) if bp == 0 || bp > 10_000 => {
             return impossible(format!(
                 "asked for {} of each GPU's memory; ask for more than 0% and at most 100%",
-                gpud_schema::format_basis_points(bp)
+                format_basis_points(bp)
             ));
         }
         _ => {}
@@ -937,10 +938,10 @@ fn ask_text(ask: MemoryAsk, plural: bool) -> String {
     match ask {
         MemoryAsk::Bytes(b) => format_bytes(b),
         MemoryAsk::BasisPoints(bp) if plural => {
-            format!("{} of their memory", gpud_schema::format_basis_points(bp))
+            format!("{} of their memory", format_basis_points(bp))
         }
         MemoryAsk::BasisPoints(bp) => {
-            format!("{} of its memory", gpud_schema::format_basis_points(bp))
+            format!("{} of its memory", format_basis_points(bp))
         }
         MemoryAsk::Exclusive => "the whole GPU".to_owned(),
     }

@@ -223,7 +223,11 @@ fn peer(stream: &UnixStream) -> Option<Caller> {
         Ok(cred) => Some(Caller {
             uid: cred.uid(),
             gid: cred.gid(),
-            pid: cred.pid().and_then(|p| u32::try_from(p).ok()),
+            // The kernel reports pid 0 for a peer outside gpud's PID namespace: unknown.
+            pid: cred
+                .pid()
+                .and_then(|p| u32::try_from(p).ok())
+                .filter(|&p| p != 0),
         }),
         Err(e) => {
             tracing::warn!(error = %e, "cannot read peer credentials; dropping connection");

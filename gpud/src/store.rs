@@ -37,6 +37,11 @@ const MIGRATIONS: &[(&str, &str)] = &[
 /// Bits of a row's `seq` below its creation millisecond (see migration 0003).
 const SEQ_MS_SHIFT: u32 = 20;
 
+/// The smallest `seq` of a row created at millisecond `ms`.
+fn first_seq_at(ms: i64) -> i64 {
+    ms.saturating_mul(1 << SEQ_MS_SHIFT)
+}
+
 /// File name of the database inside the state directory.
 pub const DB_FILE: &str = "gpud.db";
 
@@ -536,8 +541,7 @@ impl Store {
     /// answer, not a failed statement (which would fail a whole group commit).
     pub fn insert(&mut self, r: &Reservation) -> Result<bool, StoreError> {
         // Creation order, and distinct even within a millisecond or if the clock went back.
-        let seq = (to_sql_int(r.created_at).saturating_mul(1 << SEQ_MS_SHIFT))
-            .max(self.last_seq.saturating_add(1));
+        let seq = first_seq_at(to_sql_int(r.created_at)).max(self.last_seq.saturating_add(1));
         self.last_seq = seq;
         let (tx, path) = self.transaction()?;
         let err = |source| StoreError::Sqlite {
@@ -887,7 +891,7 @@ impl Store {
                      SELECT seq FROM reservations
                      WHERE seq < ?3 AND state IN ('released', 'expired') AND ended_at < ?1
                      ORDER BY seq LIMIT ?2)",
-                params![before, limit, before.saturating_mul(1 << SEQ_MS_SHIFT)],
+                params![before, limit, first_seq_at(before)],
             )
             .map_err(err)?;
         let events = tx
@@ -946,8 +950,6 @@ impl Default for EventFilter {
     }
 }
 
-/// SQLite integers are signed 64-bit; every value gpud stores (bytes, milliseconds, clock
-/// ticks) is far below 2^63, and anything larger saturates rather than wrapping.
 /// The `units` column: `[[unit_uuid, gpu_index, memory_bytes], ...]` (migration 0003).
 fn units_to_json(units: &[ReservedUnit]) -> String {
     let rows: Vec<(&str, u32, i64)> = units
@@ -970,6 +972,8 @@ fn units_from_json(text: &str) -> Result<Vec<ReservedUnit>, serde_json::Error> {
         .collect())
 }
 
+/// SQLite integers are signed 64-bit; every value gpud stores (bytes, milliseconds, clock
+/// ticks) is far below 2^63, and anything larger saturates rather than wrapping.
 fn to_sql_int(v: u64) -> i64 {
     i64::try_from(v).unwrap_or(i64::MAX)
 }
@@ -1101,17 +1105,21 @@ mod tests {
         store.integrity_check().unwrap();
     }
 
+    /// A database in `dir` as the first `version` migrations left it.
+    fn database_at_version(dir: &Path, version: usize) -> Connection {
+        let conn = Connection::open(dir.join(DB_FILE)).unwrap();
+        for (number, (_, sql)) in (1u32..).zip(MIGRATIONS).take(version) {
+            conn.execute_batch(sql).unwrap();
+            conn.pragma_update(None, "user_version", number).unwrap();
+        }
+        conn
+    }
+
     #[test]
     fn migrates_from_every_past_version() {
         for start in 0..=MIGRATIONS.len() {
             let dir = tempfile::tempdir().unwrap();
-            {
-                let conn = Connection::open(dir.path().join(DB_FILE)).unwrap();
-                for (number, (_, sql)) in (1u32..).zip(MIGRATIONS).take(start) {
-                    conn.execute_batch(sql).unwrap();
-                    conn.pragma_update(None, "user_version", number).unwrap();
-                }
-            }
+            drop(database_at_version(dir.path(), start));
             let store = Store::open(dir.path()).unwrap();
             assert_eq!(
                 store.version().unwrap() as usize,
@@ -1125,11 +1133,7 @@ mod tests {
     fn migration_3_keeps_every_reservation_of_version_2() {
         let dir = tempfile::tempdir().unwrap();
         {
-            let conn = Connection::open(dir.path().join(DB_FILE)).unwrap();
-            for (number, (_, sql)) in (1u32..).zip(MIGRATIONS).take(2) {
-                conn.execute_batch(sql).unwrap();
-                conn.pragma_update(None, "user_version", number).unwrap();
-            }
+            let conn = database_at_version(dir.path(), 2);
             // As version 2 wrote them: units in rows of their own, here out of order.
             conn.execute_batch(
                 r#"INSERT INTO reservations (id, state, owner_uid, owner_gid, holder_pid,

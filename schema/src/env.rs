@@ -28,9 +28,7 @@ struct Inner {
 impl Env {
     /// The environment `vars`, with its JSON text.
     pub fn new(vars: BTreeMap<String, String>) -> Env {
-        let json = serde_json::to_string(&vars)
-            .ok()
-            .and_then(|text| RawValue::from_string(text).ok());
+        let json = serde_json::value::to_raw_value(&vars).ok();
         Env(Arc::new(Inner { vars, json }))
     }
 
