@@ -106,6 +106,89 @@ fn main() -> anyhow::Result<()> {
 }
 
 // ---------------------------------------------------------------------------------------
+// What a hand-off between threads costs on this machine
+// ---------------------------------------------------------------------------------------
+
+/// Prints the round trip of a message between two threads through `std::sync::mpsc` (the
+/// queue gpud's API calls take to its broker thread), with both threads on one CPU and on
+/// two. gpud hands every group of calls to its broker thread and back; the baseline server
+/// hands nothing to anyone. So when a hand-off across CPUs costs many times more than on
+/// one CPU (a virtual machine whose idle vCPUs halt), gpud loses more of its rate on that
+/// machine than its CPU cost per cycle says.
+fn print_handoff_cost() {
+    let Ok(allowed) = nix::sched::sched_getaffinity(nix::unistd::Pid::from_raw(0)) else {
+        return;
+    };
+    let cpus: Vec<usize> = (0..nix::sched::CpuSet::count())
+        .filter(|&c| allowed.is_set(c).unwrap_or(false))
+        .take(2)
+        .collect();
+    let Some(&first) = cpus.first() else {
+        return;
+    };
+    let one = handoff_round_trip(first, first);
+    let two = cpus
+        .get(1)
+        .and_then(|&other| handoff_round_trip(first, other));
+    let micros = |d: Duration| d.as_secs_f64() * 1e6;
+    match (one, two) {
+        (Some(one), Some(two)) => println!(
+            "thread hand-off round trip (mpsc): {:.1} µs on one CPU, {:.1} µs across two ({:.1}x)",
+            micros(one),
+            micros(two),
+            two.as_secs_f64() / one.as_secs_f64()
+        ),
+        (Some(one), None) => println!(
+            "thread hand-off round trip (mpsc): {:.1} µs on one CPU",
+            micros(one)
+        ),
+        _ => {}
+    }
+}
+
+/// The median round trip (of 5 runs of 4 000) of a message to a thread on CPU `b` and back,
+/// from a thread on CPU `a`; `None` when the threads cannot be pinned there.
+fn handoff_round_trip(a: usize, b: usize) -> Option<Duration> {
+    const ROUNDS: u32 = 4_000;
+    fn pin(cpu: usize) -> bool {
+        let mut set = nix::sched::CpuSet::new();
+        set.set(cpu).is_ok()
+            && nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set).is_ok()
+    }
+    std::thread::scope(|scope| {
+        let (to_b, at_b) = std::sync::mpsc::channel::<u32>();
+        let (to_a, at_a) = std::sync::mpsc::channel::<u32>();
+        scope.spawn(move || {
+            if pin(b) {
+                while let Ok(n) = at_b.recv() {
+                    if to_a.send(n).is_err() {
+                        break;
+                    }
+                }
+            }
+        });
+        let runner = scope.spawn(move || {
+            if !pin(a) {
+                return None;
+            }
+            let mut runs: Vec<Duration> = (0..5)
+                .map(|_| {
+                    let start = Instant::now();
+                    for n in 0..ROUNDS {
+                        to_b.send(n).ok()?;
+                        at_a.recv().ok()?;
+                    }
+                    Some(start.elapsed() / ROUNDS)
+                })
+                .collect::<Option<_>>()?;
+            runs.sort();
+            Some(runs[runs.len() / 2])
+        });
+        runner.join().ok().flatten()
+    })
+}
+
+// ---------------------------------------------------------------------------------------
 // The baseline server
 // ---------------------------------------------------------------------------------------
 
@@ -574,6 +657,7 @@ async fn drive(args: Args) -> anyhow::Result<()> {
         args.memory,
         std::thread::available_parallelism().map_or(0, std::num::NonZero::get),
     );
+    print_handoff_cost();
     let baseline = if args.baseline {
         let server = start_baseline()?;
         let m = measure(
