@@ -316,6 +316,42 @@ fn an_xid_from_a_gpu_that_fell_off_the_bus_keeps_it_out_when_nvml_answers_again(
 }
 
 #[test]
+fn when_xid_waits_keep_failing_the_gpus_are_registered_again_without_the_lost_one() {
+    let d = Daemon::start("dgx1-v100", "");
+    // GPU 2 is lost after gpud registered it: its calls fail, and so does every wait on a
+    // set that holds it (the first matching entry wins, so waits get the first one).
+    let mut fixture = d.read_fixture();
+    fixture["errors"] = json!([
+        {"device": 2, "call": "nvmlEventSetWait*", "code": "GPU_IS_LOST"},
+        {"device": 2, "call": "*", "code": "GPU_IS_LOST"},
+    ]);
+    d.write_fixture(&fixture);
+    // After ten failed waits, a second apart, gpud registers the GPUs again; GPU 2's
+    // registration fails, so the new set leaves it out and GPU 5's Xids are heard again.
+    // Only Xids after the new registration are delivered: append one every half second.
+    let started = std::time::Instant::now();
+    let mut xids = Vec::new();
+    let heard = wait_for(Duration::from_secs(25), || {
+        xids.push(79);
+        fixture["gpus"][5]["xid_errors"] = json!(xids);
+        d.write_fixture(&fixture);
+        std::thread::sleep(Duration::from_millis(500));
+        events(&d, "?kind=gpu_unhealthy")
+            .into_iter()
+            .find(|e| e["gpu_index"] == 5)
+    })
+    .unwrap_or_else(|| panic!("GPU 5's Xid was never heard: {:?}", events(&d, "")));
+    println!("heard again {:?} after GPU 2 was lost", started.elapsed());
+    assert!(
+        heard["message"].as_str().unwrap().contains("Xid 79"),
+        "{heard}"
+    );
+    // It took the ten failed waits: the old set did not hear it.
+    assert!(started.elapsed() >= Duration::from_secs(9), "{heard}");
+    assert!(!d.healthy_gpus()[5]);
+}
+
+#[test]
 fn metrics_parse_as_prometheus_text() {
     let d = Daemon::start("t4-pair", "");
     reserve(&d, json!({"memory": "2GiB", "ttl_seconds": 60}));
