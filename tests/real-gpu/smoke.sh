@@ -6,9 +6,10 @@
 #   tests/real-gpu/smoke.sh --fake   the same steps on the fake NVML (CI runs this, so the
 #                                    script cannot rot between GPU sessions)
 #   tests/real-gpu/smoke.sh --pack DIR
-#                                    only build, and put stripped gpud, gpuctl and
-#                                    libfake_nvml.so in DIR: for a GPU machine without a
-#                                    Rust toolchain, run there with SMOKE_BIN=DIR
+#                                    only build, and put stripped gpud, gpuctl,
+#                                    libfake_nvml.so and gpud-load in DIR: for a GPU
+#                                    machine without a Rust toolchain, run there with
+#                                    SMOKE_BIN=DIR (and the load generator from DIR)
 #
 # SMOKE_BIN=DIR uses the binaries in DIR instead of building.
 #
@@ -26,9 +27,9 @@ cd "$root"
 
 if [ "${1:-}" = "--pack" ]; then
     dir=${2:?"--pack DIR"}
-    cargo build --release -p gpud -p gpuctl -p fake-nvml 2>&1 | tail -1
+    cargo build --release -p gpud -p gpuctl -p fake-nvml -p gpud-tests --bin gpud-load 2>&1 | tail -1
     mkdir -p "$dir"
-    for f in gpud gpuctl libfake_nvml.so; do strip -o "$dir/$f" "target/release/$f"; done
+    for f in gpud gpuctl libfake_nvml.so gpud-load; do strip -o "$dir/$f" "target/release/$f"; done
     ls -l "$dir"
     exit 0
 fi
