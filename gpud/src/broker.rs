@@ -725,10 +725,8 @@ impl Broker {
                     .to_owned(),
             ));
         }
-        if request.ttl_seconds == Some(0) {
-            return Err(BrokerError::Invalid(
-                "ttl_seconds must be at least 1".to_owned(),
-            ));
+        if let Some(ttl) = request.ttl_seconds {
+            check_ttl(ttl)?;
         }
         if request.holder_pid.is_some() != holder.is_some() {
             return Err(BrokerError::Internal(
@@ -1087,12 +1085,8 @@ impl Broker {
         let r = inner.find_active(id)?;
         self.authorize(caller, r, "renew")?;
         let ttl = match (ttl_seconds, r.ttl_seconds) {
-            (Some(0), _) => {
-                return Err(BrokerError::Invalid(
-                    "ttl_seconds must be at least 1".to_owned(),
-                ));
-            }
-            (Some(t), _) | (None, Some(t)) => t,
+            (Some(t), _) => check_ttl(t)?,
+            (None, Some(t)) => t,
             (None, None) => {
                 return Err(BrokerError::Invalid(format!(
                     "reservation {id} has no lease to renew (it is held by a process); \
@@ -1693,6 +1687,24 @@ impl Inner {
             out.push(r);
         }
         Ok(out)
+    }
+}
+
+/// The longest lease a request may ask for: ten years. A reservation meant to last longer is
+/// renewed, or held by a process.
+pub const MAX_TTL_SECONDS: u64 = 10 * 365 * 24 * 3600;
+
+/// `ttl` when a lease may be that long (1 s to [`MAX_TTL_SECONDS`]).
+fn check_ttl(ttl: u64) -> Result<u64, BrokerError> {
+    match ttl {
+        0 => Err(BrokerError::Invalid(
+            "ttl_seconds must be at least 1".to_owned(),
+        )),
+        t if t > MAX_TTL_SECONDS => Err(BrokerError::Invalid(format!(
+            "ttl_seconds {t} is longer than ten years ({MAX_TTL_SECONDS}); renew a lease \
+             that must last longer, or give holder_pid to hold it as long as a process runs"
+        ))),
+        t => Ok(t),
     }
 }
 

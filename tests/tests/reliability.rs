@@ -846,6 +846,21 @@ fn hostile_input_gets_4xx_or_a_close_and_changes_nothing() {
         "no lifetime",
         post(r#"{"memory": "1GiB", "labels": {"x": "y"}}"#),
     );
+    // Leases past year 9999 cannot even be written as a time.
+    for ttl in ["18446744073709551615", "315360001", "1e99"] {
+        add(
+            &format!("ttl {ttl}"),
+            post(&format!(r#"{{"memory": "1GiB", "ttl_seconds": {ttl}}}"#)),
+        );
+        add(
+            &format!("renew ttl {ttl}"),
+            request(
+                "POST",
+                &format!("/v1/reservations/{keep_id}/renew"),
+                &format!(r#"{{"ttl_seconds": {ttl}}}"#),
+            ),
+        );
+    }
     add(
         "a holder that is not there",
         post(r#"{"memory": "1GiB", "holder_pid": 4194304}"#),
