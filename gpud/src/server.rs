@@ -59,6 +59,48 @@ fn runtime_threads(cpus: usize) -> usize {
     cpus.saturating_sub(1).max(1)
 }
 
+/// Locks `dir/gpud.lock` for as long as the returned lock lives (gpud's life), with gpud's
+/// pid written in it. A second gpud on the same state directory would load the same
+/// reservations and promise the same GPUs again: it stops here, naming the first.
+fn lock_state_dir(dir: &Path) -> anyhow::Result<nix::fcntl::Flock<std::fs::File>> {
+    use std::io::Write;
+
+    use nix::fcntl::{Flock, FlockArg};
+
+    std::fs::create_dir_all(dir)
+        .with_context(|| format!("cannot create the state directory {}", dir.display()))?;
+    let path = dir.join("gpud.lock");
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&path)
+        .with_context(|| format!("cannot open {}", path.display()))?;
+    match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
+        Ok(mut lock) => {
+            lock.set_len(0)
+                .and_then(|()| writeln!(lock, "{}", std::process::id()))
+                .with_context(|| format!("cannot write {}", path.display()))?;
+            Ok(lock)
+        }
+        Err((_, nix::errno::Errno::EWOULDBLOCK)) => {
+            let pid = std::fs::read_to_string(&path).unwrap_or_default();
+            let pid = pid.trim();
+            let who = if pid.is_empty() {
+                "another gpud".to_owned()
+            } else {
+                format!("another gpud (pid {pid})")
+            };
+            anyhow::bail!(
+                "{who} is using the state directory {}; stop it, or give this one its own --state-dir",
+                dir.display()
+            )
+        }
+        Err((_, e)) => Err(e).with_context(|| format!("cannot lock {}", path.display())),
+    }
+}
+
 /// Resolves admin group names (or numeric gids) to gids.
 pub fn resolve_groups(names: &[String]) -> anyhow::Result<Vec<u32>> {
     names
@@ -86,6 +128,7 @@ async fn serve(config: Config, config_path: Option<PathBuf>) -> anyhow::Result<(
         .and_then(|path| Config::load(path, false).ok())
         .unwrap_or_else(|| config.clone());
     let admin_gids = resolve_groups(&config.admin_groups)?;
+    let _state_lock = lock_state_dir(&config.state_dir)?;
     let lib = config.nvml_lib.clone();
     let nvml = tokio::task::spawn_blocking(move || Nvml::open(lib.as_deref())).await??;
     let nvml = Arc::new(nvml);

@@ -217,15 +217,20 @@ impl Daemon {
 
     /// The command line that starts this daemon (without spawning it).
     pub fn command(&self) -> Command {
+        self.command_on(&self.socket, &self.state_dir)
+    }
+
+    /// [`Daemon::command`] with another socket or state directory.
+    pub fn command_on(&self, socket: &Path, state_dir: &Path) -> Command {
         let mut cmd = Command::new(gpud_bin());
         cmd.arg("--config")
             .arg(&self.config)
             .arg("--nvml-lib")
             .arg(fake_nvml())
             .arg("--socket")
-            .arg(&self.socket)
+            .arg(socket)
             .arg("--state-dir")
-            .arg(&self.state_dir)
+            .arg(state_dir)
             .env("FAKE_NVML_CONFIG", &self.fixture)
             .env("GPUD_LOG", "warn")
             .stdin(Stdio::null());

@@ -633,7 +633,10 @@ fn sigterm_stops_gracefully_and_removes_the_socket() {
 #[test]
 fn a_second_gpud_on_the_same_socket_refuses_and_a_stale_socket_is_replaced() {
     let mut d = Daemon::start("t4-pair", "");
-    let out = d.command().output().unwrap();
+    let out = d
+        .command_on(&d.socket, &d.dir.path().join("other-state"))
+        .output()
+        .unwrap();
     assert!(!out.status.success());
     let stderr = String::from_utf8(out.stderr).unwrap();
     assert!(stderr.contains("another process"), "{stderr}");
@@ -644,6 +647,33 @@ fn a_second_gpud_on_the_same_socket_refuses_and_a_stale_socket_is_replaced() {
     assert!(d.socket.exists());
     d.spawn();
     assert_eq!(d.get("/v1/health").status, 200);
+}
+
+#[test]
+fn a_second_gpud_on_the_same_state_directory_refuses() {
+    let mut d = Daemon::start("t4-pair", "");
+    let r = d.post(
+        "/v1/reservations",
+        r#"{"gpus": 2, "exclusive": true, "ttl_seconds": 60}"#,
+    );
+    assert_eq!(r.status, 201, "{}", r.text);
+    // Another socket, the same state: it would promise both GPUs again.
+    let out = d
+        .command_on(&d.dir.path().join("second.sock"), &d.state_dir)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8(out.stderr).unwrap();
+    assert!(
+        stderr.contains(&format!("another gpud (pid {})", d.pid()))
+            && stderr.contains("state directory"),
+        "{stderr}"
+    );
+    assert_eq!(d.get("/v1/health").status, 200);
+    // A crash releases the lock with the process.
+    d.kill9();
+    d.spawn();
+    assert_eq!(d.active().len(), 1);
 }
 
 #[test]
