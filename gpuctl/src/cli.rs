@@ -140,16 +140,16 @@ pub struct ReserveArgs {
     #[arg(long)]
     pub exclusive: bool,
 
-    /// Queue until capacity frees up, at most DURATION (default 24h, gpud's usual limit).
+    /// Queue until capacity frees up, at most DURATION (without one: as long as gpud allows,
+    /// its `[wait] max_wait_seconds`, 24h by default).
     #[arg(
         long,
         value_name = "DURATION",
         num_args = 0..=1,
         require_equals = false,
-        default_missing_value = "24h",
         value_parser = parse_duration
     )]
-    pub wait: Option<Duration>,
+    pub wait: Option<Option<Duration>>,
 
     /// Lease length: released unless renewed (`gpuctl renew`) within DURATION.
     #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
@@ -407,7 +407,7 @@ mod tests {
         assert_eq!(r.wait, None);
         let r = reserve(&["--mem", "25%", "--wait", "--ttl", "90"]).unwrap();
         assert_eq!(r.mem, Some(MemoryAmount::BasisPoints(2500)));
-        assert_eq!(r.wait, Some(Duration::from_secs(24 * 3600)));
+        assert_eq!(r.wait, Some(None));
         assert_eq!(r.ttl, Some(Duration::from_secs(90)));
         let r = reserve(&[
             "--exclusive",
@@ -419,10 +419,10 @@ mod tests {
             "a=b=c",
         ])
         .unwrap();
-        assert_eq!(r.wait, Some(Duration::from_secs(300)));
+        assert_eq!(r.wait, Some(Some(Duration::from_secs(300))));
         assert_eq!(r.labels, [("a".to_owned(), "b=c".to_owned())]);
         let r = reserve(&["--mem", "1G", "--wait", "--", "true"]).unwrap();
-        assert_eq!(r.wait, Some(Duration::from_secs(24 * 3600)));
+        assert_eq!(r.wait, Some(None));
         assert_eq!(r.command, ["true"]);
     }
 

@@ -19,7 +19,9 @@ use std::path::Path;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use gpud_schema::{MemoryAmount, MemorySpec, Reservation, ReservationRequest, format_basis_points};
+use gpud_schema::{
+    MemoryAmount, MemorySpec, Reservation, ReservationRequest, WaiterList, format_basis_points,
+};
 use tokio::runtime::Runtime;
 use tokio::signal::unix::{SignalKind, signal};
 
@@ -64,8 +66,9 @@ impl Holder {
     }
 }
 
-/// The wire request for these arguments.
-pub fn request(args: &ReserveArgs, holder: Holder) -> ReservationRequest {
+/// The wire request for these arguments; `wait` is how long to queue (`--wait`'s duration,
+/// or gpud's limit for a bare `--wait`: [`wait_limit`]).
+pub fn request(args: &ReserveArgs, holder: Holder, wait: Option<Duration>) -> ReservationRequest {
     ReservationRequest {
         gpus: Some(args.gpus),
         memory: args.mem.map(|m| match m {
@@ -73,7 +76,7 @@ pub fn request(args: &ReserveArgs, holder: Holder) -> ReservationRequest {
             MemoryAmount::BasisPoints(bp) => MemorySpec::Text(format_basis_points(bp)),
         }),
         exclusive: args.exclusive,
-        wait_seconds: args.wait.map(whole_seconds),
+        wait_seconds: wait.map(whole_seconds),
         ttl_seconds: args.ttl.map(whole_seconds),
         holder_pid: holder.pid(),
         labels: args.labels.iter().cloned().collect(),
@@ -89,9 +92,14 @@ pub fn run(args: &ReserveArgs, socket: &Path, rt: &Runtime) -> Result<ExitCode, 
         std::process::id(),
         std::os::unix::process::parent_id(),
     );
-    let request = request(args, holder);
     let client = Client::new(socket);
-    let show_status = args.wait.is_some() && std::io::stderr().is_terminal();
+    let wait = match args.wait {
+        Some(None) => Some(rt.block_on(wait_limit(&client))),
+        Some(Some(d)) => Some(d),
+        None => None,
+    };
+    let request = request(args, holder, wait);
+    let show_status = wait.is_some() && std::io::stderr().is_terminal();
     let reservation = rt.block_on(reserve_interruptibly(&client, &request, show_status))?;
 
     if let [program, rest @ ..] = args.command.as_slice() {
@@ -254,6 +262,20 @@ async fn status_line(client: &Client, request: &ReservationRequest, show: bool) 
     }
 }
 
+/// How long a bare `--wait` queues: as long as gpud allows (`[wait] max_wait_seconds`, from
+/// `GET /v1/waiters`), or 24 h, its default, when gpud does not say (an older one, or none:
+/// the reservation then fails with the reason).
+async fn wait_limit(client: &Client) -> Duration {
+    const GPUDS_DEFAULT: Duration = Duration::from_secs(24 * 3600);
+    match client.waiters().await {
+        Ok(WaiterList {
+            max_wait_seconds: Some(max),
+            ..
+        }) => Duration::from_secs(max),
+        _ => GPUDS_DEFAULT,
+    }
+}
+
 /// `2nd of 3 waiting`, or the queue's length unless exactly one waiter is `me` (uid, pid):
 /// inside a container gpuctl's pid is not the one gpud sees, and may be another's.
 fn queue_place(waiters: &[gpud_schema::Waiter], me: (u32, u32)) -> String {
@@ -374,7 +396,7 @@ mod tests {
             "--gpus", "2", "--mem", "12.5%", "--wait", "1500ms", "--ttl", "1h", "--label", "job=x",
             "--policy", "spread",
         ]);
-        let r = request(&a, Holder::Lease);
+        let r = request(&a, Holder::Lease, a.wait.flatten());
         assert_eq!(
             serde_json::to_value(&r).unwrap(),
             serde_json::json!({"gpus": 2, "memory": "12.5%", "wait_seconds": 2,
@@ -383,13 +405,14 @@ mod tests {
         let r = request(
             &args(&["--exclusive", "--", "true"]),
             Holder::SelfThenExec(9),
+            None,
         );
         assert_eq!(
             serde_json::to_value(&r).unwrap(),
             serde_json::json!({"gpus": 1, "exclusive": true, "holder_pid": 9})
         );
         assert_eq!(describe(&r), "1 whole GPU");
-        let r = request(&args(&["--mem", "4GiB"]), Holder::Parent(1));
+        let r = request(&args(&["--mem", "4GiB"]), Holder::Parent(1), None);
         assert_eq!(r.memory, Some(MemorySpec::Bytes(4 << 30)));
         assert_eq!(describe(&r), "4 GiB on 1 GPU");
     }

@@ -264,7 +264,14 @@ impl Api {
                 gives_up_at: rfc3339(w.gives_up_at),
             })
             .collect();
-        json(StatusCode::OK, &schema::WaiterList { waiters })
+        let max_wait_seconds = Some(self.broker.settings().config.wait.max_wait_seconds);
+        json(
+            StatusCode::OK,
+            &schema::WaiterList {
+                waiters,
+                max_wait_seconds,
+            },
+        )
     }
 
     fn gpus(&self) -> Reply {

@@ -309,6 +309,10 @@ pub struct Waiter {
 pub struct WaiterList {
     /// The queue, first first.
     pub waiters: Vec<Waiter>,
+    /// The longest `wait_seconds` this gpud accepts (`[wait] max_wait_seconds`). Absent from
+    /// gpuds before it was added.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_wait_seconds: Option<u64>,
 }
 
 /// Error response: `{"error": {"code": "...", "message": "..."}}`.

@@ -566,6 +566,32 @@ fn a_daemon_that_dies_during_a_wait_is_exit_3() {
 }
 
 #[test]
+fn a_bare_wait_waits_as_long_as_this_gpud_allows() {
+    let d = Daemon::start("t4-pair", "[wait]\nmax_wait_seconds = 3600\n");
+    fill_t4(&d);
+    let mut child = d
+        .gpuctl()
+        .args(["reserve", "--mem", "1GiB", "--ttl", "1m", "--wait"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let queue = wait_for(Duration::from_secs(5), || {
+        let r = d.get("/v1/waiters");
+        (r.body["waiters"].as_array().map(Vec::len) == Some(1)).then_some(r.body)
+    });
+    child.kill().unwrap();
+    let out = child.wait_with_output().unwrap();
+    let queue = queue.unwrap_or_else(|| panic!("not queued: {}", text(&out.stderr)));
+    assert_eq!(queue["max_wait_seconds"], 3600);
+    let at = |field: &str| {
+        humantime::parse_rfc3339(queue["waiters"][0][field].as_str().unwrap()).unwrap()
+    };
+    let waits = at("gives_up_at").duration_since(at("waiting_since"));
+    assert_eq!(waits.unwrap().as_secs(), 3600, "{queue}");
+}
+
+#[test]
 fn a_waiter_runs_its_command_when_capacity_frees() {
     let d = Daemon::start("t4-pair", "");
     let [first, _] = fill_t4(&d);
