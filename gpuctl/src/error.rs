@@ -120,6 +120,14 @@ impl CliError {
         }
     }
 
+    /// gpud's error code, when gpud answered with one.
+    pub fn code(&self) -> Option<&str> {
+        match self {
+            CliError::Api { code, .. } => Some(code),
+            _ => None,
+        }
+    }
+
     /// As a process exit code.
     pub fn exit(&self) -> ExitCode {
         ExitCode::from(self.exit_code())
@@ -133,6 +141,8 @@ pub fn api_exit_code(status: u16, code: &str) -> u8 {
         codes::WAIT_TIMEOUT => exit::WAIT_TIMEOUT,
         codes::FORBIDDEN | codes::QUOTA_EXCEEDED => exit::FORBIDDEN,
         codes::INVALID_REQUEST | codes::PAYLOAD_TOO_LARGE => exit::USAGE,
+        // Stopping is gone, as far as the caller can tell: the connection is next.
+        codes::SHUTTING_DOWN => exit::UNREACHABLE,
         codes::NOT_FOUND
         | codes::NOT_ACTIVE
         | codes::METHOD_NOT_ALLOWED

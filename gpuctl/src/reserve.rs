@@ -20,7 +20,8 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use gpud_schema::{
-    MemoryAmount, MemorySpec, Reservation, ReservationRequest, WaiterList, format_basis_points,
+    MemoryAmount, MemorySpec, Reservation, ReservationRequest, WaiterList, codes,
+    format_basis_points,
 };
 use tokio::runtime::Runtime;
 use tokio::signal::unix::{SignalKind, signal};
@@ -188,9 +189,9 @@ async fn reserve_interruptibly(
     ) else {
         // No signal handling (should not happen on Linux): the default actions still close
         // the connection, which cancels the request on gpud's side.
-        return client.reserve(request).await;
+        return reserve_across_restarts(client, request).await;
     };
-    let reply = client.reserve(request);
+    let reply = reserve_across_restarts(client, request);
     tokio::pin!(reply);
     let status = status_line(client, request, show_status);
     tokio::pin!(status);
@@ -220,6 +221,36 @@ async fn reserve_interruptibly(
             "reserving"
         },
     })
+}
+
+/// Sends the request; a wait that gpud ends because it stops (`shutting_down`: a restart, an
+/// upgrade; nothing was granted) is asked again once gpud answers, for the rest of the wait.
+/// A connection lost without that answer (a crash) is not: the request may have been granted.
+async fn reserve_across_restarts(
+    client: &Client,
+    request: &ReservationRequest,
+) -> Result<Reservation, CliError> {
+    let Some(wait) = request.wait_seconds.map(Duration::from_secs) else {
+        return client.reserve(request).await;
+    };
+    let deadline = Instant::now() + wait;
+    let mut request = request.clone();
+    loop {
+        match client.reserve(&request).await {
+            Err(e @ CliError::Api { .. }) if e.code() == Some(codes::SHUTTING_DOWN) => {
+                eprintln!("gpuctl: gpud is restarting; waiting for it to come back");
+                while client.waiters().await.is_err() {
+                    if Instant::now() >= deadline {
+                        return Err(e);
+                    }
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+                let left = deadline.saturating_duration_since(Instant::now());
+                request.wait_seconds = Some(whole_seconds(left).max(1));
+            }
+            reply => return reply,
+        }
+    }
 }
 
 /// The live line on a terminal: what is asked for, where this request is in the queue

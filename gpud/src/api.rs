@@ -81,7 +81,7 @@ pub fn status_for(e: &BrokerError) -> (StatusCode, &'static str) {
         BrokerError::Storage(_) | BrokerError::Internal(_) => {
             (StatusCode::INTERNAL_SERVER_ERROR, codes::INTERNAL)
         }
-        BrokerError::ShuttingDown => (StatusCode::SERVICE_UNAVAILABLE, codes::STORAGE_UNAVAILABLE),
+        BrokerError::ShuttingDown => (StatusCode::SERVICE_UNAVAILABLE, codes::SHUTTING_DOWN),
     }
 }
 
@@ -706,7 +706,7 @@ mod tests {
                 500,
                 codes::INTERNAL,
             ),
-            (BrokerError::ShuttingDown, 503, codes::STORAGE_UNAVAILABLE),
+            (BrokerError::ShuttingDown, 503, codes::SHUTTING_DOWN),
         ];
         for (e, status, code) in table {
             let (s, c) = status_for(&e);

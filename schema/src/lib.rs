@@ -355,6 +355,9 @@ pub mod codes {
     pub const PAYLOAD_TOO_LARGE: &str = "payload_too_large";
     /// State cannot be written (disk full, read-only) (503).
     pub const STORAGE_UNAVAILABLE: &str = "storage_unavailable";
+    /// gpud is stopping (a restart, an upgrade); nothing was done: ask again once it is back
+    /// (503).
+    pub const SHUTTING_DOWN: &str = "shutting_down";
     /// A bug or an unexpected failure (500).
     pub const INTERNAL: &str = "internal";
 }

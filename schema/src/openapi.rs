@@ -81,7 +81,7 @@ pub fn document() -> Value {
                         "409": error_reply("No capacity now"),
                         "413": error_reply("Body too large"),
                         "422": error_reply("Can never fit on this machine"),
-                        "503": error_reply("State cannot be written")
+                        "503": error_reply("State cannot be written (storage_unavailable), or gpud is stopping (shutting_down)")
                     }
                 }
             },
@@ -99,7 +99,7 @@ pub fn document() -> Value {
                         "403": error_reply("Not yours"),
                         "404": error_reply("No such reservation"),
                         "409": error_reply("Already released"),
-                        "503": error_reply("State cannot be written")
+                        "503": error_reply("State cannot be written (storage_unavailable), or gpud is stopping (shutting_down)")
                     }
                 }
             },
@@ -113,7 +113,7 @@ pub fn document() -> Value {
                     "403": error_reply("Not yours"),
                     "404": error_reply("No such reservation"),
                     "409": error_reply("No longer active"),
-                    "503": error_reply("State cannot be written")
+                    "503": error_reply("State cannot be written (storage_unavailable), or gpud is stopping (shutting_down)")
                 }
             }},
             "/v1/events": {"get": {

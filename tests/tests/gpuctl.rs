@@ -592,6 +592,49 @@ fn a_bare_wait_waits_as_long_as_this_gpud_allows() {
 }
 
 #[test]
+fn a_wait_goes_on_across_a_restart_of_gpud() {
+    let mut d = Daemon::start("t4-pair", "");
+    let [first, _] = fill_t4(&d);
+    let child = d
+        .gpuctl()
+        .args([
+            "reserve",
+            "--mem",
+            "4GiB",
+            "--wait",
+            "30s",
+            "--",
+            "sh",
+            "-c",
+            "echo \"got $CUDA_VISIBLE_DEVICES\"",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_for(Duration::from_secs(5), || (waiting(&d) == 1).then_some(())).expect("queued");
+    // systemctl restart: gpud answers the waiter `shutting_down`, and is gone for a moment.
+    assert!(d.stop().success());
+    std::thread::sleep(Duration::from_millis(500));
+    d.spawn();
+    wait_for(Duration::from_secs(5), || (waiting(&d) == 1).then_some(()))
+        .expect("queued again after the restart");
+    expect(&d, &["release", &first], 0);
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stdout).starts_with("got GPU-"),
+        "{}",
+        text(&out.stdout)
+    );
+    assert!(
+        text(&out.stderr).contains("gpud is restarting"),
+        "{}",
+        text(&out.stderr)
+    );
+}
+
+#[test]
 fn a_waiter_runs_its_command_when_capacity_frees() {
     let d = Daemon::start("t4-pair", "");
     let [first, _] = fill_t4(&d);
