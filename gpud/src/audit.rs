@@ -482,6 +482,13 @@ impl<S: ProcessSource, T: ProcessTable> Auditor<S, T> {
                 .iter()
                 .find(|(u, _)| *u == unit)
                 .map_or(0, |(_, b)| *b);
+            // Memory used beyond the reservation is as good as taken: placement must not
+            // promise it to the next request (an exclusive reservation holds it all anyway).
+            if !r.exclusive
+                && let Some(i) = unit_index.get(unit.as_str()).copied()
+            {
+                unaccounted[i].0 += bytes.saturating_sub(reserved);
+            }
             if r.exclusive || bytes <= config.over_limit_tolerance.limit(reserved) {
                 continue;
             }
@@ -1094,6 +1101,8 @@ mod tests {
             .insert(0, Ok(vec![process(5001, &units[0], 5)]));
         let over = a.pass(&config, 3);
         assert_eq!(kinds(&over), [(EventKind::OverLimit, EventPhase::Start)]);
+        // The gigabyte beyond the reservation is in use: placement must not promise it.
+        assert_eq!(b.snapshot().loads[0].unaccounted_bytes, GIB);
         assert_eq!(over.events[0].reservation_id.as_deref(), Some(id.as_str()));
         assert_eq!(
             (over.events[0].used_bytes, over.events[0].reserved_bytes),
@@ -1111,6 +1120,7 @@ mod tests {
             kinds(&a.pass(&strict, 4)),
             [(EventKind::OverLimit, EventPhase::End)]
         );
+        assert_eq!(b.snapshot().loads[0].unaccounted_bytes, 0);
     }
 
     #[test]

@@ -105,7 +105,8 @@ pub struct PlacementRequest {
 pub struct UnitLoad {
     /// Sum of the memory reserved on this unit by active reservations.
     pub reserved_bytes: u64,
-    /// Memory used by processes that no reservation accounts for (measured by the audit).
+    /// Memory in use that reservations do not account for (measured by the audit): processes
+    /// without one, and what reservations' processes use beyond what they reserved.
     pub unaccounted_bytes: u64,
     /// Number of active reservations on this unit.
     pub reservations: u32,

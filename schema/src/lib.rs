@@ -203,7 +203,8 @@ pub struct GpuStatus {
     pub memory_reserved_bytes: u64,
     /// Memory used by processes, as last measured.
     pub memory_used_bytes: u64,
-    /// Memory used by processes that no reservation accounts for.
+    /// Memory in use that reservations do not account for: processes without one, and what
+    /// reservations' processes use beyond what they reserved.
     pub memory_unaccounted_bytes: u64,
     /// Active reservations on it (or its MIG instances).
     pub reservations: u32,
