@@ -609,7 +609,7 @@ pub fn gpu_list(broker: &Broker) -> schema::GpuList {
     }
     let n = snap.gpus.len();
     schema::GpuList {
-        driver_version: None,
+        driver_version: snap.driver_version.clone(),
         gpus: snap
             .gpus
             .iter()

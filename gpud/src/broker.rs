@@ -284,6 +284,8 @@ impl std::fmt::Debug for Waiter {
 struct Inner {
     store: Store,
     gpus: Vec<Gpu>,
+    /// The NVIDIA driver's version, as NVML reported it at start.
+    driver_version: Option<String>,
     topology: Topology,
     units: Vec<Unit>,
     unit_by_uuid: HashMap<String, usize>,
@@ -341,6 +343,7 @@ impl Broker {
         let mut inner = Inner {
             store,
             gpus: inventory.gpus.clone(),
+            driver_version: inventory.driver_version.clone(),
             topology: inventory.topology.clone(),
             units,
             unit_by_uuid,
@@ -1301,6 +1304,7 @@ impl Broker {
         let inner = self.lock();
         Snapshot {
             gpus: inner.gpus.clone(),
+            driver_version: inner.driver_version.clone(),
             topology: inner.topology.clone(),
             units: inner.units.clone(),
             loads: inner.loads.clone(),
@@ -1429,6 +1433,8 @@ pub struct AuditView {
 pub struct Snapshot {
     /// GPUs with current health.
     pub gpus: Vec<Gpu>,
+    /// The NVIDIA driver's version, as NVML reported it at start.
+    pub driver_version: Option<String>,
     /// Link matrix.
     pub topology: Topology,
     /// Allocatable units.

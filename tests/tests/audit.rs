@@ -107,12 +107,16 @@ fn a_holders_child_is_accounted_and_overuse_is_over_limit() {
         events(&d, "")
     );
     let gpus = d.get("/v1/gpus").body;
+    assert_eq!(gpus["driver_version"], d.read_fixture()["driver_version"]);
     assert_eq!(gpus["gpus"][gpu]["memory_used_bytes"], 2 * GIB);
     assert_eq!(gpus["gpus"][gpu]["memory_unaccounted_bytes"], 0);
     set_processes(&d, gpu, &[(child, 3 * GIB)]);
     let (event, _) = wait_event(&d, "over_limit", "start", None);
     assert_eq!(event["reservation_id"], id.as_str());
     assert_eq!(event["reserved_bytes"], 2 * GIB);
+    // The gibibyte over the reservation is not free for the next one.
+    let gpus = d.get("/v1/gpus").body;
+    assert_eq!(gpus["gpus"][gpu]["memory_unaccounted_bytes"], GIB);
     assert_eq!(events(&d, &format!("?reservation={id}")).len(), 1);
     holder.kill().unwrap();
     holder.wait().unwrap();
