@@ -67,6 +67,46 @@ impl Holder {
     }
 }
 
+/// The shell that forked `pid` as a subshell, or `pid` itself.
+///
+/// `eval "$(gpuctl reserve …)"` runs gpuctl in a command substitution; with a redirection or a
+/// pipe inside it (`2>/dev/null`, `| cat`) bash and other shells run it from a forked copy of
+/// themselves that exits as soon as gpuctl has printed, which would release the reservation
+/// at once. Such a copy has the same program, command line and process group as the shell
+/// it was forked from, which is the one that lives on. Only shells, and one level: a nested
+/// shell the user started has its own command line or process group.
+fn shell_behind_subshell(pid: u32) -> u32 {
+    const SHELLS: [&str; 9] = [
+        "bash", "sh", "dash", "zsh", "ksh", "ksh93", "mksh", "ash", "busybox",
+    ];
+    let proc = |p: u32, what: &str| std::path::PathBuf::from(format!("/proc/{p}/{what}"));
+    // (parent, process group) from /proc/<p>/stat: the fields after the `(comm)`.
+    let stat = |p: u32| -> Option<(u32, u32)> {
+        let text = std::fs::read_to_string(proc(p, "stat")).ok()?;
+        let mut fields = text.get(text.rfind(')')? + 1..)?.split_whitespace().skip(1);
+        Some((fields.next()?.parse().ok()?, fields.next()?.parse().ok()?))
+    };
+    let Some((parent, group)) = stat(pid) else {
+        return pid;
+    };
+    let same = |what: &str| {
+        let read = |p| std::fs::read(proc(p, what)).ok();
+        read(pid).is_some_and(|mine| Some(mine) == read(parent))
+    };
+    let exe = std::fs::read_link(proc(pid, "exe")).ok();
+    let is_shell = exe
+        .as_ref()
+        .and_then(|e| e.file_name())
+        .and_then(|n| n.to_str())
+        .is_some_and(|n| SHELLS.contains(&n));
+    let forked = parent > 1
+        && stat(parent).is_some_and(|(_, g)| g == group)
+        && exe.is_some()
+        && exe == std::fs::read_link(proc(parent, "exe")).ok()
+        && same("cmdline");
+    if is_shell && forked { parent } else { pid }
+}
+
 /// The wire request for these arguments; `wait` is how long to queue (`--wait`'s duration,
 /// or gpud's limit for a bare `--wait`: [`wait_limit`]).
 pub fn request(args: &ReserveArgs, holder: Holder, wait: Option<Duration>) -> ReservationRequest {
@@ -91,7 +131,7 @@ pub fn run(args: &ReserveArgs, socket: &Path, rt: &Runtime) -> Result<ExitCode, 
     let holder = Holder::choose(
         args,
         std::process::id(),
-        std::os::unix::process::parent_id(),
+        shell_behind_subshell(std::os::unix::process::parent_id()),
     );
     let client = Client::new(socket);
     let wait = match args.wait {

@@ -225,16 +225,21 @@ fn a_command_that_cannot_run_gives_the_reservation_back() {
     assert_eq!(all["reservations"].as_array().unwrap().len(), 2);
 }
 
-/// `eval "$(gpuctl reserve …)"` in a shell: the shell holds it until it exits.
-fn eval_in(shell: &str, d: &Daemon) {
-    let script = r#"
-        eval "$("$GPUCTL" reserve --mem 1GiB --label who=shell)" || exit 9
+/// `eval "$(gpuctl reserve …)"` in a shell: the shell holds it until it exits. `tail` ends
+/// the command inside `$( … )`: a redirection or a pipe there makes the shell run it from a
+/// subshell that exits at once, and the shell must hold the reservation all the same.
+fn eval_in(shell: &str, tail: &str, d: &Daemon) {
+    let script = format!(
+        r#"
+        eval "$("$GPUCTL" reserve --mem 1GiB --label who=shell{tail})" || exit 9
+        sleep 0.3
         echo "$CUDA_VISIBLE_DEVICES"
         echo "$GPUD_RESERVATION_ID"
         "$GPUCTL" ls -o json
-    "#;
+    "#
+    );
     let child = Command::new(shell)
-        .args(["-c", script])
+        .args(["-c", &script])
         .env("GPUCTL", gpuctl_bin())
         .env("GPUD_SOCKET", &d.socket)
         .stdout(Stdio::piped())
@@ -251,23 +256,34 @@ fn eval_in(shell: &str, d: &Daemon) {
         lines.next().unwrap(),
         lines.next().unwrap(),
     );
-    assert!(visible.starts_with("GPU-"), "{shell}: {stdout}");
+    assert!(visible.starts_with("GPU-"), "{shell}{tail}: {stdout}");
     let list: ReservationList = serde_json::from_str(json).unwrap();
-    let r = list.reservations.iter().find(|r| r.id == id).unwrap();
-    assert_eq!(r.state, ReservationState::Active, "{shell}");
-    assert_eq!(r.holder_pid, Some(shell_pid), "{shell}: held by the shell");
+    let r = list
+        .reservations
+        .iter()
+        .find(|r| r.id == id)
+        .unwrap_or_else(|| panic!("{shell}{tail}: {id} is gone: {stdout}"));
+    assert_eq!(r.state, ReservationState::Active, "{shell}{tail}");
+    assert_eq!(
+        r.holder_pid,
+        Some(shell_pid),
+        "{shell}{tail}: held by the shell"
+    );
     assert_eq!(r.env["CUDA_VISIBLE_DEVICES"], visible);
     wait_for(Duration::from_secs(2), || {
         (reservation(d, id)["state"] == "released").then_some(())
     })
-    .unwrap_or_else(|| panic!("{shell}: released when the shell exits"));
+    .unwrap_or_else(|| panic!("{shell}{tail}: released when the shell exits"));
 }
 
 #[test]
 fn the_eval_form_works_in_sh_and_bash() {
     let d = Daemon::start("t4-pair", "");
-    eval_in("sh", &d);
-    eval_in("bash", &d);
+    for shell in ["sh", "bash"] {
+        for tail in ["", " 2>/dev/null", " | cat"] {
+            eval_in(shell, tail, &d);
+        }
+    }
 
     // The output is export lines, sorted, single-quoted.
     let out = gpuctl(&d, &["reserve", "--mem", "512MiB", "--ttl", "5m"]);
