@@ -273,15 +273,21 @@ pub struct EventsArgs {
 }
 
 /// `events --kind`.
+/// Named as the API, the README and `gpuctl events` print them (`wrong_gpu`); the dashed
+/// spellings work too.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+#[value(rename_all = "snake_case")]
 pub enum EventKindArg {
     /// A GPU process no reservation accounts for.
     Unreserved,
     /// A reservation's process on a GPU it does not hold.
+    #[value(alias = "wrong-gpu")]
     WrongGpu,
     /// A reservation using more than it reserved.
+    #[value(alias = "over-limit")]
     OverLimit,
     /// A GPU lost or failing.
+    #[value(alias = "gpu-unhealthy")]
     GpuUnhealthy,
 }
 
@@ -397,6 +403,25 @@ mod tests {
                 format!("{other:?}"),
             )),
         }
+    }
+
+    #[test]
+    fn event_kinds_are_spelled_as_gpud_prints_them_or_with_dashes() {
+        for (arg, api) in [
+            ("wrong_gpu", "wrong_gpu"),
+            ("wrong-gpu", "wrong_gpu"),
+            ("over_limit", "over_limit"),
+            ("gpu-unhealthy", "gpu_unhealthy"),
+            ("unreserved", "unreserved"),
+        ] {
+            let cli = Cli::try_parse_from(["gpuctl", "events", "--kind", arg]).unwrap();
+            let Command::Events(e) = cli.command else {
+                panic!("{arg}: not events");
+            };
+            assert_eq!(e.kind.map(EventKindArg::as_str), Some(api), "{arg}");
+        }
+        let e = Cli::try_parse_from(["gpuctl", "events", "--kind", "wrong"]).unwrap_err();
+        assert!(e.to_string().contains("wrong_gpu"), "{e}");
     }
 
     #[test]
