@@ -359,10 +359,10 @@ impl Config {
         })
     }
 
-    /// Parses and validates TOML text; the error names the key and line.
+    /// Parses and validates TOML text; the error is one line that names the key and, for
+    /// a mistake in the file's syntax or types, its line and column.
     pub fn parse(text: &str) -> Result<Config, String> {
-        let config: Config =
-            toml::from_str(text).map_err(|e| e.to_string().trim().replace('\n', " "))?;
+        let config: Config = toml::from_str(text).map_err(|e| at_line(text, &e))?;
         config.validate()?;
         Ok(config)
     }
@@ -387,6 +387,41 @@ impl Config {
         }
         Ok(())
     }
+}
+
+/// `line L, column C: key: message` for a TOML error, on one line: the parser's own
+/// rendering spreads a caret diagram over several lines, and its message alone does not
+/// say which key a wrong value belongs to.
+fn at_line(text: &str, e: &toml::de::Error) -> String {
+    let message = e.message().trim();
+    // Without the input, the error's Display is the message and then the key path, as
+    // "in `audit.xid_ignore`"; that is the only public way to the key path.
+    let mut bare = e.clone();
+    bare.set_input(None);
+    let bare = bare.to_string();
+    let key = bare
+        .strip_prefix(message)
+        .map(str::trim)
+        .and_then(|rest| rest.strip_prefix("in `")?.strip_suffix('`'));
+    let mut line = String::new();
+    if let Some(span) = e.span() {
+        let (l, c) = line_column(text, span.start);
+        line.push_str(&format!("line {l}, column {c}: "));
+    }
+    if let Some(key) = key {
+        line.push_str(&format!("{key}: "));
+    }
+    line.push_str(&message.replace('\n', "; "));
+    line
+}
+
+/// 1-based line and column (in characters) of byte offset `at` in `text`.
+fn line_column(text: &str, at: usize) -> (usize, usize) {
+    let before = text.get(..at).unwrap_or(text);
+    let line_start = before.rfind('\n').map_or(0, |i| i + 1);
+    let line = before.matches('\n').count() + 1;
+    let column = before.get(line_start..).unwrap_or("").chars().count() + 1;
+    (line, column)
 }
 
 fn duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
@@ -459,6 +494,64 @@ mod tests {
             .collect();
         let quotas = Config::parse(&example.join("\n")).unwrap().quotas;
         assert_eq!(quotas.len(), 2, "the example shows a uid and a gid quota");
+    }
+
+    #[test]
+    fn parse_errors_are_one_line_with_line_and_column() {
+        let e = Config::parse("[audit]\nintervall = \"2s\"\n").unwrap_err();
+        assert!(
+            e.starts_with(
+                "line 2, column 1: audit: unknown field `intervall`, expected one of `interval`"
+            ),
+            "{e}"
+        );
+        assert!(
+            !e.contains('\n') && !e.contains('|') && !e.contains('^'),
+            "{e}"
+        );
+        let e = Config::parse("socket = \"/tmp/x\"\n[wait]\nmax_wait_seconds = \"long\"\n")
+            .unwrap_err();
+        assert!(
+            e.starts_with("line 3, column 20: wait.max_wait_seconds: invalid type"),
+            "{e}"
+        );
+        let e = Config::parse("socket = \n").unwrap_err();
+        assert!(e.starts_with("line 1, column "), "{e}");
+        assert!(!e.contains('\n'), "{e}");
+        // Validation errors have no position; they name the key.
+        assert_eq!(
+            Config::parse("[server]\nmax_connections = 0\n").unwrap_err(),
+            "server.max_connections must be at least 1"
+        );
+    }
+
+    #[test]
+    fn load_errors_name_the_file_once_and_the_cause_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.toml");
+        std::fs::write(&path, "[audit]\nintervall = \"2s\"\n").unwrap();
+        let e = Config::load(&path, true).unwrap_err().to_string();
+        assert!(
+            e.starts_with(&format!(
+                "invalid config {}: line 2, column 1: audit: unknown field `intervall`",
+                path.display()
+            )),
+            "{e}"
+        );
+        let missing = dir.path().join("missing.toml");
+        let e = Config::load(&missing, true).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            format!(
+                "cannot read config {}: No such file or directory (os error 2)",
+                missing.display()
+            )
+        );
+        assert!(
+            std::error::Error::source(&e).is_some(),
+            "the io::Error stays the source"
+        );
+        assert_eq!(Config::load(&missing, false).unwrap(), Config::default());
     }
 
     #[test]

@@ -53,7 +53,7 @@ fn main() -> ExitCode {
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("gpud: {e:#}");
+            eprintln!("gpud: {}", one_line(&e));
             ExitCode::FAILURE
         }
     }
@@ -84,5 +84,44 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Run => gpud::server::run(config, Some(path)),
+    }
+}
+
+/// The error and its causes on one line, each said once: gpud's error types already put
+/// their cause in their message (`cannot read config X: No such file or directory`), so a
+/// cause whose text is already there is not repeated, while the causes under a bare
+/// context (`cannot bind X`) are still appended.
+fn one_line(e: &anyhow::Error) -> String {
+    let mut line = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if line.is_empty() {
+            line = text;
+        } else if !line.contains(&text) {
+            line.push_str(": ");
+            line.push_str(&text);
+        }
+    }
+    line
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_cause_is_said_once() {
+        let missing = std::path::Path::new("/nonexistent/gpud.toml");
+        let e = anyhow::Error::new(Config::load(missing, true).unwrap_err());
+        assert_eq!(
+            one_line(&e),
+            "cannot read config /nonexistent/gpud.toml: No such file or directory (os error 2)"
+        );
+        let e = anyhow::Error::new(std::io::Error::from(std::io::ErrorKind::AddrInUse))
+            .context("cannot bind /run/gpud/gpud.sock");
+        assert_eq!(
+            one_line(&e),
+            "cannot bind /run/gpud/gpud.sock: address in use"
+        );
     }
 }
