@@ -46,7 +46,9 @@ pub enum ConfigError {
 pub struct Config {
     /// Unix socket to serve on (ignored when systemd hands one over).
     pub socket: PathBuf,
-    /// Permission bits of a socket gpud binds itself.
+    /// Permission bits of a socket gpud binds itself: a TOML octal integer (`0o666`) or a
+    /// string of octal digits (`"0666"`), at most `0o777`.
+    #[serde(deserialize_with = "socket_mode")]
     pub socket_mode: u32,
     /// Directory for the SQLite database.
     pub state_dir: PathBuf,
@@ -362,6 +364,7 @@ impl Config {
     /// Parses and validates TOML text; the error is one line that names the key and, for
     /// a mistake in the file's syntax or types, its line and column.
     pub fn parse(text: &str) -> Result<Config, String> {
+        reject_decimal_socket_mode(text)?;
         let config: Config = toml::from_str(text).map_err(|e| at_line(text, &e))?;
         config.validate()?;
         Ok(config)
@@ -422,6 +425,84 @@ fn line_column(text: &str, at: usize) -> (usize, usize) {
     let line = before.matches('\n').count() + 1;
     let column = before.get(line_start..).unwrap_or("").chars().count() + 1;
     (line, column)
+}
+
+/// The hint for a mode written in decimal: `666 is decimal (octal 1232); write socket_mode =
+/// 0o666`. When its digits are not all octal ones (438), the number itself was meant, and
+/// the hint is its octal spelling (`0o666`).
+fn decimal_mode_hint(n: i64) -> String {
+    if n < 0 {
+        return format!("{n} is not a permission mode; write e.g. socket_mode = 0o666");
+    }
+    let digits = n.to_string();
+    let meant = if digits.bytes().all(|b| (b'0'..=b'7').contains(&b)) {
+        digits
+    } else {
+        format!("{n:o}")
+    };
+    format!("{n} is decimal (octal {n:o}); write socket_mode = 0o{meant}")
+}
+
+/// Permission bits: a TOML integer (`0o666`; decimal is refused by
+/// `reject_decimal_socket_mode`, which sees how it was written) or a string of octal digits
+/// (`"0666"`, `"666"`, `"0o666"`).
+fn socket_mode<'de, D: Deserializer<'de>>(d: D) -> Result<u32, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Mode {
+        Number(i64),
+        Text(String),
+    }
+    let (mode, written) = match Mode::deserialize(d)? {
+        Mode::Number(n) if n < 0 => (None, n.to_string()),
+        Mode::Number(n) => (u32::try_from(n).ok(), format!("{n:#o}")),
+        Mode::Text(text) => {
+            let digits = text.strip_prefix("0o").unwrap_or(&text);
+            let mode = u32::from_str_radix(digits, 8)
+                .ok()
+                .filter(|_| !digits.starts_with('+'));
+            (mode, format!("{text:?}"))
+        }
+    };
+    match mode {
+        Some(m) if m <= 0o777 => Ok(m),
+        Some(_) => Err(serde::de::Error::custom(format!(
+            "{written} has bits outside 0o777 (a socket has only read, write and \
+             execute bits); write e.g. socket_mode = 0o666"
+        ))),
+        None => Err(serde::de::Error::custom(format!(
+            "{written} is not an octal permission mode; write e.g. socket_mode = 0o666"
+        ))),
+    }
+}
+
+/// TOML hands an integer over without saying how it was written, so `socket_mode = 438`
+/// would pass as `0o666`, and `socket_mode = 444` as `0o674`: a decimal mode (other than
+/// 0 to 7, the same in both) is refused here, where the text is at hand. Hexadecimal and
+/// binary say their base, so they pass.
+fn reject_decimal_socket_mode(text: &str) -> Result<(), String> {
+    #[derive(Deserialize)]
+    struct Raw {
+        socket_mode: Option<toml::Spanned<toml::Value>>,
+    }
+    let Ok(Raw {
+        socket_mode: Some(mode),
+    }) = toml::from_str::<Raw>(text)
+    else {
+        return Ok(());
+    };
+    let written = text.get(mode.span()).unwrap_or("");
+    let explicit_base = ["0o", "0x", "0b"].iter().any(|p| written.starts_with(p));
+    match mode.get_ref() {
+        toml::Value::Integer(n) if !explicit_base && !(0..8).contains(n) => {
+            let (line, column) = line_column(text, mode.span().start);
+            Err(format!(
+                "line {line}, column {column}: socket_mode: {}",
+                decimal_mode_hint(*n)
+            ))
+        }
+        _ => Ok(()),
+    }
 }
 
 fn duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
@@ -494,6 +575,47 @@ mod tests {
             .collect();
         let quotas = Config::parse(&example.join("\n")).unwrap().quotas;
         assert_eq!(quotas.len(), 2, "the example shows a uid and a gid quota");
+    }
+
+    #[test]
+    fn socket_mode_is_octal_and_at_most_0o777() {
+        for text in [
+            "socket_mode = 0o660",
+            "socket_mode = \"0660\"",
+            "socket_mode = \"660\"",
+            "socket_mode = \"0o660\"",
+            "socket_mode = 0x1b0",
+        ] {
+            assert_eq!(Config::parse(text).unwrap().socket_mode, 0o660, "{text}");
+        }
+        assert_eq!(Config::parse("socket_mode = 0").unwrap().socket_mode, 0);
+        let refused = |text: &str| Config::parse(text).unwrap_err();
+        assert_eq!(
+            refused("socket_mode = 666"),
+            "line 1, column 15: socket_mode: 666 is decimal (octal 1232); write socket_mode = 0o666"
+        );
+        // In range, but still decimal: 444 would be 0o674.
+        assert_eq!(
+            refused("\nsocket_mode = 444\n"),
+            "line 2, column 15: socket_mode: 444 is decimal (octal 674); write socket_mode = 0o444"
+        );
+        assert_eq!(
+            refused("socket_mode = 438"),
+            "line 1, column 15: socket_mode: 438 is decimal (octal 666); write socket_mode = 0o666"
+        );
+        assert_eq!(
+            refused("socket_mode = 0o1666"),
+            "line 1, column 15: socket_mode: 0o1666 has bits outside 0o777 (a socket has only \
+             read, write and execute bits); write e.g. socket_mode = 0o666"
+        );
+        assert_eq!(
+            refused("socket_mode = \"0668\""),
+            "line 1, column 15: socket_mode: \"0668\" is not an octal permission mode; write \
+             e.g. socket_mode = 0o666"
+        );
+        assert!(refused("socket_mode = \"1777\"").contains("bits outside 0o777"));
+        assert!(refused("socket_mode = -1").contains("not a permission mode"));
+        assert!(refused("socket_mode = \"+666\"").contains("not an octal"));
     }
 
     #[test]
