@@ -577,6 +577,56 @@ mod tests {
         assert_eq!(quotas.len(), 2, "the example shows a uid and a gid quota");
     }
 
+    /// Every key the config structs accept, as `(section, key)` (`""` for the top level),
+    /// read from the parser itself: `deny_unknown_fields` lists them all in its refusal of
+    /// an unknown one, so a key added to a struct shows up here with no list to update.
+    fn every_key() -> Vec<(String, String)> {
+        // "expected `a`", "expected `a` or `b`", "expected one of `a`, `b`, `c`".
+        fn fields(refusal: Result<Config, String>) -> Option<Vec<String>> {
+            let e = refusal.err()?;
+            let (_, list) = e.split_once("unknown field `no_such_key`, expected ")?;
+            Some(
+                list.split('`')
+                    .skip(1)
+                    .step_by(2)
+                    .map(str::to_owned)
+                    .collect(),
+            )
+        }
+        let mut keys = Vec::new();
+        for top in fields(Config::parse("no_such_key = 0")).unwrap() {
+            let table = fields(Config::parse(&format!("[{top}]\nno_such_key = 0")))
+                .or_else(|| fields(Config::parse(&format!("[[{top}]]\nno_such_key = 0"))));
+            match table {
+                Some(table) => keys.extend(table.into_iter().map(|k| (top.clone(), k))),
+                None => keys.push((String::new(), top)),
+            }
+        }
+        keys
+    }
+
+    #[test]
+    fn shipped_example_names_every_key_with_its_default() {
+        let text = include_str!("../../systemd/gpud.toml");
+        // Keys set in the file are the defaults; the commented-out ones are examples of
+        // what to set where the default is "none" (and the quotas).
+        assert_eq!(Config::parse(text).unwrap(), Config::default());
+        let mut section = String::new();
+        let mut found = std::collections::BTreeSet::new();
+        for line in text.lines() {
+            let line = line.trim_start_matches('#').trim();
+            if let Some(name) = line.strip_prefix('[') {
+                section = name.trim_matches(|c| c == '[' || c == ']').to_owned();
+            } else if let Some((key, _)) = line.split_once(" = ") {
+                found.insert((section.clone(), key.trim().to_owned()));
+            }
+        }
+        let keys = every_key();
+        assert!(keys.len() > 30, "the key discovery broke: {keys:?}");
+        let missing: Vec<_> = keys.iter().filter(|k| !found.contains(*k)).collect();
+        assert!(missing.is_empty(), "systemd/gpud.toml lacks {missing:?}");
+    }
+
     #[test]
     fn socket_mode_is_octal_and_at_most_0o777() {
         for text in [
