@@ -1,5 +1,6 @@
 //! The `gpud` binary: parse flags, load the config, hand over to the library.
 
+use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -76,14 +77,29 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Probe { json } => {
             let nvml = gpud::gpu::Nvml::open(config.nvml_lib.as_deref())?;
             let inventory = nvml.discover()?;
-            if json {
-                println!("{}", serde_json::to_string_pretty(&inventory)?);
+            let text = if json {
+                serde_json::to_string_pretty(&inventory)? + "\n"
             } else {
-                print!("{}", gpud::probe::render(&inventory));
-            }
-            Ok(())
+                gpud::probe::render(&inventory)
+            };
+            print_to_stdout(&text)
         }
         Command::Run => gpud::server::run(config, Some(path)),
+    }
+}
+
+/// Writes `text` to stdout. A reader that stops early (`gpud probe --json | head`) is not
+/// a failure: the broken pipe ends the output quietly, as it would a C program.
+fn print_to_stdout(text: &str) -> anyhow::Result<()> {
+    write_unless_closed(&mut std::io::stdout().lock(), text)
+}
+
+fn write_unless_closed(out: &mut impl Write, text: &str) -> anyhow::Result<()> {
+    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => {
+            Err(anyhow::Error::new(e).context("cannot write to stdout"))
+        }
+        _ => Ok(()),
     }
 }
 
@@ -108,6 +124,46 @@ fn one_line(e: &anyhow::Error) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A writer whose reader is gone after `room` bytes.
+    struct Pipe {
+        room: usize,
+        error: std::io::ErrorKind,
+    }
+
+    impl Write for Pipe {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            if self.room == 0 {
+                return Err(self.error.into());
+            }
+            let n = buf.len().min(self.room);
+            self.room -= n;
+            Ok(n)
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_closed_pipe_ends_the_output_quietly() {
+        let broken = std::io::ErrorKind::BrokenPipe;
+        let mut out = Pipe {
+            room: 100,
+            error: broken,
+        };
+        assert!(write_unless_closed(&mut out, &"x".repeat(4096)).is_ok());
+        let full = std::io::ErrorKind::StorageFull;
+        let mut out = Pipe {
+            room: 100,
+            error: full,
+        };
+        let e = write_unless_closed(&mut out, &"x".repeat(4096)).unwrap_err();
+        assert!(
+            one_line(&e).starts_with("cannot write to stdout: "),
+            "{e:#}"
+        );
+    }
 
     #[test]
     fn each_cause_is_said_once() {
