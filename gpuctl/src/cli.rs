@@ -337,8 +337,19 @@ pub struct TableArgs {
 }
 
 /// `--mem`: the schema crate's parser, so gpuctl and gpud read sizes the same way.
+/// A size for `--mem`. A plain number is bytes, as in the API; one below 1 MiB is surely a
+/// forgotten unit (`--mem 16`), so it is refused with the spellings meant.
 fn parse_size(s: &str) -> Result<MemoryAmount, String> {
-    parse_memory(s).map_err(|e| e.to_string())
+    let amount = parse_memory(s).map_err(|e| e.to_string())?;
+    let plain = s.trim();
+    match amount {
+        MemoryAmount::Bytes(b) if b < 1 << 20 && plain.bytes().all(|c| c.is_ascii_digit()) => {
+            Err(format!(
+                "{plain} would be {plain} bytes; give a unit: {plain}GiB or {plain}MiB (a plain number is bytes)"
+            ))
+        }
+        amount => Ok(amount),
+    }
 }
 
 /// `30s`, `5m`, `1h30m`, or plain seconds.
@@ -403,6 +414,21 @@ mod tests {
                 format!("{other:?}"),
             )),
         }
+    }
+
+    #[test]
+    fn a_plain_small_number_is_a_forgotten_unit() {
+        let e = reserve(&["--mem", "16"]).unwrap_err().to_string();
+        assert!(
+            e.contains("16 would be 16 bytes; give a unit: 16GiB"),
+            "{e}"
+        );
+        let e = reserve(&["--mem", "1.5"]).unwrap_err().to_string();
+        assert!(e.contains("must be whole"), "{e}");
+        let r = reserve(&["--mem", "17179869184"]).unwrap();
+        assert_eq!(r.mem, Some(MemoryAmount::Bytes(16 << 30)));
+        let r = reserve(&["--mem", "512KiB"]).unwrap();
+        assert_eq!(r.mem, Some(MemoryAmount::Bytes(512 << 10)));
     }
 
     #[test]

@@ -22,13 +22,41 @@ pub use env::Env;
 pub const DEFAULT_SOCKET: &str = "/run/gpud/gpud.sock";
 
 /// Memory per GPU: an integer number of bytes, or a size string (`"4GiB"`, `"4G"`, `"25%"`).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, JsonSchema)]
 #[serde(untagged)]
 pub enum MemorySpec {
     /// Bytes.
     Bytes(u64),
     /// Size string; binary units (`G` means GiB), or a percentage of each chosen GPU.
     Text(String),
+}
+
+/// By hand, so that a wrong value says what is expected (`invalid type: floating point
+/// `1.5`, expected a whole number of bytes or a size string like "4GiB" or "25%"`) instead
+/// of serde's "did not match any variant of untagged enum".
+impl<'de> Deserialize<'de> for MemorySpec {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl serde::de::Visitor<'_> for Visitor {
+            type Value = MemorySpec;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(r#"a whole number of bytes or a size string like "4GiB" or "25%""#)
+            }
+            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<MemorySpec, E> {
+                Ok(MemorySpec::Bytes(v))
+            }
+            // TOML's integers are signed.
+            fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<MemorySpec, E> {
+                u64::try_from(v)
+                    .map(MemorySpec::Bytes)
+                    .map_err(|_| E::invalid_value(serde::de::Unexpected::Signed(v), &self))
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<MemorySpec, E> {
+                Ok(MemorySpec::Text(v.to_owned()))
+            }
+        }
+        deserializer.deserialize_any(Visitor)
+    }
 }
 
 /// Placement policy.
@@ -361,4 +389,35 @@ pub mod codes {
     pub const SHUTTING_DOWN: &str = "shutting_down";
     /// A bug or an unexpected failure (500).
     pub const INTERNAL: &str = "internal";
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn memory_is_bytes_or_a_size_string_and_anything_else_says_so() {
+        let memory = |json: &str| serde_json::from_str::<MemorySpec>(json);
+        assert_eq!(memory("1024").unwrap(), MemorySpec::Bytes(1024));
+        assert_eq!(
+            memory(r#""4GiB""#).unwrap(),
+            MemorySpec::Text("4GiB".into())
+        );
+        for bad in ["1.5", "-1", "true", "[1]", "18446744073709551616"] {
+            let e = memory(bad).unwrap_err().to_string();
+            assert!(
+                e.contains(r#"expected a whole number of bytes or a size string like "4GiB""#),
+                "{bad}: {e}"
+            );
+        }
+        // TOML's integers are signed.
+        use serde::de::IntoDeserializer;
+        let signed = |v: i64| {
+            MemorySpec::deserialize(
+                IntoDeserializer::<serde::de::value::Error>::into_deserializer(v),
+            )
+        };
+        assert_eq!(signed(5).unwrap(), MemorySpec::Bytes(5));
+        assert!(signed(-5).is_err());
+    }
 }

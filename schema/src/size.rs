@@ -38,6 +38,8 @@ const UNITS: [(&[&str], u32); 6] = [
     (&["p", "pb", "pib"], 50),
 ];
 
+const WHOLE_BYTES: &str = "a number of bytes must be whole; give a unit for parts: 1.5GiB";
+
 /// Parses `"4GiB"`, `"4G"`, `"1.5 GiB"`, `"512MiB"`, `"1048576"` or `"25%"`.
 pub fn parse_memory(input: &str) -> Result<MemoryAmount, SizeError> {
     let err = |reason| SizeError {
@@ -72,6 +74,9 @@ pub fn parse_memory(input: &str) -> Result<MemoryAmount, SizeError> {
         .map(|&(_, shift)| shift)
         .ok_or_else(|| err("unknown unit"))?;
     let (whole, frac) = parse_decimal(number).ok_or_else(|| err("not a number"))?;
+    if shift == 0 && frac.digits != 0 {
+        return Err(err(WHOLE_BYTES));
+    }
     let whole_bytes = whole.checked_shl(shift).filter(|b| b >> shift == whole);
     let bytes = whole_bytes
         .and_then(|w| w.checked_add(frac.scaled_binary(shift)))
@@ -222,7 +227,9 @@ mod tests {
             ("1e99GiB", "unknown unit"),
             ("4 parsecs", "unknown unit"),
             ("0", "must be at least one byte"),
-            ("0.0000000001B", "must be at least one byte"),
+            ("0.0000000001B", WHOLE_BYTES),
+            ("1.5", WHOLE_BYTES),
+            ("0.5 b", WHOLE_BYTES),
             ("18446744073709551616", "not a number"),
             ("16777216TiB", "too large"),
             ("99999999999999999999PiB", "not a number"),
