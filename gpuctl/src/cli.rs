@@ -244,8 +244,8 @@ pub struct ListArgs {
     /// Which reservations.
     #[arg(long, value_enum, default_value_t = StateFilter::Active)]
     pub state: StateFilter,
-    /// Only those of this uid.
-    #[arg(long, value_name = "UID")]
+    /// Only those of this user (a name, as the OWNER column shows it, or a uid).
+    #[arg(long, value_name = "USER", value_parser = parse_user)]
     pub owner: Option<u32>,
     /// Output format.
     #[arg(short, long, value_enum, default_value_t)]
@@ -337,6 +337,19 @@ pub struct TableArgs {
 }
 
 /// `--mem`: the schema crate's parser, so gpuctl and gpud read sizes the same way.
+/// A user name or a numeric uid, as a uid.
+fn parse_user(s: &str) -> Result<u32, String> {
+    if let Ok(uid) = s.parse::<u32>() {
+        return Ok(uid);
+    }
+    match nix::unistd::User::from_name(s) {
+        Ok(Some(user)) => Ok(user.uid.as_raw()),
+        _ => Err(format!(
+            "no user {s:?} on this machine; give a user name or a uid"
+        )),
+    }
+}
+
 /// A size for `--mem`. A plain number is bytes, as in the API; one below 1 MiB is surely a
 /// forgotten unit (`--mem 16`), so it is refused with the spellings meant.
 fn parse_size(s: &str) -> Result<MemoryAmount, String> {
@@ -414,6 +427,14 @@ mod tests {
                 format!("{other:?}"),
             )),
         }
+    }
+
+    #[test]
+    fn owners_are_names_or_uids() {
+        assert_eq!(parse_user("root"), Ok(0));
+        assert_eq!(parse_user("1000"), Ok(1000));
+        let e = parse_user("no-such-user-here").unwrap_err();
+        assert!(e.contains("give a user name or a uid"), "{e}");
     }
 
     #[test]
