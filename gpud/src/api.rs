@@ -749,7 +749,7 @@ mod tests {
             (r#"{"memory": "4G", "gpus": "two"}"#, "invalid type"),
             (
                 r#"{"memory": 18446744073709551616}"#,
-                "did not match any variant",
+                "expected a whole number of bytes",
             ),
             (r#"{"memory": "4G", "holder_pid": 0}"#, "not 0"),
             (r#"{"memory": "4G", "labels": {"": "x"}}"#, "label"),

@@ -715,10 +715,12 @@ impl Broker {
         if let Some(wait) = request.wait
             && wait.as_secs() > settings.config.wait.max_wait_seconds
         {
+            let max = settings.config.wait.max_wait_seconds;
             return Err(BrokerError::Invalid(format!(
-                "wait_seconds {} is longer than this gpud allows ({}); ask for less",
+                "a wait of {} (wait_seconds {}) is longer than this gpud allows ({}); ask for less",
+                humantime::format_duration(wait),
                 wait.as_secs(),
-                settings.config.wait.max_wait_seconds
+                humantime::format_duration(Duration::from_secs(max))
             )));
         }
         if request.holder_pid.is_none() && request.ttl_seconds.is_none() && request.id.is_none() {
@@ -810,24 +812,26 @@ impl Broker {
         let pid = match caller.pid {
             Some(caller_pid) => crate::holder::translate_pid(caller_pid, pid).map_err(|e| {
                 BrokerError::Invalid(format!(
-                    "holder_pid {seen_as} cannot hold a reservation: {e} in your PID namespace"
+                    "process {seen_as} (holder_pid) cannot hold a reservation: {e} in your PID namespace"
                 ))
             })?,
             // A peer outside gpud's PID namespace (see `server::peer`).
             None => {
                 return Err(BrokerError::Invalid(format!(
-                    "holder_pid {seen_as} cannot be checked: gpud cannot see your processes (it runs \
+                    "process {seen_as} (holder_pid) cannot be checked: gpud cannot see your processes (it runs \
                      in a PID namespace that does not include yours; run it with the host's, e.g. \
                      hostPID: true); use ttl_seconds for a lease instead"
                 )));
             }
         };
         let pinned = PinnedProcess::pin(pid).map_err(|e| {
-            BrokerError::Invalid(format!("holder_pid {pid} cannot hold a reservation: {e}"))
+            BrokerError::Invalid(format!(
+                "process {pid} (holder_pid) cannot hold a reservation: {e}"
+            ))
         })?;
         if caller.uid != 0 && pinned.info.uid != caller.uid {
             return Err(BrokerError::Forbidden(format!(
-                "holder_pid {pid} belongs to uid {}, not to you (uid {}); name one of your own processes",
+                "process {pid} (holder_pid) belongs to uid {}, not to you (uid {}); name one of your own processes",
                 pinned.info.uid, caller.uid
             )));
         }
@@ -1093,7 +1097,7 @@ impl Broker {
             (None, None) => {
                 return Err(BrokerError::Invalid(format!(
                     "reservation {id} has no lease to renew (it is held by a process); \
-                     give ttl_seconds to add one"
+                     give it one: ttl_seconds, or `gpuctl renew {id} --ttl 1h`"
                 )));
             }
         };
@@ -1704,11 +1708,12 @@ pub const MAX_TTL_SECONDS: u64 = 10 * 365 * 24 * 3600;
 fn check_ttl(ttl: u64) -> Result<u64, BrokerError> {
     match ttl {
         0 => Err(BrokerError::Invalid(
-            "ttl_seconds must be at least 1".to_owned(),
+            "a lease (ttl_seconds) must last at least 1 second".to_owned(),
         )),
         t if t > MAX_TTL_SECONDS => Err(BrokerError::Invalid(format!(
-            "ttl_seconds {t} is longer than ten years ({MAX_TTL_SECONDS}); renew a lease \
-             that must last longer, or give holder_pid to hold it as long as a process runs"
+            "a lease of {} (ttl_seconds {t}) is longer than ten years; renew a lease \
+             that must last longer, or give holder_pid to hold it as long as a process runs",
+            humantime::format_duration(Duration::from_secs(t))
         ))),
         t => Ok(t),
     }

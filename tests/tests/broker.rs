@@ -357,7 +357,10 @@ fn a_disconnected_waiter_holds_nothing() {
 #[test]
 fn the_queue_lists_waiters_in_order_with_who_asked_and_until_when() {
     let d = Daemon::start("t4-pair", "");
-    assert_eq!(d.get("/v1/waiters").body, json!({"waiters": []}));
+    assert_eq!(
+        d.get("/v1/waiters").body,
+        json!({"waiters": [], "max_wait_seconds": 86400})
+    );
     let (first, second) = fill_t4(&d);
     let big = queue(
         &d,
@@ -402,7 +405,10 @@ fn the_queue_lists_waiters_in_order_with_who_asked_and_until_when() {
     );
     let small = small.join().unwrap();
     assert_eq!(small.status, 201, "{}", small.text);
-    assert_eq!(d.get("/v1/waiters").body, json!({"waiters": []}));
+    assert_eq!(
+        d.get("/v1/waiters").body,
+        json!({"waiters": [], "max_wait_seconds": 86400})
+    );
 }
 
 #[test]
