@@ -133,7 +133,9 @@ pub struct ReserveArgs {
     pub gpus: u32,
 
     /// Memory per GPU: 512MiB, 4GiB, 4G (G means GiB: GPU memory is binary), or 25% of each GPU.
-    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    // allow_hyphen_values: `--mem -1GiB` gets the size's error, not clap's tip to write
+    // `-- -1`, which here would run `-1` as the command.
+    #[arg(long, value_name = "SIZE", value_parser = parse_size, allow_hyphen_values = true)]
     pub mem: Option<MemoryAmount>,
 
     /// Whole GPUs, shared with nobody.
@@ -446,6 +448,8 @@ mod tests {
         );
         let e = reserve(&["--mem", "1.5"]).unwrap_err().to_string();
         assert!(e.contains("must be whole"), "{e}");
+        let e = reserve(&["--mem", "-1GiB"]).unwrap_err().to_string();
+        assert!(e.contains(r#"invalid memory size "-1GiB""#), "{e}");
         let r = reserve(&["--mem", "17179869184"]).unwrap();
         assert_eq!(r.mem, Some(MemoryAmount::Bytes(16 << 30)));
         let r = reserve(&["--mem", "512KiB"]).unwrap();
