@@ -611,6 +611,34 @@ fn a_bare_wait_waits_as_long_as_this_gpud_allows() {
 fn a_wait_goes_on_across_a_restart_of_gpud() {
     let mut d = Daemon::start("t4-pair", "");
     let [first, _] = fill_t4(&d);
+    let child = queue_a_command(&d);
+    // systemctl restart: gpud answers the waiter `shutting_down`, and is gone for a moment.
+    assert!(d.stop().success());
+    std::thread::sleep(Duration::from_millis(500));
+    d.spawn();
+    wait_for(Duration::from_secs(5), || (waiting(&d) == 1).then_some(()))
+        .expect("queued again after the restart");
+    expect(&d, &["release", &first], 0);
+    let out = ran_on_a_gpu(child);
+    assert!(
+        text(&out.stderr).contains("gpud is restarting"),
+        "{}",
+        text(&out.stderr)
+    );
+}
+
+#[test]
+fn a_waiter_runs_its_command_when_capacity_frees() {
+    let d = Daemon::start("t4-pair", "");
+    let [first, _] = fill_t4(&d);
+    let child = queue_a_command(&d);
+    expect(&d, &["release", &first], 0);
+    ran_on_a_gpu(child);
+}
+
+/// `gpuctl reserve --mem 4GiB --wait 30s -- sh -c 'echo got $CUDA_VISIBLE_DEVICES'`, once it
+/// waits in gpud's queue.
+fn queue_a_command(d: &Daemon) -> std::process::Child {
     let child = d
         .gpuctl()
         .args([
@@ -628,14 +656,12 @@ fn a_wait_goes_on_across_a_restart_of_gpud() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    wait_for(Duration::from_secs(5), || (waiting(&d) == 1).then_some(())).expect("queued");
-    // systemctl restart: gpud answers the waiter `shutting_down`, and is gone for a moment.
-    assert!(d.stop().success());
-    std::thread::sleep(Duration::from_millis(500));
-    d.spawn();
-    wait_for(Duration::from_secs(5), || (waiting(&d) == 1).then_some(()))
-        .expect("queued again after the restart");
-    expect(&d, &["release", &first], 0);
+    wait_for(Duration::from_secs(5), || (waiting(d) == 1).then_some(())).expect("queued");
+    child
+}
+
+/// The output of [`queue_a_command`]'s gpuctl, which must have run its command on a GPU.
+fn ran_on_a_gpu(child: std::process::Child) -> Output {
     let out = child.wait_with_output().unwrap();
     assert!(out.status.success(), "{}", text(&out.stderr));
     assert!(
@@ -643,42 +669,7 @@ fn a_wait_goes_on_across_a_restart_of_gpud() {
         "{}",
         text(&out.stdout)
     );
-    assert!(
-        text(&out.stderr).contains("gpud is restarting"),
-        "{}",
-        text(&out.stderr)
-    );
-}
-
-#[test]
-fn a_waiter_runs_its_command_when_capacity_frees() {
-    let d = Daemon::start("t4-pair", "");
-    let [first, _] = fill_t4(&d);
-    let child = d
-        .gpuctl()
-        .args([
-            "reserve",
-            "--mem",
-            "4GiB",
-            "--wait",
-            "20s",
-            "--",
-            "sh",
-            "-c",
-            "echo \"got $CUDA_VISIBLE_DEVICES\"",
-        ])
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    wait_for(Duration::from_secs(5), || (waiting(&d) == 1).then_some(())).expect("queued");
-    expect(&d, &["release", &first], 0);
-    let out = child.wait_with_output().unwrap();
-    assert!(out.status.success());
-    assert!(
-        text(&out.stdout).starts_with("got GPU-"),
-        "{}",
-        text(&out.stdout)
-    );
+    out
 }
 
 #[test]
