@@ -468,7 +468,7 @@ pub fn gpus_table(list: &GpuList, colour: bool) -> String {
     if unaccounted > 0 {
         let _ = write!(
             out,
-            ", {} by processes without a reservation",
+            ", {} beyond what reservations account for",
             format_bytes(unaccounted)
         );
     }

@@ -560,7 +560,7 @@ impl<S: ProcessSource, T: ProcessTable> Auditor<S, T> {
         events.extend(self.due_kills(now));
 
         // 5. Hand usage to placement; store events.
-        self.broker.set_usage(&used, &unaccounted);
+        self.broker.set_usage(&used, &unaccounted, now);
         let events = if events.is_empty() {
             events
         } else {
@@ -1045,15 +1045,30 @@ mod tests {
                     gid: ME,
                     pid: None,
                 },
-                request,
+                request.clone(),
                 3,
             )
             .unwrap_err();
         assert!(e.to_string().contains("largest free block is 6 GiB"), "{e}");
+        // The same request, waiting: served by the pass that sees the memory free again
+        // (no release or expiry happens to wake it).
+        let waiting = ReserveRequest {
+            wait: Some(Duration::from_secs(60)),
+            ..request
+        };
+        let caller = Caller {
+            uid: ME,
+            gid: ME,
+            pid: None,
+        };
+        let ReserveOutcome::Queued(_ticket) = b.reserve(caller, waiting, 3).unwrap() else {
+            panic!("7 GiB fits nowhere yet, so it waits");
+        };
         nvml.0.lock().unwrap().insert(0, Ok(vec![]));
         let ended = a.pass(&config, 4);
         assert_eq!(kinds(&ended), [(EventKind::Unreserved, EventPhase::End)]);
         assert_eq!(b.snapshot().loads[0].unaccounted_bytes, 0);
+        assert_eq!((b.snapshot().waiting, b.snapshot().active), (0, 1));
         assert_eq!(
             b.events(&crate::store::EventFilter::default())
                 .unwrap()

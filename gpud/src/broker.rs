@@ -1320,15 +1320,23 @@ impl Broker {
         }
     }
 
-    /// Records measured usage per unit (all processes) and the part no reservation accounts for.
-    pub fn set_usage(&self, used: &[u64], unaccounted: &[(u64, bool)]) {
+    /// Records measured usage per unit (all processes) and the part reservations do not
+    /// account for. When that part shrinks somewhere (a stray process ended, a job over its
+    /// reservation exited), the queue is tried again: nothing else would wake a waiter that
+    /// only this memory kept out.
+    pub fn set_usage(&self, used: &[u64], unaccounted: &[(u64, bool)], now: Millis) {
         let mut inner = self.lock();
         for (slot, u) in inner.used.iter_mut().zip(used) {
             *slot = *u;
         }
+        let mut freed = false;
         for (load, (bytes, foreign)) in inner.loads.iter_mut().zip(unaccounted) {
+            freed |= *bytes < load.unaccounted_bytes || (load.foreign_processes && !*foreign);
             load.unaccounted_bytes = *bytes;
             load.foreign_processes = *foreign;
+        }
+        if freed {
+            self.serve_waiters(&mut inner, now);
         }
     }
 

@@ -124,7 +124,7 @@ impl Metrics {
         let memory_unaccounted = Family::<GpuLabels, Gauge>::default();
         registry.register(
             "gpu_memory_unaccounted_bytes",
-            "GPU memory used by processes no reservation accounts for",
+            "GPU memory in use beyond what reservations account for (processes without one, and reservations over their size)",
             memory_unaccounted.clone(),
         );
         let healthy = Family::<GpuLabels, Gauge>::default();

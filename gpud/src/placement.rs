@@ -1006,15 +1006,17 @@ fn blocker_text(view: &View<'_>) -> Option<String> {
                         format_bytes(load.reserved_bytes)
                     ));
                 }
-                if load.foreign_processes || load.unaccounted_bytes > 0 {
-                    if load.unaccounted_bytes > 0 {
-                        parts.push(format!(
-                            "runs processes outside gpud using {}",
-                            format_bytes(load.unaccounted_bytes)
-                        ));
-                    } else {
-                        parts.push("runs processes outside gpud".to_owned());
-                    }
+                match (load.foreign_processes, load.unaccounted_bytes) {
+                    (true, 0) => parts.push("runs processes outside gpud".to_owned()),
+                    (true, bytes) => parts.push(format!(
+                        "runs processes outside gpud using {}",
+                        format_bytes(bytes)
+                    )),
+                    (false, 0) => {}
+                    (false, bytes) => parts.push(format!(
+                        "has {} in use beyond its reservations",
+                        format_bytes(bytes)
+                    )),
                 }
             }
             if parts.is_empty() {

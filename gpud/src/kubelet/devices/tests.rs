@@ -179,7 +179,7 @@ fn memory_used_by_processes_nobody_reserved_is_withheld_too() {
     let pod = allocate(&b, MEM, &mem_ids(0, 0..2), 0);
     // The audit found 5.5 GiB on GPU 0 that no reservation accounts for, and a process
     // using nothing measurable (yet) on GPU 1.
-    b.set_usage(&[], &[(5 * GIB + GIB / 2, true), (0, true)]);
+    b.set_usage(&[], &[(5 * GIB + GIB / 2, true), (0, true)], 0);
     let list = with_view(&b, |v| advertise(MEM, v));
     // 16 - 2 (the pod's) - 5.5 leaves room for 8 more devices on GPU 0: 2 to 9.
     assert_eq!(healthy_ids(&list, 0), mem_ids(0, 0..10), "{pod:?}");
@@ -191,7 +191,7 @@ fn memory_used_by_processes_nobody_reserved_is_withheld_too() {
         whole.iter().map(|d| d.healthy).collect::<Vec<_>>(),
         [false, false]
     );
-    b.set_usage(&[], &[(0, false), (0, false)]);
+    b.set_usage(&[], &[(0, false), (0, false)], 0);
     let list = with_view(&b, |v| advertise(MEM, v));
     assert_eq!(healthy_ids(&list, 0).len(), 16);
     let whole = with_view(&b, |v| advertise(Resource::WholeGpu, v));
