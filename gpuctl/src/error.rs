@@ -120,6 +120,13 @@ impl CliError {
         }
     }
 
+    /// Whether gpud cannot have seen the request: the socket is missing or refused the
+    /// connection (a gpud restarting without socket activation).
+    pub fn never_sent(&self) -> bool {
+        matches!(self, CliError::Unreachable { source, .. }
+            if matches!(source.kind(), io::ErrorKind::NotFound | io::ErrorKind::ConnectionRefused))
+    }
+
     /// gpud's error code, when gpud answered with one.
     pub fn code(&self) -> Option<&str> {
         match self {

@@ -17,6 +17,7 @@ use std::io::{IsTerminal, Write};
 use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use gpud_schema::{
@@ -67,44 +68,74 @@ impl Holder {
     }
 }
 
-/// The shell that forked `pid` as a subshell, or `pid` itself.
+/// The shell that forked `pid` to run a command substitution, or `pid` itself.
 ///
 /// `eval "$(gpuctl reserve …)"` runs gpuctl in a command substitution; with a redirection or a
 /// pipe inside it (`2>/dev/null`, `| cat`) bash and other shells run it from a forked copy of
 /// themselves that exits as soon as gpuctl has printed, which would release the reservation
-/// at once. Such a copy has the same program, command line and process group as the shell
-/// it was forked from, which is the one that lives on. Only shells, and one level: a nested
-/// shell the user started has its own command line or process group.
+/// at once. That copy is recognised by what makes it one: a shell with the same program and
+/// command line as its parent, whose output is a pipe its parent reads. A subshell that is
+/// not a substitution (`( … )` in a script, whose output goes where the script's goes) keeps
+/// the reservation, as before. One level only.
 fn shell_behind_subshell(pid: u32) -> u32 {
     const SHELLS: [&str; 9] = [
         "bash", "sh", "dash", "zsh", "ksh", "ksh93", "mksh", "ash", "busybox",
     ];
     let proc = |p: u32, what: &str| std::path::PathBuf::from(format!("/proc/{p}/{what}"));
-    // (parent, process group) from /proc/<p>/stat: the fields after the `(comm)`.
-    let stat = |p: u32| -> Option<(u32, u32)> {
+    let link = |p: u32, what: &str| std::fs::read_link(proc(p, what)).ok();
+    // The parent from /proc/<p>/stat: the second field after the `(comm)`.
+    let parent_of = |p: u32| -> Option<u32> {
         let text = std::fs::read_to_string(proc(p, "stat")).ok()?;
-        let mut fields = text.get(text.rfind(')')? + 1..)?.split_whitespace().skip(1);
-        Some((fields.next()?.parse().ok()?, fields.next()?.parse().ok()?))
+        text.get(text.rfind(')')? + 1..)?
+            .split_whitespace()
+            .nth(1)?
+            .parse()
+            .ok()
     };
-    let Some((parent, group)) = stat(pid) else {
+    // The access mode of an open file (O_RDONLY 0, O_WRONLY 1, O_RDWR 2) from fdinfo.
+    let access = |p: u32, fd: &str| -> Option<u32> {
+        let info = std::fs::read_to_string(proc(p, &format!("fdinfo/{fd}"))).ok()?;
+        let flags = info.lines().find_map(|l| l.strip_prefix("flags:"))?;
+        Some(u32::from_str_radix(flags.trim(), 8).ok()? & 3)
+    };
+    // A shell upgraded while it runs reads `/usr/bin/bash (deleted)`.
+    let program = |p: u32| {
+        link(p, "exe").map(|e| {
+            let text = e.to_string_lossy().into_owned();
+            text.strip_suffix(" (deleted)")
+                .map_or(text.clone(), str::to_owned)
+        })
+    };
+    let Some(parent) = parent_of(pid).filter(|&p| p != 0) else {
         return pid;
     };
-    let same = |what: &str| {
-        let read = |p| std::fs::read(proc(p, what)).ok();
-        read(pid).is_some_and(|mine| Some(mine) == read(parent))
+    let Some(exe) = program(pid) else {
+        return pid;
     };
-    let exe = std::fs::read_link(proc(pid, "exe")).ok();
-    let is_shell = exe
-        .as_ref()
-        .and_then(|e| e.file_name())
+    let is_shell = std::path::Path::new(&exe)
+        .file_name()
         .and_then(|n| n.to_str())
         .is_some_and(|n| SHELLS.contains(&n));
-    let forked = parent > 1
-        && stat(parent).is_some_and(|(_, g)| g == group)
-        && exe.is_some()
-        && exe == std::fs::read_link(proc(parent, "exe")).ok()
-        && same("cmdline");
-    if is_shell && forked { parent } else { pid }
+    let cmdline = |p| std::fs::read(proc(p, "cmdline")).ok();
+    let forked = program(parent).as_ref() == Some(&exe)
+        && cmdline(pid).is_some()
+        && cmdline(pid) == cmdline(parent);
+    let pipe = link(pid, "fd/1").filter(|l| l.to_string_lossy().starts_with("pipe:"));
+    let read_by_parent = pipe.is_some_and(|pipe| {
+        access(pid, "1") == Some(1)
+            && std::fs::read_dir(proc(parent, "fd")).is_ok_and(|fds| {
+                fds.flatten().any(|fd| {
+                    let name = fd.file_name().to_string_lossy().into_owned();
+                    link(parent, &format!("fd/{name}")).as_ref() == Some(&pipe)
+                        && access(parent, &name) == Some(0)
+                })
+            })
+    });
+    if is_shell && forked && read_by_parent {
+        parent
+    } else {
+        pid
+    }
 }
 
 /// The wire request for these arguments; `wait` is how long to queue (`--wait`'s duration,
@@ -229,9 +260,10 @@ async fn reserve_interruptibly(
     ) else {
         // No signal handling (should not happen on Linux): the default actions still close
         // the connection, which cancels the request on gpud's side.
-        return reserve_across_restarts(client, request).await;
+        return reserve_across_restarts(client, request, false, &AtomicBool::new(false)).await;
     };
-    let reply = reserve_across_restarts(client, request);
+    let cancelled = AtomicBool::new(false);
+    let reply = reserve_across_restarts(client, request, show_status, &cancelled);
     tokio::pin!(reply);
     let status = status_line(client, request, show_status);
     tokio::pin!(status);
@@ -246,6 +278,7 @@ async fn reserve_interruptibly(
         never = &mut status => match never {},
     };
     clear_status(show_status);
+    cancelled.store(true, Ordering::SeqCst);
     // gpud may have answered in the same instant: a reply already in the socket is read
     // and released; otherwise dropping the request closes the connection and gpud drops
     // the waiter (giving back anything it had just served).
@@ -263,33 +296,64 @@ async fn reserve_interruptibly(
     })
 }
 
+/// How long a waiting gpuctl looks for a stopped gpud to answer again before it gives up
+/// (exit 3): a restart takes seconds, and a gpud stopped for good must not hold a job for
+/// the rest of a day's wait.
+const RESTART_PATIENCE: Duration = Duration::from_secs(60);
+
 /// Sends the request; a wait that gpud ends because it stops (`shutting_down`: a restart, an
-/// upgrade; nothing was granted) is asked again once gpud answers, for the rest of the wait.
-/// A connection lost without that answer (a crash) is not: the request may have been granted.
+/// upgrade; nothing was granted) is asked again once gpud answers (within
+/// [`RESTART_PATIENCE`]), for the rest of the wait and no longer than the new gpud allows.
+/// A connection lost without that answer (a crash) is not: the request may have been
+/// granted. Nothing is sent again once `cancelled` is set (a signal arrived).
 async fn reserve_across_restarts(
     client: &Client,
     request: &ReservationRequest,
+    show_status: bool,
+    cancelled: &AtomicBool,
 ) -> Result<Reservation, CliError> {
     let Some(wait) = request.wait_seconds.map(Duration::from_secs) else {
         return client.reserve(request).await;
     };
-    let deadline = Instant::now() + wait;
+    // None: a wait longer than the clock can count, bounded by gpud's own limit.
+    let deadline = Instant::now().checked_add(wait);
     let mut request = request.clone();
+    let mut restarting = false;
     loop {
-        match client.reserve(&request).await {
-            Err(e @ CliError::Api { .. }) if e.code() == Some(codes::SHUTTING_DOWN) => {
-                eprintln!("gpuctl: gpud is restarting; waiting for it to come back");
-                while client.waiters().await.is_err() {
-                    if Instant::now() >= deadline {
-                        return Err(e);
-                    }
-                    tokio::time::sleep(Duration::from_millis(200)).await;
-                }
-                let left = deadline.saturating_duration_since(Instant::now());
-                request.wait_seconds = Some(whole_seconds(left).max(1));
-            }
+        let e = match client.reserve(&request).await {
+            Err(e) if e.code() == Some(codes::SHUTTING_DOWN) => e,
+            // The new gpud not listening yet: nothing was sent.
+            Err(e) if restarting && e.never_sent() => e,
             reply => return reply,
+        };
+        if !restarting {
+            clear_status(show_status);
+            eprintln!(
+                "gpuctl: gpud is restarting; waiting up to {} for it to come back",
+                crate::output::short_duration(RESTART_PATIENCE)
+            );
+            restarting = true;
         }
+        let give_up = Instant::now() + RESTART_PATIENCE;
+        let max_wait = loop {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            let now = Instant::now();
+            if cancelled.load(Ordering::SeqCst)
+                || now >= give_up
+                || deadline.is_some_and(|d| now >= d)
+            {
+                return Err(e);
+            }
+            if let Ok(list) = client.waiters().await {
+                break list.max_wait_seconds;
+            }
+        };
+        if cancelled.load(Ordering::SeqCst) {
+            return Err(e);
+        }
+        let left = deadline.map_or(wait, |d| d.saturating_duration_since(Instant::now()));
+        let left = max_wait.map_or(left, |max| left.min(Duration::from_secs(max)));
+        request.wait_seconds = Some(whole_seconds(left).max(1));
     }
 }
 

@@ -277,6 +277,39 @@ fn eval_in(shell: &str, tail: &str, d: &Daemon) {
 }
 
 #[test]
+fn a_subshell_that_reserves_holds_it_and_ends_it_when_it_exits() {
+    // A script that reserves inside `( … )`: the subshell is the holder, not the script,
+    // with or without a redirection inside the substitution. Checked while the script runs.
+    let d = Daemon::start("t4-pair", "");
+    let id_file = d.dir.path().join("id");
+    for shell in ["sh", "bash"] {
+        for tail in ["", " 2>/dev/null"] {
+            let script = format!(
+                r#"
+                ( eval "$("$GPUCTL" reserve --mem 1GiB{tail})" && echo "$GPUD_RESERVATION_ID" > "$ID_FILE" )
+                sleep 0.5
+                "$GPUCTL" show "$(cat "$ID_FILE")" -o json
+                "#
+            );
+            let out = Command::new(shell)
+                .args(["-c", &script])
+                .env("GPUCTL", gpuctl_bin())
+                .env("GPUD_SOCKET", &d.socket)
+                .env("ID_FILE", &id_file)
+                .output()
+                .unwrap();
+            assert!(out.status.success(), "{shell}{tail}: {}", text(&out.stderr));
+            let r: Value = serde_json::from_str(&text(&out.stdout)).unwrap();
+            assert_eq!(r["state"], "released", "{shell}{tail}: {r}");
+            assert!(
+                r["end_reason"].as_str().unwrap().contains("exited"),
+                "{shell}{tail}: {r}"
+            );
+        }
+    }
+}
+
+#[test]
 fn the_eval_form_works_in_sh_and_bash() {
     let d = Daemon::start("t4-pair", "");
     for shell in ["sh", "bash"] {
@@ -625,6 +658,28 @@ fn a_wait_goes_on_across_a_restart_of_gpud() {
         "{}",
         text(&out.stderr)
     );
+}
+
+#[test]
+fn a_wait_for_a_gpud_that_stays_down_ends_with_exit_3() {
+    let mut d = Daemon::start("t4-pair", "");
+    fill_t4(&d);
+    let child = d
+        .gpuctl()
+        .args(["reserve", "--mem", "1GiB", "--ttl", "1m", "--wait", "3s"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_for(Duration::from_secs(5), || (waiting(&d) == 1).then_some(())).expect("queued");
+    let stopped = Instant::now();
+    assert!(d.stop().success());
+    let out = child.wait_with_output().unwrap();
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{stderr}");
+    assert!(stderr.contains("gpud is restarting"), "{stderr}");
+    assert!(stderr.contains("shutting down"), "{stderr}");
+    assert!(stopped.elapsed() < Duration::from_secs(10), "{stderr}");
 }
 
 #[test]
