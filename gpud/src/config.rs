@@ -427,20 +427,27 @@ fn line_column(text: &str, at: usize) -> (usize, usize) {
     (line, column)
 }
 
-/// The hint for a mode written in decimal: `666 is decimal (octal 1232); write socket_mode =
-/// 0o666`. When its digits are not all octal ones (438), the number itself was meant, and
-/// the hint is its octal spelling (`0o666`).
+/// Whether a decimal mode reads as octal too (`644`, `420`): then what was meant is unknown.
+fn looks_octal(n: i64) -> bool {
+    n >= 8 && n.to_string().bytes().all(|b| (b'0'..=b'7').contains(&b))
+}
+
+/// The hint for a mode written in decimal that cannot be taken as it is: `666 is decimal
+/// (octal 1232); write socket_mode = 0o666`, or for one that fits either way, both readings.
 fn decimal_mode_hint(n: i64) -> String {
     if n < 0 {
         return format!("{n} is not a permission mode; write e.g. socket_mode = 0o666");
     }
-    let digits = n.to_string();
-    let meant = if digits.bytes().all(|b| (b'0'..=b'7').contains(&b)) {
-        digits
-    } else {
-        format!("{n:o}")
-    };
-    format!("{n} is decimal (octal {n:o}); write socket_mode = 0o{meant}")
+    match (looks_octal(n), n <= 0o777) {
+        (true, true) => format!(
+            "{n} is decimal, which is 0o{n:o}; write socket_mode = 0o{n:o} for that, or \
+             socket_mode = 0o{n} if you meant octal"
+        ),
+        (true, false) => format!("{n} is decimal (octal {n:o}); write socket_mode = 0o{n}"),
+        (false, _) => {
+            format!("{n} is decimal (octal {n:o}), more than 0o777; write e.g. socket_mode = 0o666")
+        }
+    }
 }
 
 /// Permission bits: a TOML integer (`0o666`; decimal is refused by
@@ -476,10 +483,11 @@ fn socket_mode<'de, D: Deserializer<'de>>(d: D) -> Result<u32, D::Error> {
     }
 }
 
-/// TOML hands an integer over without saying how it was written, so `socket_mode = 438`
-/// would pass as `0o666`, and `socket_mode = 444` as `0o674`: a decimal mode (other than
-/// 0 to 7, the same in both) is refused here, where the text is at hand. Hexadecimal and
-/// binary say their base, so they pass.
+/// TOML hands an integer over without saying how it was written, so `socket_mode = 666`
+/// would pass as `0o1232`, and `socket_mode = 444` as `0o674`: a decimal mode that also reads
+/// as octal, or that is more than 0o777, is refused here, where the text is at hand. One that
+/// can only be decimal (`438`, which is 0o666) is taken as it is, as gpud always did, so
+/// configurations that worked keep working. Hexadecimal and binary say their base.
 fn reject_decimal_socket_mode(text: &str) -> Result<(), String> {
     #[derive(Deserialize)]
     struct Raw {
@@ -494,7 +502,7 @@ fn reject_decimal_socket_mode(text: &str) -> Result<(), String> {
     let written = text.get(mode.span()).unwrap_or("");
     let explicit_base = ["0o", "0x", "0b"].iter().any(|p| written.starts_with(p));
     match mode.get_ref() {
-        toml::Value::Integer(n) if !explicit_base && !(0..8).contains(n) => {
+        toml::Value::Integer(n) if !explicit_base && (looks_octal(*n) || *n > 0o777 || *n < 0) => {
             let (line, column) = line_column(text, mode.span().start);
             Err(format!(
                 "line {line}, column {column}: socket_mode: {}",
@@ -644,15 +652,18 @@ mod tests {
             refused("socket_mode = 666"),
             "line 1, column 15: socket_mode: 666 is decimal (octal 1232); write socket_mode = 0o666"
         );
-        // In range, but still decimal: 444 would be 0o674.
+        // In range, but it reads either way: 444 would be 0o674.
         assert_eq!(
             refused("\nsocket_mode = 444\n"),
-            "line 2, column 15: socket_mode: 444 is decimal (octal 674); write socket_mode = 0o444"
+            "line 2, column 15: socket_mode: 444 is decimal, which is 0o674; write socket_mode = \
+             0o674 for that, or socket_mode = 0o444 if you meant octal"
         );
+        // Only decimal can be meant: taken, as before (configurations that worked still do).
         assert_eq!(
-            refused("socket_mode = 438"),
-            "line 1, column 15: socket_mode: 438 is decimal (octal 666); write socket_mode = 0o666"
+            Config::parse("socket_mode = 438").unwrap().socket_mode,
+            0o666
         );
+        assert!(refused("socket_mode = 888").contains("more than 0o777"));
         assert_eq!(
             refused("socket_mode = 0o1666"),
             "line 1, column 15: socket_mode: 0o1666 has bits outside 0o777 (a socket has only \

@@ -105,7 +105,7 @@ fn write_unless_closed(out: &mut impl Write, text: &str) -> anyhow::Result<()> {
 
 /// The error and its causes on one line, each said once: gpud's error types already put
 /// their cause in their message (`cannot read config X: No such file or directory`), so a
-/// cause whose text is already there is not repeated, while the causes under a bare
+/// cause whose text is already there ends the line, while the causes under a bare
 /// context (`cannot bind X`) are still appended.
 fn one_line(e: &anyhow::Error) -> String {
     let mut line = String::new();
@@ -113,7 +113,11 @@ fn one_line(e: &anyhow::Error) -> String {
         let text = cause.to_string();
         if line.is_empty() {
             line = text;
-        } else if !line.contains(&text) {
+        } else if line.contains(&text) {
+            // Said by the message above it, which also speaks for its own causes (SQLite's
+            // chain repeats "unable to open database file" three times).
+            break;
+        } else {
             line.push_str(": ");
             line.push_str(&text);
         }
@@ -179,5 +183,16 @@ mod tests {
             one_line(&e),
             "cannot bind /run/gpud/gpud.sock: address in use"
         );
+        // SQLite's own chain repeats itself under gpud's message.
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir(dir.path().join("gpud.db")).unwrap();
+        let e = anyhow::Error::new(gpud::store::Store::open(dir.path()).unwrap_err());
+        let line = one_line(&e);
+        assert_eq!(
+            line.matches("unable to open database file").count(),
+            1,
+            "{line}"
+        );
+        assert!(line.contains("Is a directory"), "{line}");
     }
 }

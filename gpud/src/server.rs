@@ -128,7 +128,9 @@ async fn serve(config: Config, config_path: Option<PathBuf>) -> anyhow::Result<(
         .and_then(|path| Config::load(path, false).ok())
         .unwrap_or_else(|| config.clone());
     let admin_gids = resolve_groups(&config.admin_groups)?;
-    let _state_lock = lock_state_dir(&config.state_dir)?;
+    // Held until the process exits, not until `serve` returns: the runtime's blocking tasks
+    // (an audit pass in a slow NVML call) may still use the database after that.
+    std::mem::forget(lock_state_dir(&config.state_dir)?);
     let lib = config.nvml_lib.clone();
     let nvml = tokio::task::spawn_blocking(move || Nvml::open(lib.as_deref())).await??;
     let nvml = Arc::new(nvml);

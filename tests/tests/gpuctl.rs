@@ -496,8 +496,8 @@ fn gpus_shows_reserved_and_used_memory_that_match_the_fixture() {
     );
     assert_eq!(
         table.lines().last().unwrap(),
-        "TOTAL  reserved 5 GiB / 30 GiB (17%), used 4.5 GiB (15%), 4.5 GiB by processes \
-         without a reservation; 2 reservations",
+        "TOTAL  reserved 5 GiB / 30 GiB (17%), used 4.5 GiB (15%), 4.5 GiB beyond what \
+         reservations account for; 2 reservations",
         "{table}"
     );
     assert!(!table.contains('\x1b'), "no colour into a pipe");
