@@ -356,10 +356,20 @@ impl<S: ProcessSource, T: ProcessTable> Auditor<S, T> {
             .collect();
         let own_cgroup = self.procs.cgroup(self.self_pid);
         let mut by_cgroup: HashMap<String, Vec<usize>> = HashMap::new();
+        // Which reservations attribution may choose among for a process: one holder's, or
+        // one holder cgroup's (see `overage`).
+        let mut attribution_group: Vec<String> = Vec::with_capacity(view.reservations.len());
         for (i, r) in view.reservations.iter().enumerate() {
-            if let Some(cg) = r.holder_pid.and_then(|p| self.procs.cgroup(p))
-                && Some(&cg) != own_cgroup.as_ref()
-            {
+            let cgroup = r
+                .holder_pid
+                .and_then(|p| self.procs.cgroup(p))
+                .filter(|cg| Some(cg) != own_cgroup.as_ref());
+            attribution_group.push(match (&cgroup, r.holder_pid) {
+                (Some(cg), _) => format!("cgroup {cg}"),
+                (None, Some(pid)) => format!("pid {pid}"),
+                (None, None) => format!("reservation {i}"),
+            });
+            if let Some(cg) = cgroup {
                 by_cgroup.entry(cg).or_default().push(i);
             }
         }
@@ -475,6 +485,11 @@ impl<S: ProcessSource, T: ProcessTable> Auditor<S, T> {
                 }
             }
         }
+        for (unit, bytes) in overage(&view.reservations, &attribution_group, &per_reservation) {
+            if let Some(i) = unit_index.get(unit.as_str()).copied() {
+                unaccounted[i].0 += bytes;
+            }
+        }
         for ((o, unit), (bytes, gpu_index, targets)) in per_reservation {
             let r = &view.reservations[o];
             let reserved = r
@@ -482,13 +497,6 @@ impl<S: ProcessSource, T: ProcessTable> Auditor<S, T> {
                 .iter()
                 .find(|(u, _)| *u == unit)
                 .map_or(0, |(_, b)| *b);
-            // Memory used beyond the reservation is as good as taken: placement must not
-            // promise it to the next request (an exclusive reservation holds it all anyway).
-            if !r.exclusive
-                && let Some(i) = unit_index.get(unit.as_str()).copied()
-            {
-                unaccounted[i].0 += bytes.saturating_sub(reserved);
-            }
             if r.exclusive || bytes <= config.over_limit_tolerance.limit(reserved) {
                 continue;
             }
@@ -766,6 +774,37 @@ impl<'t, T: ProcessTable> PassCache<'t, T> {
             .or_insert_with(|| procs.cgroup(pid))
             .clone()
     }
+}
+
+/// Memory in use beyond what reservations reserved, per unit: placement must not promise it
+/// to the next request. Counted per attribution group (`group[i]` for reservation `i`: its
+/// holder, or its holder's cgroup), since attribution gives all of a group's processes to
+/// one of its reservations: a shell holding two 10 GiB reservations on one GPU and using
+/// 20 GiB is over by nothing. Exclusive reservations hold their whole unit anyway.
+fn overage(
+    reservations: &[AuditedReservation],
+    group: &[String],
+    used: &ReservationUse,
+) -> BTreeMap<String, u64> {
+    // (group, unit) -> (used, reserved)
+    let mut by_group: BTreeMap<(&str, &str), (u64, u64)> = BTreeMap::new();
+    for ((o, unit), (bytes, ..)) in used {
+        if !reservations[*o].exclusive {
+            by_group.entry((&group[*o], unit)).or_default().0 += bytes;
+        }
+    }
+    for (r, g) in reservations.iter().zip(group) {
+        for (unit, reserved) in &r.units {
+            if let Some(entry) = by_group.get_mut(&(g.as_str(), unit.as_str())) {
+                entry.1 += reserved;
+            }
+        }
+    }
+    let mut over = BTreeMap::new();
+    for ((_, unit), (used, reserved)) in by_group {
+        *over.entry(unit.to_owned()).or_default() += used.saturating_sub(reserved);
+    }
+    over
 }
 
 /// The reservation process `p` belongs to: its holder is `p` or an ancestor; else it was
@@ -1136,6 +1175,35 @@ mod tests {
             [(EventKind::OverLimit, EventPhase::End)]
         );
         assert_eq!(b.snapshot().loads[0].unaccounted_bytes, 0);
+    }
+
+    #[test]
+    fn a_holder_with_two_reservations_on_a_gpu_is_over_only_past_both() {
+        let b = broker();
+        let (_, units) = reserve(&b, MemoryAsk::Bytes(4 * GIB));
+        let (_, again) = reserve(&b, MemoryAsk::Bytes(4 * GIB));
+        assert_eq!(units, again, "binpacked onto the same GPU");
+        let (nvml, procs) = (FakeNvml::default(), FakeProcs::default());
+        procs
+            .table
+            .lock()
+            .unwrap()
+            .insert(5000, (std::process::id(), ME, 1));
+        let mut a = Auditor::new(b.clone(), &nvml, &procs, Arc::new(Metrics::new()));
+        let config = AuditConfig::default();
+        // Attribution books all 8 GiB to one of the two: still within the 8 GiB reserved.
+        nvml.0
+            .lock()
+            .unwrap()
+            .insert(0, Ok(vec![process(5000, &units[0], 8)]));
+        a.pass(&config, 1);
+        assert_eq!(b.snapshot().loads[0].unaccounted_bytes, 0);
+        nvml.0
+            .lock()
+            .unwrap()
+            .insert(0, Ok(vec![process(5000, &units[0], 9)]));
+        a.pass(&config, 2);
+        assert_eq!(b.snapshot().loads[0].unaccounted_bytes, GIB);
     }
 
     #[test]
