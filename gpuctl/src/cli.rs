@@ -69,7 +69,8 @@ pub struct Cli {
         help_heading = "Global options",
         value_hint = clap::ValueHint::FilePath,
         default_value = DEFAULT_SOCKET,
-        value_name = "PATH"
+        value_name = "PATH",
+        value_parser = socket_path
     )]
     pub socket: PathBuf,
 
@@ -339,6 +340,11 @@ pub struct TableArgs {
 }
 
 /// `--mem`: the schema crate's parser, so gpuctl and gpud read sizes the same way.
+/// `--socket` / `GPUD_SOCKET`; empty (`GPUD_SOCKET=` in a script) means the default.
+fn socket_path(s: &str) -> Result<PathBuf, String> {
+    Ok(PathBuf::from(if s.is_empty() { DEFAULT_SOCKET } else { s }))
+}
+
 /// A user name or a numeric uid, as a uid.
 fn parse_user(s: &str) -> Result<u32, String> {
     if let Ok(uid) = s.parse::<u32>() {
@@ -429,6 +435,14 @@ mod tests {
                 format!("{other:?}"),
             )),
         }
+    }
+
+    #[test]
+    fn an_empty_socket_means_the_default() {
+        let cli = Cli::try_parse_from(["gpuctl", "--socket", "", "gpus"]).unwrap();
+        assert_eq!(cli.socket, PathBuf::from(DEFAULT_SOCKET));
+        let cli = Cli::try_parse_from(["gpuctl", "--socket", "/tmp/g.sock", "gpus"]).unwrap();
+        assert_eq!(cli.socket, PathBuf::from("/tmp/g.sock"));
     }
 
     #[test]
