@@ -4,7 +4,7 @@
 //! `-o json` prints exactly the schema type gpud returned.
 
 use std::cell::RefCell;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::io::IsTerminal;
 use std::path::Path;
 use std::process::ExitCode;
@@ -18,7 +18,7 @@ use crate::cli::{Cli, EventsArgs, IdArgs, ListArgs, Output, RenewArgs, TableArgs
 use crate::client::Client;
 use crate::error::CliError;
 use crate::output::{
-    events_table, gpus_table, reservation_details, reservations_table, waiters_table,
+    events_table, gpus_table, mig_names, reservation_details, reservations_table, waiters_table,
 };
 use crate::print;
 
@@ -62,10 +62,30 @@ pub fn list(
     rt: &Runtime,
     now: SystemTime,
 ) -> Result<ExitCode, CliError> {
-    let list = rt.block_on(Client::new(socket).list(args.state.as_str(), args.owner))?;
+    let client = Client::new(socket);
+    let list = rt.block_on(client.list(args.state.as_str(), args.owner))?;
     match args.output {
         Output::Json => print(&json(&list)?)?,
-        Output::Table => print(&reservations_table(&list.reservations, now, &user_names()))?,
+        Output::Table => {
+            // MIG instances by the names `gpuctl gpus` gives them, when there are any.
+            let has_mig = list
+                .reservations
+                .iter()
+                .any(|r| r.gpus.iter().any(|g| g.uuid.starts_with("MIG-")));
+            let migs = if has_mig {
+                rt.block_on(client.gpus())
+                    .map(|gpus| mig_names(&gpus))
+                    .unwrap_or_default()
+            } else {
+                HashMap::new()
+            };
+            print(&reservations_table(
+                &list.reservations,
+                now,
+                &user_names(),
+                &migs,
+            ))?;
+        }
     }
     Ok(ExitCode::SUCCESS)
 }

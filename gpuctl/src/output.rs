@@ -3,7 +3,7 @@
 //! Pure functions from the schema crate's types (and `now`, passed in) to text, so every
 //! format is unit-tested. Colour only when the caller says stdout is a terminal.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
 use std::time::{Duration, SystemTime};
 
@@ -135,17 +135,21 @@ pub fn shell_quote(s: &str) -> String {
 
 /// `0,1` for the reservation's GPU indices (MIG instances as `0:MIG`).
 fn gpu_cell(r: &Reservation) -> String {
+    gpu_cell_named(r, &HashMap::new())
+}
+
+/// [`gpu_cell`], with MIG instances named as `gpuctl gpus` shows them (`0:2`) where
+/// `mig_names` (UUID to name, from [`mig_names`]) knows them.
+fn gpu_cell_named(r: &Reservation, mig_names: &HashMap<String, String>) -> String {
     if r.gpus.is_empty() {
         return "-".to_owned();
     }
     r.gpus
         .iter()
-        .map(|g| {
-            if g.uuid.starts_with("MIG-") {
-                format!("{}:MIG", g.index)
-            } else {
-                g.index.to_string()
-            }
+        .map(|g| match mig_names.get(&g.uuid) {
+            Some(name) => name.clone(),
+            None if g.uuid.starts_with("MIG-") => format!("{}:MIG", g.index),
+            None => g.index.to_string(),
         })
         .collect::<Vec<_>>()
         .join(",")
@@ -235,11 +239,25 @@ pub fn short_duration(d: Duration) -> String {
     }
 }
 
-/// `gpuctl ls`: one row per reservation.
+/// MIG instances by UUID, named as `gpuctl gpus` lists them: `GPU:position`.
+pub fn mig_names(gpus: &GpuList) -> HashMap<String, String> {
+    gpus.gpus
+        .iter()
+        .flat_map(|g| {
+            g.mig_instances
+                .iter()
+                .enumerate()
+                .map(move |(i, m)| (m.uuid.clone(), format!("{}:{i}", g.index)))
+        })
+        .collect()
+}
+
+/// `gpuctl ls`: one row per reservation (MIG instances named by `mig_names`).
 pub fn reservations_table(
     list: &[Reservation],
     now: SystemTime,
     owner_name: &dyn Fn(u32) -> String,
+    mig_names: &HashMap<String, String>,
 ) -> String {
     let mut t = Table::new(&[
         ("ID", Align::Left),
@@ -256,7 +274,7 @@ pub fn reservations_table(
             r.id.as_str().into(),
             r.state.as_str().into(),
             owner_name(r.owner_uid).into(),
-            gpu_cell(r).into(),
+            gpu_cell_named(r, mig_names).into(),
             memory_cell(r).into(),
             lifetime_cell(r, now).into(),
             age_cell(&r.created_at, now).into(),
@@ -607,7 +625,12 @@ mod tests {
     #[test]
     fn a_listing_row_says_who_holds_it() {
         let now = at("2024-05-01T12:05:00Z");
-        let table = reservations_table(&[reservation()], now, &|uid| format!("u{uid}"));
+        let table = reservations_table(
+            &[reservation()],
+            now,
+            &|uid| format!("u{uid}"),
+            &HashMap::new(),
+        );
         let row = table.lines().nth(1).unwrap();
         for part in [
             "r1",

@@ -536,6 +536,24 @@ fn gpus_lists_mig_instances_under_their_gpu() {
         table.ends_with("TOTAL  reserved 0 B / 160 GiB (0%), used 0 B (0%); 0 reservations\n"),
         "{table}"
     );
+    // `gpuctl ls` names a reserved instance as `gpuctl gpus` does.
+    let id = expect(
+        &d,
+        &["reserve", "--mem", "10GiB", "--ttl", "1m", "-o", "json"],
+        0,
+    );
+    let id: Reservation = serde_json::from_str(&id).unwrap();
+    let table = expect(&d, &["gpus"], 0);
+    let row = table
+        .lines()
+        .find(|l| l.contains("MIG") && l.split_whitespace().last() == Some("1"))
+        .unwrap_or_else(|| panic!("no MIG row with a reservation: {table}"));
+    let name = row.split_whitespace().next().unwrap();
+    let listed = expect(&d, &["ls"], 0);
+    assert!(
+        squeezed(&listed, &id.id).starts_with(&format!("{} active root {name} ", id.id)),
+        "{listed}"
+    );
 }
 
 #[test]
