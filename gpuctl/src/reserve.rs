@@ -101,9 +101,8 @@ fn shell_behind_subshell(pid: u32) -> u32 {
     // A shell upgraded while it runs reads `/usr/bin/bash (deleted)`.
     let program = |p: u32| {
         link(p, "exe").map(|e| {
-            let text = e.to_string_lossy().into_owned();
-            text.strip_suffix(" (deleted)")
-                .map_or(text.clone(), str::to_owned)
+            let text = e.to_string_lossy();
+            text.strip_suffix(" (deleted)").unwrap_or(&text).to_owned()
         })
     };
     let Some(parent) = parent_of(pid).filter(|&p| p != 0) else {
@@ -117,21 +116,25 @@ fn shell_behind_subshell(pid: u32) -> u32 {
         .and_then(|n| n.to_str())
         .is_some_and(|n| SHELLS.contains(&n));
     let cmdline = |p| std::fs::read(proc(p, "cmdline")).ok();
-    let forked = program(parent).as_ref() == Some(&exe)
-        && cmdline(pid).is_some()
-        && cmdline(pid) == cmdline(parent);
-    let pipe = link(pid, "fd/1").filter(|l| l.to_string_lossy().starts_with("pipe:"));
-    let read_by_parent = pipe.is_some_and(|pipe| {
-        access(pid, "1") == Some(1)
-            && std::fs::read_dir(proc(parent, "fd")).is_ok_and(|fds| {
-                fds.flatten().any(|fd| {
-                    let name = fd.file_name().to_string_lossy().into_owned();
-                    link(parent, &format!("fd/{name}")).as_ref() == Some(&pipe)
-                        && access(parent, &name) == Some(0)
+    // Cheapest test first: most callers are not a forked shell, and stop here.
+    let forked = || {
+        program(parent).as_ref() == Some(&exe)
+            && cmdline(pid).is_some_and(|mine| Some(mine) == cmdline(parent))
+    };
+    let read_by_parent = || {
+        let pipe = link(pid, "fd/1").filter(|l| l.to_string_lossy().starts_with("pipe:"));
+        pipe.is_some_and(|pipe| {
+            access(pid, "1") == Some(1)
+                && std::fs::read_dir(proc(parent, "fd")).is_ok_and(|fds| {
+                    fds.flatten().any(|fd| {
+                        let name = fd.file_name().to_string_lossy().into_owned();
+                        link(parent, &format!("fd/{name}")).as_ref() == Some(&pipe)
+                            && access(parent, &name) == Some(0)
+                    })
                 })
-            })
-    });
-    if is_shell && forked && read_by_parent {
+        })
+    };
+    if is_shell && forked() && read_by_parent() {
         parent
     } else {
         pid
@@ -159,11 +162,15 @@ pub fn request(args: &ReserveArgs, holder: Holder, wait: Option<Duration>) -> Re
 /// Runs `gpuctl reserve`. Returns only on failure or in the print form; the exec form
 /// becomes the command.
 pub fn run(args: &ReserveArgs, socket: &Path, rt: &Runtime) -> Result<ExitCode, CliError> {
-    let holder = Holder::choose(
+    let holder = match Holder::choose(
         args,
         std::process::id(),
-        shell_behind_subshell(std::os::unix::process::parent_id()),
-    );
+        std::os::unix::process::parent_id(),
+    ) {
+        // Only the print form's holder is the calling shell: the /proc reads are its alone.
+        Holder::Parent(pid) => Holder::Parent(shell_behind_subshell(pid)),
+        holder => holder,
+    };
     let client = Client::new(socket);
     let wait = match args.wait {
         Some(None) => Some(rt.block_on(wait_limit(&client))),
