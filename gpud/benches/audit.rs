@@ -19,6 +19,7 @@ use gpud::audit::{Auditor, ProcFs};
 use gpud::broker::{Broker, BrokerSettings, Caller, ReserveOutcome, ReserveRequest};
 use gpud::config::{AuditConfig, Config};
 use gpud::gpu::Nvml;
+use gpud::holder::pin_holder;
 use gpud::metrics::Metrics;
 use gpud::model::MemoryAsk;
 use gpud::store::Store;
@@ -69,8 +70,7 @@ fn bench_audit(c: &mut Criterion) {
         admin_gids: vec![],
         config: Config::default(),
     };
-    let (broker, _) =
-        Broker::open(Store::open_in_memory().unwrap(), &inventory, settings, 0).unwrap();
+    let broker = Broker::start(Store::open_in_memory().unwrap(), &inventory, settings).unwrap();
     let caller = Caller {
         uid: 0,
         gid: 0,
@@ -88,7 +88,10 @@ fn bench_audit(c: &mut Criterion) {
             id: None,
         };
         assert!(matches!(
-            broker.reserve(caller, request, 0).unwrap(),
+            broker
+                .reserve(caller, request, Some(pin_holder(&caller, *pid).unwrap()))
+                .wait()
+                .unwrap(),
             ReserveOutcome::Reserved(_)
         ));
     }

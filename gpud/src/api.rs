@@ -18,11 +18,12 @@ use serde::Serialize;
 use gpud_schema::{self as schema, MemoryAmount, MemorySpec, codes};
 
 use crate::broker::{Broker, BrokerError, Caller, ReserveOutcome, ReserveRequest};
-use crate::clock::{now_millis, rfc3339};
+use crate::clock::rfc3339;
 use crate::metrics::Metrics;
-use crate::model::{self, EventKind, MemoryAsk, Millis, Policy, ReservationState};
+use crate::model::{
+    self, EventFilter, EventKind, MemoryAsk, Millis, Policy, ReservationState, Topology,
+};
 use crate::probe::link_cell;
-use crate::store::EventFilter;
 
 /// Longest reservation id accepted in a path or request.
 const MAX_ID_LEN: usize = 128;
@@ -152,15 +153,12 @@ impl Api {
             }
             (["v1", "reservations", id], &Method::GET) => {
                 let id = valid_id(id)?;
-                let r = self.broker.call(move |broker| broker.get(&id)).await?;
+                let r = self.broker.get(id).await?;
                 Ok(json(StatusCode::OK, &to_wire(r)))
             }
             (["v1", "reservations", id], &Method::DELETE) => {
                 let id = valid_id(id)?;
-                let r = self
-                    .broker
-                    .call(move |broker| broker.release(&caller, &id, now_millis()))
-                    .await?;
+                let r = self.broker.release(caller, id).await?;
                 Ok(json(StatusCode::OK, &to_wire(r)))
             }
             (["v1", "reservations", id, "renew"], &Method::POST) => {
@@ -171,10 +169,7 @@ impl Api {
                 } else {
                     parse_json(&body)?
                 };
-                let r = self
-                    .broker
-                    .call(move |broker| broker.renew(&caller, &id, renew.ttl_seconds, now_millis()))
-                    .await?;
+                let r = self.broker.renew(caller, id, renew.ttl_seconds).await?;
                 Ok(json(StatusCode::OK, &to_wire(r)))
             }
             (["metrics"], &Method::GET) => Ok(self.metrics_reply()),
@@ -240,17 +235,17 @@ impl Api {
                 version: env!("CARGO_PKG_VERSION").to_owned(),
                 gpus: count_u32(snap.gpus.len()),
                 healthy_gpus: count_u32(healthy),
-                active_reservations: snap.active as u64,
-                waiting: snap.waiting as u64,
+                active_reservations: snap.active() as u64,
+                waiting: snap.waiting() as u64,
             },
         )
     }
 
     fn waiters(&self) -> Reply {
-        let waiters = self
-            .broker
-            .waiting()
-            .into_iter()
+        let snap = self.broker.snapshot();
+        let waiters = snap
+            .waiters
+            .iter()
             .zip(1..)
             .map(|(w, position)| schema::Waiter {
                 position,
@@ -264,7 +259,7 @@ impl Api {
                 gives_up_at: rfc3339(w.gives_up_at),
             })
             .collect();
-        let max_wait_seconds = Some(self.broker.settings().config.wait.max_wait_seconds);
+        let max_wait_seconds = Some(snap.settings.config.wait.max_wait_seconds);
         json(
             StatusCode::OK,
             &schema::WaiterList {
@@ -335,10 +330,7 @@ impl Api {
                 }
             }
         }
-        let events = self
-            .broker
-            .call(move |broker| broker.events(&filter))
-            .await?;
+        let events = self.broker.events(filter).await?;
         Ok(json(
             StatusCode::OK,
             &schema::EventList {
@@ -373,10 +365,7 @@ impl Api {
                 }
             }
         }
-        let rows = self
-            .broker
-            .call(move |broker| broker.list(state, owner))
-            .await?;
+        let rows = self.broker.list(state, owner).await?;
         Ok(json(
             StatusCode::OK,
             &schema::ReservationList {
@@ -390,18 +379,16 @@ impl Api {
         let request = to_request(wire)?;
         let holder = match request.holder_pid {
             Some(pid) => {
-                let broker = self.broker.clone();
-                let pinned = tokio::task::spawn_blocking(move || broker.pin_holder(&caller, pid))
-                    .await
-                    .map_err(|e| BrokerError::Internal(format!("pinning the holder: {e}")))??;
+                let pinned =
+                    tokio::task::spawn_blocking(move || crate::holder::pin_holder(&caller, pid))
+                        .await
+                        .map_err(|_| BrokerError::Internal("pinning the holder panicked"))?
+                        .map_err(BrokerError::from)?;
                 Some(pinned)
             }
             None => None,
         };
-        let outcome = self
-            .broker
-            .call(move |broker| broker.reserve_pinned(caller, request, holder, now_millis()))
-            .await?;
+        let outcome = self.broker.reserve(caller, request, holder).await?;
         let r = match outcome {
             ReserveOutcome::Reserved(r) => r,
             ReserveOutcome::Queued(ticket) => ticket.wait().await?,
@@ -578,8 +565,8 @@ pub fn gpu_list(broker: &Broker) -> schema::GpuList {
     let inventory = model::GpuInventory {
         driver_version: None,
         cuda_driver_version: None,
-        gpus: snap.gpus.clone(),
-        topology: snap.topology.clone(),
+        gpus: snap.gpus.to_vec(),
+        topology: Topology::clone(&snap.topology),
     };
     let mut per_gpu: BTreeMap<u32, (u64, u64, u64, u32)> = BTreeMap::new();
     let mut migs: BTreeMap<u32, Vec<schema::MigStatus>> = BTreeMap::new();

@@ -22,8 +22,9 @@
 //! 5. memory used by processes no reservation accounts for on that GPU is handed to the
 //!    broker, so placement does not promise it again.
 //!
-//! The pass runs on a blocking thread and takes the broker's lock only to read a view and to
-//! write results, so NVML latency never blocks the API.
+//! The pass runs on a blocking thread. It reads the broker's latest snapshot (never waiting
+//! for a commit) and hands everything it found to the broker as one command
+//! ([`Broker::apply_audit`]), so NVML latency never blocks the API.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
@@ -31,30 +32,15 @@ use std::time::Instant;
 
 use gpud_schema::format_bytes;
 
-use crate::broker::Broker;
+use crate::broker::{AuditFindings, Broker};
 use crate::config::{AuditConfig, Enforcement};
 use crate::gpu::{GpuProcess, Nvml};
 use crate::holder::process_info;
 use crate::metrics::Metrics;
-use crate::model::{Event, EventKind, EventPhase, Gpu, Millis, Topology};
+use crate::model::{AuditedReservation, Event, EventKind, EventPhase, Gpu, Millis, Topology};
 
 /// How deep to walk a process's ancestors looking for a holder.
 const MAX_ANCESTRY: usize = 64;
-
-/// What the audit needs to know about one active reservation.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct AuditedReservation {
-    /// Id.
-    pub id: String,
-    /// Owner.
-    pub owner_uid: u32,
-    /// Holder process, if any.
-    pub holder_pid: Option<u32>,
-    /// Whole units.
-    pub exclusive: bool,
-    /// Units held and the memory reserved on each.
-    pub units: Vec<(String, u64)>,
-}
 
 /// One GPU's process listing, or why it failed (`true`: NVML says the GPU is lost).
 pub type Listing = Result<Vec<GpuProcess>, (bool, String)>;
@@ -189,6 +175,23 @@ struct PendingKill {
     gpu_index: u32,
 }
 
+/// GPU health during one pass: as the snapshot had it, then as the pass changes it.
+struct Health {
+    now: HashMap<u32, bool>,
+    changed: Vec<(u32, bool)>,
+}
+
+impl Health {
+    /// Marks GPU `index` healthy or not; `false` when it already was.
+    fn set(&mut self, index: u32, healthy: bool) -> bool {
+        if self.now.insert(index, healthy) == Some(healthy) {
+            return false;
+        }
+        self.changed.push((index, healthy));
+        true
+    }
+}
+
 /// The outcome of one pass (for tests and the benchmark).
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct PassReport {
@@ -293,14 +296,19 @@ impl<S: ProcessSource, T: ProcessTable> Auditor<S, T> {
     /// One audit pass at time `now`.
     pub fn pass(&mut self, config: &AuditConfig, now: Millis) -> PassReport {
         let started = Instant::now();
-        let view = self.broker.audit_view();
+        let view = self.broker.snapshot().audit_view();
         let mut events = Vec::new();
+        // Health as this pass leaves it; the changes go to the broker with the rest.
+        let mut health = Health {
+            now: view.gpus.iter().map(|g| (g.index, g.healthy)).collect(),
+            changed: Vec::new(),
+        };
 
         // 1. Processes per GPU, and health. An Xid is recorded even on a GPU already
         // unhealthy for another reason: it is why the GPU will not come back.
         for (index, reason) in self.take_xids(&config.xid_ignore) {
             if let Some(gpu) = view.gpus.iter().find(|g| g.index == index) {
-                self.broker.set_gpu_health(index, false);
+                health.set(index, false);
                 self.record_health(gpu, false, &reason, now, &mut events);
             }
         }
@@ -313,7 +321,14 @@ impl<S: ProcessSource, T: ProcessTable> Auditor<S, T> {
                     self.failures.remove(&gpu.index);
                     // An Xid keeps the GPU out (it was marked when the Xid came).
                     if !self.xid_failed.contains(&gpu.index)
-                        && self.set_health(gpu, true, "NVML answers again", now, &mut events)
+                        && self.set_health(
+                            &mut health,
+                            gpu,
+                            true,
+                            "NVML answers again",
+                            now,
+                            &mut events,
+                        )
                     {
                         recovered.push(gpu.index);
                     }
@@ -332,7 +347,7 @@ impl<S: ProcessSource, T: ProcessTable> Auditor<S, T> {
                                 gpu.index
                             )
                         };
-                        self.set_health(gpu, false, &reason, now, &mut events);
+                        self.set_health(&mut health, gpu, false, &reason, now, &mut events);
                     }
                 }
             }
@@ -340,11 +355,12 @@ impl<S: ProcessSource, T: ProcessTable> Auditor<S, T> {
 
         // A GPU that came back may have come back changed (a reset can leave NVLinks down):
         // placement uses its links as they are now.
-        if !recovered.is_empty()
-            && let Some(topology) = self.source.topology(&view.gpus)
-            && self.broker.set_topology(topology)
-        {
-            tracing::info!(gpus = %crate::gpu::format_ranges(recovered), "GPU links read again after a GPU came back");
+        let mut topology = None;
+        if !recovered.is_empty() {
+            topology = self.source.topology(&view.gpus);
+            if topology.is_some() {
+                tracing::info!(gpus = %crate::gpu::format_ranges(recovered), "GPU links read again after a GPU came back");
+            }
         }
 
         // 2. Attribution.
@@ -567,17 +583,19 @@ impl<S: ProcessSource, T: ProcessTable> Auditor<S, T> {
         }
         events.extend(self.due_kills(now));
 
-        // 5. Hand usage to placement; store events.
-        self.broker.set_usage(&used, &unaccounted, now);
-        let events = if events.is_empty() {
-            events
-        } else {
-            match self.broker.record_events(&events) {
-                Ok(stored) => stored,
-                Err(e) => {
-                    tracing::error!(error = %e, "could not store audit events");
-                    events
-                }
+        // 5. Hand health, links and usage to placement; store events.
+        let findings = AuditFindings {
+            health: health.changed,
+            topology,
+            used,
+            unaccounted,
+            events: events.clone(),
+        };
+        let events = match self.broker.apply_audit(findings).wait() {
+            Ok(stored) => stored,
+            Err(e) => {
+                tracing::error!(error = %e, "could not apply the audit's findings; the next pass tries again");
+                events
             }
         };
         for e in &events {
@@ -594,13 +612,14 @@ impl<S: ProcessSource, T: ProcessTable> Auditor<S, T> {
     /// Marks `gpu` healthy or not, with an event; `false` when it already was.
     fn set_health(
         &mut self,
+        health: &mut Health,
         gpu: &Gpu,
         healthy: bool,
         reason: &str,
         now: Millis,
         events: &mut Vec<Event>,
     ) -> bool {
-        if !self.broker.set_gpu_health(gpu.index, healthy) {
+        if !health.set(gpu.index, healthy) {
             return false;
         }
         self.record_health(gpu, healthy, reason, now, events);
@@ -994,9 +1013,7 @@ mod tests {
             admin_gids: vec![],
             config: Config::default(),
         };
-        Broker::open(Store::open_in_memory().unwrap(), inventory, settings, 0)
-            .unwrap()
-            .0
+        Broker::start(Store::open_in_memory().unwrap(), inventory, settings).unwrap()
     }
 
     /// Reserves `gib` on one GPU, held by this test process (a real, live pid).
@@ -1016,7 +1033,8 @@ mod tests {
             gid: 0,
             pid: Some(std::process::id()),
         };
-        match b.reserve(caller, request, 0).unwrap() {
+        let holder = Some(crate::holder::pin_holder(&caller, std::process::id()).unwrap());
+        match b.reserve(caller, request, holder).wait().unwrap() {
             ReserveOutcome::Reserved(r) => (r.id, r.units.into_iter().map(|u| u.uuid).collect()),
             ReserveOutcome::Queued(_) => panic!("queued"),
         }
@@ -1085,8 +1103,9 @@ mod tests {
                     pid: None,
                 },
                 request.clone(),
-                3,
+                None,
             )
+            .wait()
             .unwrap_err();
         assert!(e.to_string().contains("largest free block is 6 GiB"), "{e}");
         // The same request, waiting: served by the pass that sees the memory free again
@@ -1100,16 +1119,16 @@ mod tests {
             gid: ME,
             pid: None,
         };
-        let ReserveOutcome::Queued(_ticket) = b.reserve(caller, waiting, 3).unwrap() else {
+        let ReserveOutcome::Queued(_ticket) = b.reserve(caller, waiting, None).wait().unwrap() else {
             panic!("7 GiB fits nowhere yet, so it waits");
         };
         nvml.0.lock().unwrap().insert(0, Ok(vec![]));
         let ended = a.pass(&config, 4);
         assert_eq!(kinds(&ended), [(EventKind::Unreserved, EventPhase::End)]);
         assert_eq!(b.snapshot().loads[0].unaccounted_bytes, 0);
-        assert_eq!((b.snapshot().waiting, b.snapshot().active), (0, 1));
+        assert_eq!((b.snapshot().waiting(), b.snapshot().active()), (0, 1));
         assert_eq!(
-            b.events(&crate::store::EventFilter::default())
+            b.read_history(|s| s.events(&crate::model::EventFilter::default()))
                 .unwrap()
                 .len(),
             3,
@@ -1371,7 +1390,7 @@ mod tests {
             "one bad GPU does not affect the others"
         );
         // The links as a re-read would find them now: only a recovery re-reads them.
-        let before = b.snapshot().topology;
+        let before = Topology::clone(&b.snapshot().topology);
         let mut after = before.clone();
         after.set_link(
             0,
@@ -1384,7 +1403,7 @@ mod tests {
         assert_ne!(after, before);
         *nvml.1.lock().unwrap() = Some(after.clone());
         assert!(a.pass(&config, 2).events.is_empty());
-        assert_eq!(b.snapshot().topology, before);
+        assert_eq!(*b.snapshot().topology, before);
         nvml.0.lock().unwrap().insert(1, Ok(vec![]));
         assert_eq!(
             kinds(&a.pass(&config, 3)),
@@ -1392,7 +1411,7 @@ mod tests {
         );
         assert!(b.snapshot().gpus[1].healthy);
         assert_eq!(
-            b.snapshot().topology,
+            *b.snapshot().topology,
             after,
             "read again when GPU 1 came back"
         );

@@ -6,6 +6,15 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use crate::model::Millis;
 
+/// Where the broker thread reads the time: [`wall`] in gpud, a test's own clock in tests
+/// (which move it by hand instead of sleeping).
+pub type Clock = std::sync::Arc<dyn Fn() -> Millis + Send + Sync>;
+
+/// The wall clock, as a [`Clock`].
+pub fn wall() -> Clock {
+    std::sync::Arc::new(now_millis)
+}
+
 /// Milliseconds since the Unix epoch, now.
 #[allow(clippy::disallowed_methods)]
 pub fn now_millis() -> Millis {

@@ -247,7 +247,7 @@ impl Metrics {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         let gauge = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
-        for gpu in &snap.gpus {
+        for gpu in snap.gpus.iter() {
             let labels = GpuLabels {
                 gpu: gpu.index,
                 uuid: gpu.uuid.clone(),
@@ -278,8 +278,8 @@ impl Metrics {
             .get_or_create(&StateLabels {
                 state: "active".to_owned(),
             })
-            .set(gauge(snap.active as u64));
-        self.waiting.set(gauge(snap.waiting as u64));
+            .set(gauge(snap.active() as u64));
+        self.waiting.set(gauge(snap.waiting() as u64));
         // Counters only go up: add what the broker counted since the last scrape.
         for (counter, total) in [
             (&self.groups_committed, snap.groups_committed),

@@ -322,6 +322,17 @@ pub enum Policy {
 /// lease and wait logic can be tested without sleeping.
 pub type Millis = u64;
 
+/// Who is asking, as the kernel reports it (SO_PEERCRED): never what a request says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Caller {
+    /// Effective uid.
+    pub uid: u32,
+    /// Effective gid.
+    pub gid: u32,
+    /// Pid in gpud's pid namespace; `None` for a peer outside it.
+    pub pid: Option<u32>,
+}
+
 /// Lifecycle state of a reservation: the wire type itself, so the two cannot drift.
 pub use gpud_schema::ReservationState;
 
@@ -480,4 +491,75 @@ pub struct Event {
     pub action: String,
     /// For people.
     pub message: String,
+}
+/// Which events to return.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EventFilter {
+    /// Only events with a larger id (for following).
+    pub after_id: u64,
+    /// Only events at or after this time.
+    pub since: Millis,
+    /// Only this kind.
+    pub kind: Option<EventKind>,
+    /// Only events about this reservation.
+    pub reservation: Option<String>,
+    /// At most this many.
+    pub limit: u32,
+}
+
+impl Default for EventFilter {
+    fn default() -> EventFilter {
+        EventFilter {
+            after_id: 0,
+            since: 0,
+            kind: None,
+            reservation: None,
+            limit: 1000,
+        }
+    }
+}
+
+
+/// What the audit needs to know about one active reservation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AuditedReservation {
+    /// Id.
+    pub id: String,
+    /// Owner.
+    pub owner_uid: u32,
+    /// Holder process, if any.
+    pub holder_pid: Option<u32>,
+    /// Whole units.
+    pub exclusive: bool,
+    /// Units held and the memory reserved on each.
+    pub units: Vec<(String, u64)>,
+}
+
+impl AuditedReservation {
+    /// The part of `r` the audit reads.
+    pub fn of(r: &Reservation) -> AuditedReservation {
+        AuditedReservation {
+            id: r.id.clone(),
+            owner_uid: r.owner_uid,
+            holder_pid: r.holder.as_ref().map(|h| h.pid),
+            exclusive: r.exclusive,
+            units: r
+                .units
+                .iter()
+                .map(|u| (u.uuid.clone(), u.memory_bytes))
+                .collect(),
+        }
+    }
+}
+
+/// What one audit pass reads: GPUs with their health, the allocatable units, and every
+/// active reservation's holder and holdings.
+#[derive(Debug, Clone)]
+pub struct AuditView {
+    /// GPUs with current health.
+    pub gpus: Vec<Gpu>,
+    /// Allocatable units.
+    pub units: Vec<Unit>,
+    /// Active reservations.
+    pub reservations: Vec<AuditedReservation>,
 }

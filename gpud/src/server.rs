@@ -153,8 +153,7 @@ async fn serve(config: Config, config_path: Option<PathBuf>) -> anyhow::Result<(
         admin_gids,
         config: config.clone(),
     };
-    let (broker, watches) = Broker::open(store, &inventory, settings, now_millis())?;
-    broker.watch_holders(watches);
+    let broker = Broker::start(store, &inventory, settings)?;
 
     let Listening {
         listener,
@@ -167,7 +166,6 @@ async fn serve(config: Config, config_path: Option<PathBuf>) -> anyhow::Result<(
         metrics: metrics.clone(),
     });
 
-    tokio::spawn(expiry_loop(broker.clone()));
     tokio::spawn(history_loop(broker.clone()));
     let xids = {
         let nvml = nvml.clone();
@@ -249,7 +247,7 @@ async fn serve(config: Config, config_path: Option<PathBuf>) -> anyhow::Result<(
     }
     let _ = sd_notify::notify(&[sd_notify::NotifyState::Stopping]);
     tracing::info!("stopping: finishing requests in flight");
-    broker.shut_down();
+    let _ = broker.shut_down().await;
     drop(listener);
     // An activated socket belongs to systemd, which keeps it (and queues connections on it)
     // while gpud is down; a socket gpud bound itself goes with it.
@@ -391,11 +389,7 @@ async fn watchdog(broker: Arc<Broker>, every: Duration) {
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        let b = broker.clone();
-        if tokio::task::spawn_blocking(move || drop(b.snapshot()))
-            .await
-            .is_err()
-        {
+        if broker.ping().await.is_err() {
             continue;
         }
         if let Err(e) = sd_notify::notify(&[sd_notify::NotifyState::Watchdog]) {
@@ -404,16 +398,6 @@ async fn watchdog(broker: Arc<Broker>, every: Duration) {
     }
 }
 
-/// Config sections that take effect on `SIGHUP`: each is read afresh on every request or
-/// audit pass, so swapping them cannot leave anything half-applied.
-pub const RELOADABLE: &[&str] = &[
-    "quotas",
-    "admin_groups",
-    "placement",
-    "wait",
-    "audit",
-    "env",
-];
 
 /// What a reload would do: the configuration to run with, the reloadable sections that
 /// changed (with their new values, for the log), and the keys that changed in the file but
@@ -503,6 +487,15 @@ pub enum ReloadError {
         #[source]
         source: anyhow::Error,
     },
+    /// The broker could not take the new settings (it is stopping).
+    #[error("{path}: the new settings were not applied: {source}")]
+    Broker {
+        /// The config file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: crate::broker::BrokerError,
+    },
 }
 
 /// Re-reads `path` and applies its reloadable sections to the broker, logging each change.
@@ -516,12 +509,18 @@ pub fn reload(broker: &Broker, path: &Path, at_start: &Config) -> Result<ReloadP
     })?;
     let running = broker.settings();
     let plan = plan_reload(&running.config, at_start, &file);
-    broker.set_settings(BrokerSettings {
-        admin_gids,
-        config: plan.config.clone(),
-    });
-    // A larger quota or a new policy may let queued requests through now.
-    broker.poke_waiters(now_millis());
+    // The broker also tries the queue again: a larger quota or a new policy may let
+    // queued requests through now.
+    broker
+        .reload(BrokerSettings {
+            admin_gids,
+            config: plan.config.clone(),
+        })
+        .wait()
+        .map_err(|source| ReloadError::Broker {
+            path: path.to_owned(),
+            source,
+        })?;
     for (section, value) in &plan.changed {
         tracing::info!(config = %path.display(), section, now = %value, "config section changed on reload");
     }
@@ -565,25 +564,6 @@ async fn reload_on_hangup(
     }
 }
 
-/// Ends leases when they run out (checked every 100 ms; cheap when none is due).
-async fn expiry_loop(broker: Arc<Broker>) {
-    let mut tick = tokio::time::interval(Duration::from_millis(100));
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
-    loop {
-        tick.tick().await;
-        let now = now_millis();
-        if broker.next_expiry().is_none_or(|at| at > now) {
-            continue;
-        }
-        let b = broker.clone();
-        match tokio::task::spawn_blocking(move || b.expire_due(now)).await {
-            Ok(Err(e)) => tracing::error!(error = %e, "could not expire leases; will retry"),
-            Err(e) => tracing::error!(error = %e, "expiry task failed"),
-            Ok(Ok(_)) => {}
-        }
-    }
-}
-
 /// Deletes the history older than `[history] keep`: at start, then every hour, a thousand
 /// rows at a time so that requests go on in between.
 async fn history_loop(broker: Arc<Broker>) {
@@ -597,21 +577,16 @@ async fn history_loop(broker: Arc<Broker>) {
         let before = now_millis().saturating_sub(keep);
         let (mut reservations, mut events) = (0, 0);
         loop {
-            let b = broker.clone();
-            match tokio::task::spawn_blocking(move || b.prune_history(before, BATCH)).await {
-                Ok(Ok((r, e))) => {
+            match broker.prune_history(before, BATCH).await {
+                Ok((r, e)) => {
                     reservations += r;
                     events += e;
                     if r < BATCH as usize && e < BATCH as usize {
                         break;
                     }
                 }
-                Ok(Err(e)) => {
-                    tracing::warn!(error = %e, "could not delete old history; will try again in an hour");
-                    break;
-                }
                 Err(e) => {
-                    tracing::error!(error = %e, "history task failed");
+                    tracing::warn!(error = %e, "could not delete old history; will try again in an hour");
                     break;
                 }
             }

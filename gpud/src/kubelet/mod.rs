@@ -72,7 +72,7 @@ use tonic::transport::{Channel, Endpoint, Uri};
 
 use crate::broker::{Broker, Caller};
 use crate::config::Config;
-use crate::model::ReservationState;
+use crate::model::Reservation;
 use devices::{Advertised, NodeView, Resource};
 
 /// How often the advertised lists are recomputed (changes are streamed at once after an
@@ -154,14 +154,14 @@ impl Shared {
         self.lists.iter().map(|(r, _)| *r).collect()
     }
 
-    /// Runs `f` on a consistent view of gpud's state. Blocks briefly on the broker's lock.
+    /// Runs `f` on a consistent view of gpud's state: the broker's latest snapshot.
     fn with_view<T>(&self, f: impl FnOnce(&NodeView<'_>) -> T) -> T {
         let snapshot = self.broker.snapshot();
-        // Active reservations come from memory, never from SQLite.
-        let reservations = self
-            .broker
-            .list(Some(ReservationState::Active), None)
-            .unwrap_or_default();
+        let reservations: Vec<Reservation> = snapshot
+            .reservations
+            .iter()
+            .map(|r| Reservation::clone(r))
+            .collect();
         f(&NodeView {
             gpus: &snapshot.gpus,
             units: &snapshot.units,

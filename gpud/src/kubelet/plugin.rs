@@ -23,7 +23,7 @@ use super::proto::v1beta1::{
     device_plugin_server::DevicePlugin,
 };
 use super::proto::{HEALTHY, UNHEALTHY};
-use crate::broker::{BrokerError, ExactRequest};
+use crate::broker::{self, BrokerError, ExactRequest};
 use crate::clock::now_millis;
 use crate::model::Reservation;
 
@@ -77,69 +77,44 @@ fn status(e: &BrokerError) -> Status {
 }
 
 impl Plugin {
-    /// Reserves for each container's device ids, all or nothing. Blocking.
+    /// Reserves for each container's device ids, all or nothing: one broker command, so
+    /// either every container's reservation is made (and the reservations of the pods the
+    /// kubelet took the devices from are ended) or nothing changes. Blocking.
     fn allocate_blocking(&self, containers: &[Vec<String>]) -> Result<Vec<Reservation>, Status> {
-        let broker = &self.shared.broker;
-        let mut made: Vec<Reservation> = Vec::new();
-        let undo = |made: &[Reservation]| {
-            for r in made {
-                let _ = broker.release_with_reason(
-                    &r.id,
-                    "allocation failed for another container of the pod",
-                    now_millis(),
-                );
+        let now = now_millis();
+        let mut request = broker::AllocateRequest::default();
+        self.shared.with_view(|view| {
+            for ids in containers {
+                let claim = devices::claim(self.resource, view, ids)
+                    .map_err(Status::invalid_argument)?;
+                for id in devices::holders_of(self.resource, view, ids) {
+                    if !request.end.iter().any(|(e, _)| *e == id) {
+                        tracing::info!(reservation = %id, "its devices were handed to a new pod: its pod is gone");
+                        request.end.push((
+                            id,
+                            "pod gone: the kubelet handed its devices to another pod".to_owned(),
+                        ));
+                    }
+                }
+                request.containers.push(ExactRequest {
+                    ids: (0..=8)
+                        .map(|attempt| devices::reservation_id(self.resource, ids, now, attempt))
+                        .collect(),
+                    units: claim.units,
+                    exclusive: claim.exclusive,
+                    labels: claim.labels,
+                });
             }
-        };
-        for ids in containers {
-            let now = now_millis();
-            let (claim, stale) = self.shared.with_view(|view| {
-                (
-                    devices::claim(self.resource, view, ids),
-                    devices::holders_of(self.resource, view, ids),
-                )
-            });
-            let claim = match claim {
-                Ok(c) => c,
-                Err(message) => {
-                    undo(&made);
-                    return Err(Status::invalid_argument(message));
-                }
-            };
-            for id in stale {
-                tracing::info!(reservation = %id, "its devices were handed to a new pod: its pod is gone");
-                if let Err(e) = broker.release_with_reason(
-                    &id,
-                    "pod gone: the kubelet handed its devices to another pod",
-                    now,
-                ) {
-                    undo(&made);
-                    return Err(status(&e));
-                }
-            }
-            let mut attempt = 0;
-            let id = loop {
-                let id = devices::reservation_id(self.resource, ids, now, attempt);
-                if broker.get(&id).is_err() || attempt >= 8 {
-                    break id;
-                }
-                attempt += 1;
-            };
-            let request = ExactRequest {
-                id,
-                units: claim.units,
-                exclusive: claim.exclusive,
-                labels: claim.labels,
-            };
-            match broker.reserve_exact(self.shared.caller, request, now) {
-                Ok(r) => made.push(r),
-                Err(e) => {
-                    undo(&made);
-                    tracing::warn!(resource = self.resource.name(), devices = ?ids, error = %e, "Allocate refused");
-                    return Err(status(&e));
-                }
-            }
-        }
-        Ok(made)
+            Ok::<(), Status>(())
+        })?;
+        self.shared
+            .broker
+            .allocate(self.shared.caller, request)
+            .wait()
+            .map_err(|e| {
+                tracing::warn!(resource = self.resource.name(), devices = ?containers, error = %e, "Allocate refused");
+                status(&e)
+            })
     }
 
     /// What the kubelet puts into the container for reservation `r`.

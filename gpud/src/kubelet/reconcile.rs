@@ -14,7 +14,7 @@ use super::devices;
 use super::proto::podresources_v1::ListPodResourcesRequest;
 use super::proto::podresources_v1::pod_resources_lister_client::PodResourcesListerClient;
 use crate::clock::now_millis;
-use crate::model::ReservationState;
+use crate::model::Reservation;
 
 /// `(resource name, device id)` for every device a pod holds.
 async fn devices_in_use(socket: &Path) -> Result<BTreeSet<(String, String)>, String> {
@@ -45,16 +45,20 @@ async fn devices_in_use(socket: &Path) -> Result<BTreeSet<(String, String)>, Str
 /// Releases what no pod holds. Blocking. Returns how many were released.
 fn release_stale(shared: &Shared, in_use: &BTreeSet<(String, String)>, grace: Duration) -> usize {
     let now = now_millis();
-    let reservations = shared
+    let reservations: Vec<Reservation> = shared
         .broker
-        .list(Some(ReservationState::Active), None)
-        .unwrap_or_default();
+        .snapshot()
+        .reservations
+        .iter()
+        .map(|r| Reservation::clone(r))
+        .collect();
     let grace_ms = u64::try_from(grace.as_millis()).unwrap_or(u64::MAX);
     let mut released = 0;
     for id in devices::stale(&reservations, in_use, now, grace_ms) {
         match shared
             .broker
-            .release_with_reason(&id, "pod gone: no pod holds its devices", now)
+            .end(id.clone(), "pod gone: no pod holds its devices".to_owned())
+            .wait()
         {
             Ok(Some(_)) => {
                 tracing::info!(reservation = %id, "released: no pod holds its devices any more");

@@ -5,10 +5,12 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::*;
 use crate::broker::{
-    Broker, BrokerError, BrokerSettings, Caller, ExactRequest, ReserveOutcome, ReserveRequest,
+    AllocateRequest, AuditFindings, Broker, BrokerError, BrokerSettings, Caller, ExactRequest,
+    ReserveOutcome, ReserveRequest,
 };
 use crate::config::Config;
 use crate::model::{GpuInventory, Link, MemoryAsk, PcieLevel, ReservationState};
@@ -34,24 +36,84 @@ fn inventory(n: u32, gib: u64) -> GpuInventory {
     inventory
 }
 
-fn broker(n: u32, gib: u64) -> Arc<Broker> {
+/// A broker whose clock the test sets (`at`).
+struct TestBroker {
+    broker: Arc<Broker>,
+    clock: Arc<AtomicU64>,
+}
+
+impl std::ops::Deref for TestBroker {
+    type Target = Broker;
+
+    fn deref(&self) -> &Broker {
+        &self.broker
+    }
+}
+
+impl TestBroker {
+    /// Sets the broker's clock to `now`.
+    fn at(&self, now: u64) -> &Broker {
+        self.clock.store(now, Ordering::SeqCst);
+        &self.broker
+    }
+}
+
+fn broker(n: u32, gib: u64) -> TestBroker {
     let settings = BrokerSettings {
         admin_gids: vec![],
         config: Config::default(),
     };
-    Broker::open(
+    let clock = Arc::new(AtomicU64::new(0));
+    let time = clock.clone();
+    let broker = Broker::start_with_clock(
         Store::open_in_memory().unwrap(),
         &inventory(n, gib),
         settings,
-        0,
+        Arc::new(move || time.load(Ordering::SeqCst)),
     )
-    .unwrap()
-    .0
+    .unwrap();
+    TestBroker { broker, clock }
+}
+
+/// The active reservations, as the snapshot has them.
+fn active(b: &Broker) -> Vec<Reservation> {
+    b.snapshot()
+        .reservations
+        .iter()
+        .map(|r| Reservation::clone(r))
+        .collect()
+}
+
+/// One container's exact reservation, as `Allocate` makes it.
+fn exact(b: &Broker, request: ExactRequest) -> Result<Reservation, BrokerError> {
+    let request = AllocateRequest {
+        end: Vec::new(),
+        containers: vec![request],
+    };
+    b.allocate(ROOT, request).wait().map(|mut made| made.remove(0))
+}
+
+/// What the audit hands the broker about memory nobody reserved, per unit.
+fn set_unaccounted(b: &Broker, unaccounted: &[(u64, bool)]) {
+    let findings = AuditFindings {
+        unaccounted: unaccounted.to_vec(),
+        ..AuditFindings::default()
+    };
+    b.apply_audit(findings).wait().unwrap();
+}
+
+/// A GPU's health, as the audit hands it to the broker.
+fn set_health(b: &Broker, gpu: u32, healthy: bool) {
+    let findings = AuditFindings {
+        health: vec![(gpu, healthy)],
+        ..AuditFindings::default()
+    };
+    b.apply_audit(findings).wait().unwrap();
 }
 
 fn with_view<T>(b: &Broker, f: impl FnOnce(&NodeView<'_>) -> T) -> T {
     let s = b.snapshot();
-    let reservations = b.list(Some(ReservationState::Active), None).unwrap();
+    let reservations = active(b);
     f(&NodeView {
         gpus: &s.gpus,
         units: &s.units,
@@ -73,15 +135,15 @@ fn mem_ids(gpu: u32, numbers: impl IntoIterator<Item = u32>) -> Vec<String> {
 }
 
 /// What `Allocate` does for one container: claim, then reserve exactly.
-fn allocate(b: &Broker, resource: Resource, devices: &[String], now: u64) -> Reservation {
+fn allocate(b: &TestBroker, resource: Resource, devices: &[String], now: u64) -> Reservation {
     let claim = with_view(b, |v| claim(resource, v, devices)).unwrap();
     let request = ExactRequest {
-        id: reservation_id(resource, devices, now, 0),
+        ids: vec![reservation_id(resource, devices, now, 0)],
         units: claim.units,
         exclusive: claim.exclusive,
         labels: claim.labels,
     };
-    b.reserve_exact(ROOT, request, now).unwrap()
+    exact(b.at(now), request).unwrap()
 }
 
 /// A bare-metal reservation through the ordinary path (a lease).
@@ -96,7 +158,7 @@ fn bare_metal(b: &Broker, memory: MemoryAsk) -> Reservation {
         labels: BTreeMap::new(),
         id: None,
     };
-    match b.reserve(ROOT, request, 0).unwrap() {
+    match b.reserve(ROOT, request, None).wait().unwrap() {
         ReserveOutcome::Reserved(r) => r,
         ReserveOutcome::Queued(_) => panic!("queued"),
     }
@@ -179,7 +241,7 @@ fn memory_used_by_processes_nobody_reserved_is_withheld_too() {
     let pod = allocate(&b, MEM, &mem_ids(0, 0..2), 0);
     // The audit found 5.5 GiB on GPU 0 that no reservation accounts for, and a process
     // using nothing measurable (yet) on GPU 1.
-    b.set_usage(&[], &[(5 * GIB + GIB / 2, true), (0, true)], 0);
+    set_unaccounted(&b, &[(5 * GIB + GIB / 2, true), (0, true)]);
     let list = with_view(&b, |v| advertise(MEM, v));
     // 16 - 2 (the pod's) - 5.5 leaves room for 8 more devices on GPU 0: 2 to 9.
     assert_eq!(healthy_ids(&list, 0), mem_ids(0, 0..10), "{pod:?}");
@@ -191,7 +253,7 @@ fn memory_used_by_processes_nobody_reserved_is_withheld_too() {
         whole.iter().map(|d| d.healthy).collect::<Vec<_>>(),
         [false, false]
     );
-    b.set_usage(&[], &[(0, false), (0, false)], 0);
+    set_unaccounted(&b, &[(0, false), (0, false)]);
     let list = with_view(&b, |v| advertise(MEM, v));
     assert_eq!(healthy_ids(&list, 0).len(), 16);
     let whole = with_view(&b, |v| advertise(Resource::WholeGpu, v));
@@ -205,7 +267,7 @@ fn memory_used_by_processes_nobody_reserved_is_withheld_too() {
 fn a_gpu_that_turns_unhealthy_takes_all_its_devices_with_it() {
     let b = broker(2, 16);
     let pod = allocate(&b, MEM, &mem_ids(1, [3]), 0);
-    assert!(b.set_gpu_health(1, false));
+    set_health(&b, 1, false);
     let list = with_view(&b, |v| advertise(MEM, v));
     assert_eq!(healthy_ids(&list, 0).len(), 16);
     assert!(healthy_ids(&list, 1).is_empty(), "held ones too: {pod:?}");
@@ -214,7 +276,7 @@ fn a_gpu_that_turns_unhealthy_takes_all_its_devices_with_it() {
         whole.iter().map(|d| d.healthy).collect::<Vec<_>>(),
         [true, false]
     );
-    assert!(b.set_gpu_health(1, true));
+    set_health(&b, 1, true);
     let list = with_view(&b, |v| advertise(MEM, v));
     assert_eq!(healthy_ids(&list, 1).len(), 16);
 }
@@ -233,15 +295,14 @@ fn whole_gpus_and_memory_devices_exclude_each_other() {
     assert_eq!(healthy_ids(&mem, 1).len(), 16);
     // A whole GPU is not given twice, nor a used one.
     let claim = with_view(&b, |v| claim(Resource::WholeGpu, v, &ids(&["GPU-0"]))).unwrap();
-    let again = b.reserve_exact(
-        ROOT,
+    let again = exact(
+        &b,
         ExactRequest {
-            id: "k8s-again".into(),
+            ids: vec!["k8s-again".into()],
             units: claim.units,
             exclusive: true,
             labels: claim.labels,
         },
-        0,
     );
     assert!(
         matches!(again, Err(BrokerError::NoCapacity(_))),
@@ -380,7 +441,7 @@ fn stale_means_old_enough_and_no_device_held_by_any_pod() {
         ("nvidia.com/gpu".to_owned(), "GPU-2".to_owned()),
     ]
     .into();
-    let reservations = b.list(Some(ReservationState::Active), None).unwrap();
+    let reservations = active(&b);
     let mut stale_ids = stale(&reservations, &in_use, 60_000, 30_000);
     stale_ids.sort();
     let mut expected = vec![gone.id, wrong_resource.id];
@@ -396,38 +457,43 @@ fn stale_means_old_enough_and_no_device_held_by_any_pod() {
 fn exact_reservations_never_overcommit_and_end_with_a_reason() {
     let b = broker(1, 16);
     let request = |id: &str, gib: u64| ExactRequest {
-        id: id.to_owned(),
+        ids: vec![id.to_owned()],
         units: vec![("GPU-0".to_owned(), gib * GIB)],
         exclusive: false,
         labels: BTreeMap::new(),
     };
-    b.reserve_exact(ROOT, request("k8s-a", 10), 0).unwrap();
-    let e = b.reserve_exact(ROOT, request("k8s-b", 7), 0).unwrap_err();
+    exact(&b, request("k8s-a", 10)).unwrap();
+    let e = exact(&b, request("k8s-b", 7)).unwrap_err();
     assert!(matches!(e, BrokerError::NoCapacity(_)), "{e}");
     assert!(e.to_string().contains("6 GiB unreserved"), "{e}");
-    let e = b.reserve_exact(ROOT, request("k8s-a", 1), 0).unwrap_err();
+    let e = exact(&b, request("k8s-a", 1)).unwrap_err();
     assert!(e.to_string().contains("already taken"), "{e}");
     let mut exclusive = request("k8s-c", 0);
     exclusive.exclusive = true;
     assert!(matches!(
-        b.reserve_exact(ROOT, exclusive, 0),
+        exact(&b, exclusive),
         Err(BrokerError::NoCapacity(_))
     ));
     let mut unknown = request("k8s-d", 1);
     unknown.units[0].0 = "GPU-7".into();
     assert!(matches!(
-        b.reserve_exact(ROOT, unknown, 0),
+        exact(&b, unknown),
         Err(BrokerError::Invalid(_))
     ));
-    b.reserve_exact(ROOT, request("k8s-e", 6), 0).unwrap();
+    exact(&b, request("k8s-e", 6)).unwrap();
     let ended = b
-        .release_with_reason("k8s-a", "pod gone", 5)
+        .end("k8s-a".into(), "pod gone".into())
+        .wait()
         .unwrap()
         .unwrap();
     assert_eq!(ended.end_reason.as_deref(), Some("pod gone"));
-    assert_eq!(b.release_with_reason("k8s-a", "again", 6).unwrap(), None);
-    assert_eq!(b.get("k8s-a").unwrap().state, ReservationState::Released);
-    b.set_gpu_health(0, false);
-    let e = b.reserve_exact(ROOT, request("k8s-f", 1), 0).unwrap_err();
+    assert_eq!(
+        b.end("k8s-a".into(), "again".into()).wait().unwrap(),
+        None
+    );
+    let history = b.read_history(|s| s.get("k8s-a")).unwrap().unwrap();
+    assert_eq!(history.state, ReservationState::Released);
+    set_health(&b, 0, false);
+    let e = exact(&b, request("k8s-f", 1)).unwrap_err();
     assert!(e.to_string().contains("unhealthy"), "{e}");
 }

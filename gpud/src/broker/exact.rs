@@ -1,0 +1,216 @@
+//! The kubelet's exact requests: the kubelet has already chosen the devices (and promised
+//! them to a pod), so there is no placement and no wait queue, only the capacity check, and
+//! a pod's containers are reserved all or nothing in one command.
+
+use std::collections::BTreeMap;
+
+use gpud_schema::format_bytes;
+
+use super::ledger::Ledger;
+use super::{BrokerError, Caller};
+use crate::model::{Millis, Reservation, ReservationState, ReservedUnit};
+use crate::store::Txn;
+use crate::workload_env::workload_env;
+
+/// A reservation of named units, for one container.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExactRequest {
+    /// Ids to choose from, in order: the first that no reservation has taken is used.
+    pub ids: Vec<String>,
+    /// Units by UUID, with the memory to reserve on each (ignored when exclusive and for MIG
+    /// instances: those are reserved whole).
+    pub units: Vec<(String, u64)>,
+    /// Whole units.
+    pub exclusive: bool,
+    /// Labels.
+    pub labels: BTreeMap<String, String>,
+}
+
+/// One kubelet `Allocate`: reservations its pod's devices were handed over from, and one
+/// exact request per container.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AllocateRequest {
+    /// Reservations to end first, with why: their pod is gone, since the kubelet handed
+    /// their devices to this one.
+    pub end: Vec<(String, String)>,
+    /// One per container.
+    pub containers: Vec<ExactRequest>,
+}
+
+impl Ledger {
+    /// Ends `request.end` and reserves every container's units, or, when anything fails,
+    /// changes nothing (in memory as on disk) and says why.
+    pub fn allocate(
+        &mut self,
+        txn: &mut Txn<'_>,
+        caller: Caller,
+        request: AllocateRequest,
+        now: Millis,
+    ) -> Result<Vec<Reservation>, BrokerError> {
+        if self.shutting_down {
+            return Err(BrokerError::ShuttingDown);
+        }
+        let done = txn.atomically(|txn| {
+            for (id, reason) in &request.end {
+                if self.is_active(id) {
+                    tracing::info!(reservation = %id, %reason, "released");
+                    self.end(
+                        txn,
+                        &[(id.clone(), ReservationState::Released, reason.clone())],
+                        now,
+                    )?;
+                }
+            }
+            request
+                .containers
+                .iter()
+                .map(|c| self.reserve_exact(txn, caller, c, now))
+                .collect::<Result<Vec<_>, BrokerError>>()
+        });
+        match done {
+            Ok(made) => {
+                // Capacity the ended reservations held may serve the queue, now that the
+                // pod's reservations are made.
+                self.serve_waiters(txn, now);
+                Ok(made)
+            }
+            Err(e) => {
+                // The savepoint undid the disk; memory follows it.
+                self.reload(txn)?;
+                Err(e)
+            }
+        }
+    }
+
+    /// Reserves exactly the named units. Nothing is ever overcommitted: a memory ask must fit
+    /// in what reservations leave of the unit, an exclusive ask (and any MIG instance, which
+    /// is reserved whole) needs a unit nothing else holds, and the unit must be healthy.
+    /// Memory used by processes that no reservation accounts for is not held against it:
+    /// the pod's own processes are among them, and the audit reports the rest. The
+    /// reservation has no holder and no lease; the kubelet integration ends it.
+    fn reserve_exact(
+        &mut self,
+        txn: &mut Txn<'_>,
+        caller: Caller,
+        request: &ExactRequest,
+        now: Millis,
+    ) -> Result<Reservation, BrokerError> {
+        if request.units.is_empty() {
+            return Err(BrokerError::Invalid(
+                "an exact reservation names at least one unit".to_owned(),
+            ));
+        }
+        let mut id = None;
+        for candidate in &request.ids {
+            if !self.is_active(candidate) && txn.get(candidate)?.is_none() {
+                id = Some(candidate.clone());
+                break;
+            }
+        }
+        let Some(id) = id else {
+            return Err(BrokerError::Invalid(format!(
+                "reservation id {:?} is already taken",
+                request.ids.last().map_or("", String::as_str)
+            )));
+        };
+        let mut chosen: Vec<(ReservedUnit, u64)> = Vec::new();
+        for (uuid, bytes) in &request.units {
+            let i = self.unit_index(uuid).ok_or_else(|| {
+                BrokerError::Invalid(format!(
+                    "{uuid} is not a GPU or MIG instance of this machine"
+                ))
+            })?;
+            if chosen.iter().any(|(u, _)| &u.uuid == uuid) {
+                return Err(BrokerError::Invalid(format!("{uuid} is named twice")));
+            }
+            let (unit, load) = (&self.units[i], &self.loads[i]);
+            let name = match unit.mig_index {
+                Some(m) => format!("MIG instance {m} of GPU {}", unit.gpu_index),
+                None => format!("GPU {}", unit.gpu_index),
+            };
+            if !load.healthy {
+                return Err(BrokerError::NoCapacity(format!("{name} is unhealthy")));
+            }
+            if load.exclusive {
+                return Err(BrokerError::NoCapacity(format!(
+                    "{name} is held exclusively by another reservation"
+                )));
+            }
+            let total = unit.memory_total_bytes;
+            let memory = if request.exclusive || unit.is_mig() {
+                if load.reservations > 0 || load.reserved_bytes > 0 {
+                    return Err(BrokerError::NoCapacity(format!(
+                        "{name} is not free: {} reserved by {} other reservation(s)",
+                        format_bytes(load.reserved_bytes),
+                        load.reservations
+                    )));
+                }
+                total
+            } else {
+                let free = total.saturating_sub(load.reserved_bytes);
+                if *bytes == 0 {
+                    return Err(BrokerError::Invalid(
+                        "memory must be at least 1 byte".into(),
+                    ));
+                }
+                if *bytes > free {
+                    return Err(BrokerError::NoCapacity(format!(
+                        "{name} has {} unreserved; asked for {}",
+                        format_bytes(free),
+                        format_bytes(*bytes)
+                    )));
+                }
+                *bytes
+            };
+            chosen.push((
+                ReservedUnit {
+                    uuid: unit.uuid.clone(),
+                    gpu_index: unit.gpu_index,
+                    memory_bytes: memory,
+                },
+                total,
+            ));
+        }
+        chosen.sort_by(|(a, _), (b, _)| (a.gpu_index, &a.uuid).cmp(&(b.gpu_index, &b.uuid)));
+        let (units, totals): (Vec<ReservedUnit>, Vec<u64>) = chosen.into_iter().unzip();
+        self.check_quota(&caller, &units)?;
+        let env = workload_env(
+            &id,
+            &units,
+            &totals,
+            request.exclusive,
+            &self.gpus,
+            &self.settings.config.env,
+        );
+        let r = Reservation {
+            id,
+            state: ReservationState::Active,
+            owner_uid: caller.uid,
+            owner_gid: caller.gid,
+            holder: None,
+            exclusive: request.exclusive,
+            units,
+            ttl_seconds: None,
+            expires_at: None,
+            created_at: now,
+            ended_at: None,
+            end_reason: None,
+            labels: request.labels.clone(),
+            env,
+        };
+        if !txn.insert(&r)? {
+            return Err(BrokerError::Invalid(format!(
+                "reservation id {:?} is already taken",
+                r.id
+            )));
+        }
+        tracing::info!(
+            reservation = %r.id,
+            gpus = %r.units.iter().map(|u| u.gpu_index.to_string()).collect::<Vec<_>>().join(","),
+            memory = %format_bytes(r.units.first().map_or(0, |u| u.memory_bytes)),
+            "reserved exactly"
+        );
+        self.add_active(r.clone());
+        Ok(r)
+    }
+}

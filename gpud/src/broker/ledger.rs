@@ -1,0 +1,912 @@
+//! The rules: what is reserved where and by whom, and every decision about it (placement,
+//! quotas, permission, leases, the queue). Plain synchronous code with `now` a parameter:
+//! unit tests drive it directly, without a thread, a runtime, a clock or root.
+//!
+//! Every change goes in this order: decide, write through the open transaction, then update
+//! memory. A write that fails leaves memory untouched; a transaction rolled back later is
+//! followed by [`Ledger::reload`]. So memory is always what the database will hold once the
+//! transaction commits.
+//!
+//! In memory the ledger keeps what every request needs in O(GPUs): the load of each unit
+//! (reserved bytes, count, exclusivity), usage per uid and gid for quotas, and the lease
+//! deadlines in order. Nothing on the request path scans all reservations.
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use gpud_schema::format_bytes;
+
+use super::queue::{WaitQueue, Waiter};
+use super::{AuditFindings, BrokerError, BrokerSettings, Caller, ReserveRequest, Snapshot};
+use crate::holder::{PinnedProcess, process_info};
+use crate::model::{
+    Event, Gpu, GpuInventory, Holder, MemoryAsk, Millis, Reservation, ReservationState,
+    ReservedUnit, Topology, Unit,
+};
+use crate::placement::{self, PlacementError, PlacementRequest, PlacementState, UnitLoad};
+use crate::store::{Store, StoreError, Txn};
+use crate::workload_env::workload_env;
+
+/// The longest lease a request may ask for: ten years. A reservation meant to last longer is
+/// renewed, or held by a process.
+pub const MAX_TTL_SECONDS: u64 = 10 * 365 * 24 * 3600;
+
+/// What [`Ledger::reserve`] did.
+#[derive(Debug)]
+pub enum Admitted {
+    /// Placed (committed with the transaction).
+    Reserved(Reservation),
+    /// Queued: the answer comes on `rx` once capacity frees, or an error when it gives up.
+    Queued {
+        /// Its place in the queue, to withdraw it.
+        ticket: u64,
+        /// Where the answer comes.
+        rx: tokio::sync::oneshot::Receiver<Result<Reservation, BrokerError>>,
+    },
+}
+
+/// A waiter served: told of its reservation once the transaction is committed.
+pub(super) struct Served {
+    pub reply: tokio::sync::oneshot::Sender<Result<Reservation, BrokerError>>,
+    pub reservation: Reservation,
+    pub holder: Option<PinnedProcess>,
+}
+
+/// What must happen once the commands run so far are committed (and not if they are not).
+#[derive(Default)]
+pub(super) struct Effects {
+    /// Holders to watch: `(reservation id, process)`.
+    pub watches: Vec<(String, PinnedProcess)>,
+    /// Waiters served.
+    pub served: Vec<Served>,
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+struct Usage {
+    units: u64,
+    memory: u64,
+    reservations: u64,
+}
+
+impl Usage {
+    fn add(&mut self, r: &Reservation) {
+        self.units += r.units.len() as u64;
+        self.memory += r.units.iter().map(|u| u.memory_bytes).sum::<u64>();
+        self.reservations += 1;
+    }
+
+    fn remove(&mut self, r: &Reservation) {
+        self.units = self.units.saturating_sub(r.units.len() as u64);
+        self.memory = self
+            .memory
+            .saturating_sub(r.units.iter().map(|u| u.memory_bytes).sum::<u64>());
+        self.reservations = self.reservations.saturating_sub(1);
+    }
+}
+
+/// What is reserved where: the broker thread's, and only its.
+pub struct Ledger {
+    pub(super) gpus: Arc<Vec<Gpu>>,
+    driver_version: Option<String>,
+    topology: Arc<Topology>,
+    pub(super) units: Arc<Vec<Unit>>,
+    unit_by_uuid: HashMap<String, usize>,
+    pub(super) loads: Vec<UnitLoad>,
+    /// Memory used per unit, as last measured (all processes).
+    used: Vec<u64>,
+    active: HashMap<String, Arc<Reservation>>,
+    by_uid: HashMap<u32, Usage>,
+    by_gid: HashMap<u32, Usage>,
+    expiries: BTreeSet<(Millis, String)>,
+    queue: WaitQueue,
+    pub(super) settings: Arc<BrokerSettings>,
+    pub(super) shutting_down: bool,
+    effects: Effects,
+    /// The active reservations as last published; `None` once they changed.
+    published: Option<Arc<Vec<Arc<Reservation>>>>,
+}
+
+impl std::fmt::Debug for Ledger {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ledger")
+            .field("active", &self.active.len())
+            .field("waiting", &self.queue.waiters.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Ledger {
+    /// The ledger of the reservations `txn`'s database holds on `inventory`. What died while
+    /// gpud was down is ended through `txn`: reservations whose holder is gone, whose lease
+    /// ran out, or whose GPU is no longer present (when every GPU could be identified). The
+    /// live holders are to be watched once `txn` is committed ([`Ledger::take_effects`]).
+    pub fn open(
+        txn: &mut Txn<'_>,
+        inventory: &GpuInventory,
+        settings: BrokerSettings,
+        now: Millis,
+    ) -> Result<Ledger, BrokerError> {
+        let units = inventory.units();
+        let unit_by_uuid = units
+            .iter()
+            .enumerate()
+            .map(|(i, u)| (u.uuid.clone(), i))
+            .collect();
+        let loads = units
+            .iter()
+            .map(|u| UnitLoad {
+                healthy: inventory
+                    .gpus
+                    .get(usize::try_from(u.gpu_index).unwrap_or(usize::MAX))
+                    .is_some_and(|g| g.healthy),
+                ..UnitLoad::default()
+            })
+            .collect();
+        let mut ledger = Ledger {
+            gpus: Arc::new(inventory.gpus.clone()),
+            driver_version: inventory.driver_version.clone(),
+            topology: Arc::new(inventory.topology.clone()),
+            used: vec![0; units.len()],
+            units: Arc::new(units),
+            unit_by_uuid,
+            loads,
+            active: HashMap::new(),
+            by_uid: HashMap::new(),
+            by_gid: HashMap::new(),
+            expiries: BTreeSet::new(),
+            queue: WaitQueue::default(),
+            settings: Arc::new(settings),
+            shutting_down: false,
+            effects: Effects::default(),
+            published: None,
+        };
+        let mut dead = Vec::new();
+        // A GPU that failed discovery has no UUID to match: while any did, a reservation
+        // naming an unknown unit may well be on it, so it is kept (its GPU is unhealthy and
+        // takes no placements anyway) rather than released.
+        let every_gpu_identified = inventory.gpus.iter().all(|g| g.healthy);
+        for r in txn.active()? {
+            if let Some(missing) = r
+                .units
+                .iter()
+                .find(|u| !ledger.unit_by_uuid.contains_key(&u.uuid))
+                .filter(|_| every_gpu_identified)
+            {
+                dead.push((
+                    r.id.clone(),
+                    ReservationState::Released,
+                    format!("{} is no longer present", missing.uuid),
+                ));
+                continue;
+            }
+            if let Some(expires_at) = r.expires_at
+                && expires_at <= now
+            {
+                dead.push((
+                    r.id.clone(),
+                    ReservationState::Expired,
+                    "ttl expired while gpud was down".into(),
+                ));
+                continue;
+            }
+            if let Some(holder) = &r.holder {
+                match PinnedProcess::repin(holder) {
+                    Some(pinned) => ledger.effects.watches.push((r.id.clone(), pinned)),
+                    None => {
+                        dead.push((
+                            r.id.clone(),
+                            ReservationState::Released,
+                            format!("holder process {} exited while gpud was down", holder.pid),
+                        ));
+                        continue;
+                    }
+                }
+            }
+            ledger.add_active(r);
+        }
+        if !dead.is_empty() {
+            txn.finish(&dead, now)?;
+            for (id, _, reason) in &dead {
+                tracing::info!(reservation = %id, %reason, "reaped at start");
+            }
+        }
+        Ok(ledger)
+    }
+
+    /// Takes what must happen now that the commands run so far are committed.
+    pub(super) fn take_effects(&mut self) -> Effects {
+        std::mem::take(&mut self.effects)
+    }
+
+    /// Rebuilds the active reservations from the database (after a transaction was rolled
+    /// back, or a part of one: `store` may be the open transaction). The queue is kept.
+    pub fn reload(&mut self, store: &Store) -> Result<(), StoreError> {
+        let loaded = store.active()?;
+        self.active.clear();
+        self.by_uid.clear();
+        self.by_gid.clear();
+        self.expiries.clear();
+        self.published = None;
+        for load in &mut self.loads {
+            load.reserved_bytes = 0;
+            load.reservations = 0;
+            load.exclusive = false;
+        }
+        for r in loaded {
+            self.add_active(r);
+        }
+        Ok(())
+    }
+
+    /// The state as it is now, for readers. `counters`: group commits and the commands
+    /// they carried.
+    pub fn snapshot(&mut self, counters: (u64, u64)) -> Snapshot {
+        let reservations = self
+            .published
+            .get_or_insert_with(|| {
+                let mut all: Vec<Arc<Reservation>> = self.active.values().cloned().collect();
+                all.sort_by(|a, b| (a.created_at, &a.id).cmp(&(b.created_at, &b.id)));
+                Arc::new(all)
+            })
+            .clone();
+        Snapshot {
+            gpus: self.gpus.clone(),
+            driver_version: self.driver_version.clone(),
+            topology: self.topology.clone(),
+            units: self.units.clone(),
+            loads: self.loads.clone(),
+            used: self.used.clone(),
+            reservations,
+            waiters: Arc::new(self.queue.listing()),
+            settings: self.settings.clone(),
+            groups_committed: counters.0,
+            grouped_calls: counters.1,
+        }
+    }
+
+    /// The next time something is due: a lease ends or a waiter gives up.
+    pub fn next_deadline(&self) -> Option<Millis> {
+        let lease = self.expiries.first().map(|(at, _)| *at);
+        match (lease, self.queue.next_give_up()) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    pub(super) fn is_active(&self, id: &str) -> bool {
+        self.active.contains_key(id)
+    }
+
+    pub(super) fn unit_index(&self, uuid: &str) -> Option<usize> {
+        self.unit_by_uuid.get(uuid).copied()
+    }
+
+    /// Whether `caller` may act on every reservation: root, or a member of an admin group
+    /// (the supplementary groups are read from `/proc`, only when the primary one is not).
+    pub fn is_admin(&self, caller: &Caller) -> bool {
+        if caller.uid == 0 {
+            return true;
+        }
+        let admin_gids = &self.settings.admin_gids;
+        if admin_gids.is_empty() {
+            return false;
+        }
+        if admin_gids.contains(&caller.gid) {
+            return true;
+        }
+        caller
+            .pid
+            .and_then(|pid| process_info(pid).ok())
+            .is_some_and(|info| info.groups.iter().any(|g| admin_gids.contains(g)))
+    }
+
+    /// Whether `caller` may release or renew `r`: its owner, root, or an admin.
+    fn authorize(&self, caller: &Caller, r: &Reservation, verb: &str) -> Result<(), BrokerError> {
+        if caller.uid == r.owner_uid || self.is_admin(caller) {
+            return Ok(());
+        }
+        Err(BrokerError::Forbidden(format!(
+            "reservation {} belongs to uid {}; only its owner, root or an admin group may {verb} it",
+            r.id, r.owner_uid
+        )))
+    }
+
+    /// The active reservation `id`, or why there is none.
+    fn find_active(&self, txn: &Txn<'_>, id: &str) -> Result<Arc<Reservation>, BrokerError> {
+        if let Some(r) = self.active.get(id) {
+            return Ok(r.clone());
+        }
+        match txn.get(id)? {
+            Some(r) => Err(BrokerError::NotActive {
+                id: id.to_owned(),
+                state: r.state.as_str(),
+                reason: r
+                    .end_reason
+                    .unwrap_or_else(|| "no reason recorded".to_owned()),
+            }),
+            None => Err(BrokerError::NotFound(id.to_owned())),
+        }
+    }
+
+    /// Reserves, or queues the request when it asks to wait and nothing fits now.
+    /// `holder` is the request's `holder_pid`, pinned.
+    pub fn reserve(
+        &mut self,
+        txn: &mut Txn<'_>,
+        caller: Caller,
+        request: ReserveRequest,
+        holder: Option<PinnedProcess>,
+        now: Millis,
+    ) -> Result<Admitted, BrokerError> {
+        let wait_config = &self.settings.config.wait;
+        if let Some(wait) = request.wait
+            && wait.as_secs() > wait_config.max_wait_seconds
+        {
+            let max = wait_config.max_wait_seconds;
+            return Err(BrokerError::Invalid(format!(
+                "a wait of {} (wait_seconds {}) is longer than this gpud allows ({}); ask for less",
+                humantime::format_duration(wait),
+                wait.as_secs(),
+                humantime::format_duration(Duration::from_secs(max))
+            )));
+        }
+        if request.holder_pid.is_none() && request.ttl_seconds.is_none() && request.id.is_none() {
+            return Err(BrokerError::Invalid(
+                "a reservation needs a lifetime: give holder_pid (released when that process exits) \
+                 or ttl_seconds (released unless renewed), or both"
+                    .to_owned(),
+            ));
+        }
+        if let Some(ttl) = request.ttl_seconds {
+            check_ttl(ttl)?;
+        }
+        if request.holder_pid.is_some() != holder.is_some() {
+            return Err(BrokerError::Internal("a request's holder was not pinned"));
+        }
+        if self.shutting_down {
+            return Err(BrokerError::ShuttingDown);
+        }
+        // A chosen id must be new: not active, not in the history, not asked for by a
+        // request already waiting.
+        if let Some(id) = &request.id
+            && (self.active.contains_key(id) || self.queue.asked_for(id) || txn.get(id)?.is_some())
+        {
+            return Err(BrokerError::Invalid(format!(
+                "reservation id {id:?} is already taken"
+            )));
+        }
+        // Waiters come first: a request may go ahead of them (backfill) only while the
+        // oldest has not waited past the starvation guard.
+        let starvation = self.settings.config.wait.starvation_after;
+        let attempt = if self.queue.head_is_starved(now, starvation) {
+            Err(BrokerError::NoCapacity(format!(
+                "capacity is being held for a request that has waited more than {}; \
+                 wait for it to be served",
+                humantime::format_duration(starvation)
+            )))
+        } else {
+            self.try_reserve(txn, &caller, &request, holder.as_ref(), now)
+        };
+        match attempt {
+            Ok(r) => {
+                if let Some(pinned) = holder {
+                    self.effects.watches.push((r.id.clone(), pinned));
+                }
+                Ok(Admitted::Reserved(r))
+            }
+            Err(BrokerError::NoCapacity(why)) if request.wait.is_some_and(|w| !w.is_zero()) => {
+                // The id is known here only when the caller chose it.
+                tracing::debug!(reservation = request.id.as_deref(), %why, "request queued");
+                let (ticket, rx) = self.queue.push(caller, request, holder, now, why);
+                Ok(Admitted::Queued { ticket, rx })
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Places, checks quota, writes and records one reservation. Changes nothing on error.
+    fn try_reserve(
+        &mut self,
+        txn: &mut Txn<'_>,
+        caller: &Caller,
+        request: &ReserveRequest,
+        holder: Option<&PinnedProcess>,
+        now: Millis,
+    ) -> Result<Reservation, BrokerError> {
+        let settings = self.settings.clone();
+        let placement_request = PlacementRequest {
+            gpus: request.gpus,
+            memory: request.memory,
+            policy: request
+                .policy
+                .unwrap_or(settings.config.placement.default_policy),
+        };
+        let state = PlacementState {
+            units: &self.units,
+            loads: &self.loads,
+            topology: &self.topology,
+        };
+        let placement = placement::place(&placement_request, &state).map_err(|e| match e {
+            PlacementError::Impossible(m) => BrokerError::Unsatisfiable(m),
+            PlacementError::NoCapacity(m) => BrokerError::NoCapacity(m),
+        })?;
+        let mut units: Vec<ReservedUnit> = Vec::new();
+        let mut totals = Vec::new();
+        for a in &placement.assignments {
+            let unit = self.units.get(a.unit).ok_or(BrokerError::Internal(
+                "placement chose an unknown unit",
+            ))?;
+            units.push(ReservedUnit {
+                uuid: unit.uuid.clone(),
+                gpu_index: unit.gpu_index,
+                memory_bytes: a.memory_bytes,
+            });
+            totals.push(unit.memory_total_bytes);
+        }
+        self.check_quota(caller, &units)?;
+        let exclusive = request.memory == MemoryAsk::Exclusive;
+        let env_for = |id: &str, units: &[ReservedUnit]| {
+            workload_env(
+                id,
+                units,
+                &totals,
+                exclusive,
+                &self.gpus,
+                &settings.config.env,
+            )
+        };
+        let id = request.id.clone().unwrap_or_else(|| new_id(now));
+        let mut r = Reservation {
+            env: env_for(&id, &units),
+            id,
+            state: ReservationState::Active,
+            owner_uid: caller.uid,
+            owner_gid: caller.gid,
+            holder: holder.map(|h| h.holder.clone()),
+            exclusive,
+            units,
+            ttl_seconds: request.ttl_seconds,
+            expires_at: request
+                .ttl_seconds
+                .map(|t| now.saturating_add(t.saturating_mul(1000))),
+            created_at: now,
+            ended_at: None,
+            end_reason: None,
+            labels: request.labels.clone(),
+        };
+        // A chosen id that is taken by now (another request with the same id got there
+        // first) is refused; a generated one that is taken (someone chose it) is made anew.
+        let mut attempts = 1;
+        while !txn.insert(&r)? {
+            if request.id.is_some() || attempts >= 3 {
+                return Err(BrokerError::Invalid(format!(
+                    "reservation id {:?} is already taken",
+                    r.id
+                )));
+            }
+            attempts += 1;
+            r.id = new_id(now);
+            r.env = env_for(&r.id, &r.units);
+        }
+        tracing::info!(
+            reservation = %r.id,
+            uid = caller.uid,
+            gpus = %r.units.iter().map(|u| u.gpu_index.to_string()).collect::<Vec<_>>().join(","),
+            memory = %format_bytes(r.units.first().map_or(0, |u| u.memory_bytes)),
+            "reserved"
+        );
+        self.add_active(r.clone());
+        Ok(r)
+    }
+
+    /// Refuses `units` for `caller` when a quota of its uid or group would be exceeded.
+    pub(super) fn check_quota(
+        &self,
+        caller: &Caller,
+        units: &[ReservedUnit],
+    ) -> Result<(), BrokerError> {
+        let asked_units = units.len() as u64;
+        let asked_memory: u64 = units.iter().map(|u| u.memory_bytes).sum();
+        for q in &self.settings.config.quotas {
+            let (who, usage) = match (q.uid, q.gid) {
+                (Some(uid), _) if uid == caller.uid => {
+                    (format!("uid {uid}"), self.by_uid.get(&uid))
+                }
+                (_, Some(gid)) if gid == caller.gid => {
+                    (format!("group {gid}"), self.by_gid.get(&gid))
+                }
+                _ => continue,
+            };
+            let usage = usage.copied().unwrap_or_default();
+            if let Some(max) = q.max_gpus
+                && usage.units + asked_units > u64::from(max)
+            {
+                return Err(BrokerError::QuotaExceeded(format!(
+                    "quota for {who} allows {max} GPUs at once; {} held, {asked_units} asked",
+                    usage.units
+                )));
+            }
+            if let Some(max) = q.max_memory
+                && usage.memory.saturating_add(asked_memory) > max
+            {
+                return Err(BrokerError::QuotaExceeded(format!(
+                    "quota for {who} allows {} of GPU memory at once; {} held, {} asked",
+                    format_bytes(max),
+                    format_bytes(usage.memory),
+                    format_bytes(asked_memory)
+                )));
+            }
+            if let Some(max) = q.max_reservations
+                && usage.reservations + 1 > u64::from(max)
+            {
+                return Err(BrokerError::QuotaExceeded(format!(
+                    "quota for {who} allows {max} reservations at once; {} held",
+                    usage.reservations
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) fn add_active(&mut self, r: Reservation) {
+        for u in &r.units {
+            if let Some(&i) = self.unit_by_uuid.get(&u.uuid) {
+                let load = &mut self.loads[i];
+                load.reserved_bytes = load.reserved_bytes.saturating_add(u.memory_bytes);
+                load.reservations += 1;
+                load.exclusive |= r.exclusive;
+            }
+        }
+        self.by_uid.entry(r.owner_uid).or_default().add(&r);
+        self.by_gid.entry(r.owner_gid).or_default().add(&r);
+        if let Some(at) = r.expires_at {
+            self.expiries.insert((at, r.id.clone()));
+        }
+        self.published = None;
+        self.active.insert(r.id.clone(), Arc::new(r));
+    }
+
+    /// Writes the end of these reservations, then drops them from memory. Does not try the
+    /// queue: the caller does, once its whole change is made.
+    pub(super) fn end(
+        &mut self,
+        txn: &mut Txn<'_>,
+        ended: &[(String, ReservationState, String)],
+        now: Millis,
+    ) -> Result<Vec<Reservation>, BrokerError> {
+        txn.finish(ended, now)?;
+        let mut out = Vec::new();
+        for (id, state, reason) in ended {
+            let Some(r) = self.active.remove(id) else {
+                continue;
+            };
+            self.published = None;
+            for u in &r.units {
+                if let Some(&i) = self.unit_by_uuid.get(&u.uuid) {
+                    let load = &mut self.loads[i];
+                    load.reserved_bytes = load.reserved_bytes.saturating_sub(u.memory_bytes);
+                    load.reservations = load.reservations.saturating_sub(1);
+                    if r.exclusive {
+                        load.exclusive = false;
+                    }
+                }
+            }
+            if let Some(u) = self.by_uid.get_mut(&r.owner_uid) {
+                u.remove(&r);
+            }
+            if let Some(u) = self.by_gid.get_mut(&r.owner_gid) {
+                u.remove(&r);
+            }
+            if let Some(at) = r.expires_at {
+                self.expiries.remove(&(at, id.clone()));
+            }
+            let mut r = Arc::unwrap_or_clone(r);
+            r.state = *state;
+            r.ended_at = Some(now);
+            r.end_reason = Some(reason.clone());
+            out.push(r);
+        }
+        Ok(out)
+    }
+
+    /// Ends one reservation as released, logs it, and tries the queue.
+    fn release_one(
+        &mut self,
+        txn: &mut Txn<'_>,
+        id: &str,
+        reason: String,
+        now: Millis,
+    ) -> Result<Option<Reservation>, BrokerError> {
+        let ended = self.end(
+            txn,
+            &[(id.to_owned(), ReservationState::Released, reason.clone())],
+            now,
+        )?;
+        tracing::info!(reservation = %id, %reason, "released");
+        self.serve_waiters(txn, now);
+        Ok(ended.into_iter().next())
+    }
+
+    /// Releases `id` on behalf of `caller` (its owner, root or an admin).
+    pub fn release(
+        &mut self,
+        txn: &mut Txn<'_>,
+        caller: &Caller,
+        id: &str,
+        now: Millis,
+    ) -> Result<Reservation, BrokerError> {
+        let r = self.find_active(txn, id)?;
+        self.authorize(caller, &r, "release")?;
+        let reason = if caller.uid == r.owner_uid {
+            "released by its owner".to_owned()
+        } else {
+            format!("released by uid {}", caller.uid)
+        };
+        self.release_one(txn, id, reason, now)?
+            .ok_or_else(|| BrokerError::NotFound(id.to_owned()))
+    }
+
+    /// Ends `id` on gpud's own authority, with `reason` recorded. `None` when it was not
+    /// active.
+    pub fn end_by_gpud(
+        &mut self,
+        txn: &mut Txn<'_>,
+        id: &str,
+        reason: &str,
+        now: Millis,
+    ) -> Result<Option<Reservation>, BrokerError> {
+        if !self.active.contains_key(id) {
+            return Ok(None);
+        }
+        self.release_one(txn, id, reason.to_owned(), now)
+    }
+
+    /// Releases `id` because its holder exited, if that process still holds it: a watch
+    /// may outlive its reservation (a group that was rolled back, an id reused after its
+    /// history was deleted), and must not release a newer one.
+    pub fn holder_exited(
+        &mut self,
+        txn: &mut Txn<'_>,
+        id: &str,
+        holder: &Holder,
+        now: Millis,
+    ) -> Result<(), BrokerError> {
+        let held_by_it = self.active.get(id).is_some_and(|r| {
+            r.holder
+                .as_ref()
+                .is_some_and(|h| h.pid == holder.pid && h.start_time == holder.start_time)
+        });
+        if held_by_it {
+            self.release_one(txn, id, format!("holder process {} exited", holder.pid), now)?;
+        }
+        Ok(())
+    }
+
+    /// Extends the lease of `id` by `ttl_seconds` from `now` (default: its own TTL).
+    pub fn renew(
+        &mut self,
+        txn: &mut Txn<'_>,
+        caller: &Caller,
+        id: &str,
+        ttl_seconds: Option<u64>,
+        now: Millis,
+    ) -> Result<Reservation, BrokerError> {
+        let r = self.find_active(txn, id)?;
+        self.authorize(caller, &r, "renew")?;
+        let ttl = match (ttl_seconds, r.ttl_seconds) {
+            (Some(t), _) => check_ttl(t)?,
+            (None, Some(t)) => t,
+            (None, None) => {
+                return Err(BrokerError::Invalid(format!(
+                    "reservation {id} has no lease to renew (it is held by a process); \
+                     give it one: ttl_seconds, or `gpuctl renew {id} --ttl 1h`"
+                )));
+            }
+        };
+        let expires_at = now.saturating_add(ttl.saturating_mul(1000));
+        txn.renew(id, ttl, expires_at)?;
+        if let Some(old) = r.expires_at {
+            self.expiries.remove(&(old, id.to_owned()));
+        }
+        self.expiries.insert((expires_at, id.to_owned()));
+        let mut renewed = Reservation::clone(&r);
+        renewed.ttl_seconds = Some(ttl);
+        renewed.expires_at = Some(expires_at);
+        self.active.insert(id.to_owned(), Arc::new(renewed.clone()));
+        self.published = None;
+        Ok(renewed)
+    }
+
+    /// Ends every lease that ran out by `now`, and gives up every wait that did. Returns how
+    /// many leases expired.
+    pub fn expire_due(&mut self, txn: &mut Txn<'_>, now: Millis) -> Result<usize, BrokerError> {
+        for w in self.queue.take_timed_out(now) {
+            let error = w.timed_out();
+            let _ = w.reply.send(Err(error));
+        }
+        let due: Vec<(String, ReservationState, String)> = self
+            .expiries
+            .iter()
+            .take_while(|(at, _)| *at <= now)
+            .map(|(_, id)| {
+                let ttl = self
+                    .active
+                    .get(id)
+                    .and_then(|r| r.ttl_seconds)
+                    .unwrap_or(0);
+                (
+                    id.clone(),
+                    ReservationState::Expired,
+                    format!("ttl of {ttl}s expired"),
+                )
+            })
+            .collect();
+        if due.is_empty() {
+            return Ok(0);
+        }
+        self.end(txn, &due, now)?;
+        for (id, _, reason) in &due {
+            tracing::info!(reservation = %id, %reason, "expired");
+        }
+        self.serve_waiters(txn, now);
+        Ok(due.len())
+    }
+
+    /// Withdraws a queued request (its client went away). `false` when it is not queued.
+    pub fn withdraw(&mut self, ticket: u64) -> bool {
+        self.queue.withdraw(ticket)
+    }
+
+    /// Serves queued requests that fit now, oldest first, with backfill until the oldest is
+    /// starved. Waiters whose client went away are dropped. Those served are told once the
+    /// transaction is committed ([`Ledger::take_effects`]).
+    pub(super) fn serve_waiters(&mut self, txn: &mut Txn<'_>, now: Millis) {
+        let starvation = self.settings.config.wait.starvation_after;
+        let mut i = 0;
+        while i < self.queue.waiters.len() {
+            let waiter = &self.queue.waiters[i];
+            if waiter.reply.is_closed() {
+                self.queue.waiters.remove(i);
+                continue;
+            }
+            if i > 0 && self.queue.head_is_starved(now, starvation) {
+                break;
+            }
+            if waiter
+                .holder
+                .as_ref()
+                .is_some_and(PinnedProcess::has_exited)
+            {
+                if let Some(w) = self.queue.waiters.remove(i) {
+                    let pid = w.holder.as_ref().map_or(0, |h| h.holder.pid);
+                    let _ = w.reply.send(Err(BrokerError::Invalid(format!(
+                        "holder process {pid} exited while waiting"
+                    ))));
+                }
+                continue;
+            }
+            let (caller, request) = (waiter.caller, waiter.request.clone());
+            let holder = self.queue.waiters[i].holder.take();
+            match self.try_reserve(txn, &caller, &request, holder.as_ref(), now) {
+                Ok(reservation) => {
+                    let Some(Waiter { reply, .. }) = self.queue.waiters.remove(i) else {
+                        break;
+                    };
+                    self.effects.served.push(Served {
+                        reply,
+                        reservation,
+                        holder,
+                    });
+                }
+                Err(BrokerError::NoCapacity(_)) => {
+                    self.queue.waiters[i].holder = holder;
+                    i += 1;
+                }
+                Err(e) => {
+                    if let Some(w) = self.queue.waiters.remove(i) {
+                        let _ = w.reply.send(Err(e));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Applies an audit pass: health, links, usage (trying the queue when memory that kept
+    /// waiters out was freed), and its events, which are returned with their ids.
+    pub fn apply_audit(
+        &mut self,
+        txn: &mut Txn<'_>,
+        findings: AuditFindings,
+        now: Millis,
+    ) -> Result<Vec<Event>, BrokerError> {
+        let events = if findings.events.is_empty() {
+            Vec::new()
+        } else {
+            txn.insert_events(&findings.events)?
+        };
+        for (gpu_index, healthy) in findings.health {
+            self.set_gpu_health(gpu_index, healthy);
+        }
+        if let Some(topology) = findings.topology {
+            // One of another size (the GPUs cannot change while gpud runs) is ignored.
+            if topology.size() == self.topology.size() {
+                self.topology = Arc::new(topology);
+            }
+        }
+        for (slot, u) in self.used.iter_mut().zip(&findings.used) {
+            *slot = *u;
+        }
+        // When memory nobody reserved shrinks somewhere (a stray process ended, a job over
+        // its reservation exited), the queue is tried again: nothing else would wake a
+        // waiter that only this memory kept out.
+        let mut freed = false;
+        for (load, (bytes, foreign)) in self.loads.iter_mut().zip(&findings.unaccounted) {
+            freed |= *bytes < load.unaccounted_bytes || (load.foreign_processes && !*foreign);
+            load.unaccounted_bytes = *bytes;
+            load.foreign_processes = *foreign;
+        }
+        if freed {
+            self.serve_waiters(txn, now);
+        }
+        Ok(events)
+    }
+
+    /// Marks a physical GPU healthy or not.
+    fn set_gpu_health(&mut self, gpu_index: u32, healthy: bool) {
+        let Some(gpu) = Arc::make_mut(&mut self.gpus)
+            .get_mut(usize::try_from(gpu_index).unwrap_or(usize::MAX))
+        else {
+            return;
+        };
+        gpu.healthy = healthy;
+        for (unit, load) in self.units.iter().zip(self.loads.iter_mut()) {
+            if unit.gpu_index == gpu_index {
+                load.healthy = healthy;
+            }
+        }
+    }
+
+    /// New settings (config reload): they apply from now on, and a larger quota or a new
+    /// policy may let queued requests through.
+    pub fn set_settings(&mut self, txn: &mut Txn<'_>, settings: BrokerSettings, now: Millis) {
+        self.settings = Arc::new(settings);
+        self.serve_waiters(txn, now);
+    }
+
+    /// Refuses new requests and fails every waiter (graceful stop).
+    pub fn shut_down(&mut self) {
+        self.shutting_down = true;
+        self.queue.fail_all(&BrokerError::ShuttingDown);
+    }
+}
+
+/// `ttl` when a lease may be that long (1 s to [`MAX_TTL_SECONDS`]).
+fn check_ttl(ttl: u64) -> Result<u64, BrokerError> {
+    match ttl {
+        0 => Err(BrokerError::Invalid(
+            "a lease (ttl_seconds) must last at least 1 second".to_owned(),
+        )),
+        t if t > MAX_TTL_SECONDS => Err(BrokerError::Invalid(format!(
+            "a lease of {} (ttl_seconds {t}) is longer than ten years; renew a lease \
+             that must last longer, or give holder_pid to hold it as long as a process runs",
+            humantime::format_duration(Duration::from_secs(t))
+        ))),
+        t => Ok(t),
+    }
+}
+
+/// A new reservation id: 16 hex digits, the time in milliseconds then a counter.
+///
+/// Ids sort by creation, so new rows land at the end of the database's indexes: a group
+/// commit of many reservations writes one index page, where random ids wrote one each.
+/// Unique within a run (the counter), and across runs unless the clock goes back and the
+/// counter, which starts at random, meets itself in the same millisecond.
+pub(super) fn new_id(now: Millis) -> String {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static SEQ: OnceLock<std::sync::atomic::AtomicU64> = OnceLock::new();
+    let seq = SEQ
+        .get_or_init(|| AtomicU64::new(uuid::Uuid::new_v4().as_u64_pair().0))
+        .fetch_add(1, Ordering::Relaxed);
+    format!("{:016x}", (now << 20) | (seq & 0xf_ffff))
+}

@@ -1,0 +1,480 @@
+//! The application: reserve, release, renew, expire, the wait queue and quotas, owned by one
+//! thread.
+//!
+//! Depends on `model`, `placement`, `store`, `holder`, `workload_env`, `config`.
+//!
+//! Every change of state is a [`Command`] sent to the broker thread, the only code that
+//! touches the ledger (what is reserved where, and by whom) and the only code that writes
+//! SQLite. The thread takes the commands queued, runs them in one transaction, commits,
+//! publishes an immutable [`Snapshot`], and only then answers: nobody hears of a change
+//! before it is committed, and under load one write of the WAL carries many changes. Reads
+//! (`GET /v1/gpus`, health, metrics, active listings, the audit) load the latest snapshot and
+//! never wait for a commit; the history (ended reservations, events) is read through a
+//! database connection of its own. Leases and waits end at the thread's own next deadline,
+//! not on a poll.
+//!
+//! | file | what |
+//! |---|---|
+//! | `mod.rs` | the facade [`Broker`]: sends commands, loads snapshots, reads history |
+//! | `command.rs` | [`Command`], and [`Pending`], the answer to one |
+//! | `executor.rs` | the thread: queue, group, commit, publish, answer; deadlines; holder watches |
+//! | `ledger.rs` | the rules, with `now` a parameter: placement, quotas, permission, leases |
+//! | `queue.rs` | the wait queue: order, backfill, the starvation guard, give-up times |
+//! | `exact.rs` | the kubelet's exact requests: named units, a pod's containers all or nothing |
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, mpsc};
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use tokio::sync::oneshot;
+
+use crate::clock::Clock;
+use crate::config::Config;
+use crate::holder::PinnedProcess;
+use crate::model::{
+    AuditView, AuditedReservation, Event, EventFilter, Gpu, GpuInventory, Holder, MemoryAsk,
+    Millis, Policy, Reservation, ReservationState, Topology, Unit,
+};
+use crate::placement::UnitLoad;
+use crate::store::{Store, StoreError};
+
+mod command;
+mod exact;
+mod executor;
+mod ledger;
+mod queue;
+
+pub use command::{Command, Pending, WaitTicket};
+pub use exact::{AllocateRequest, ExactRequest};
+pub use ledger::{Ledger, MAX_TTL_SECONDS};
+
+pub use crate::model::Caller;
+
+/// A validated reservation request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReserveRequest {
+    /// Units wanted.
+    pub gpus: u32,
+    /// Memory per unit, or exclusive.
+    pub memory: MemoryAsk,
+    /// Policy (the configured default when the request named none).
+    pub policy: Option<Policy>,
+    /// How long to wait for capacity; `None` fails at once.
+    pub wait: Option<Duration>,
+    /// Lease length.
+    pub ttl_seconds: Option<u64>,
+    /// Process whose exit releases it.
+    pub holder_pid: Option<u32>,
+    /// Labels.
+    pub labels: BTreeMap<String, String>,
+    /// Explicit id (the kubelet integration names its reservations); random otherwise.
+    pub id: Option<String>,
+}
+
+/// A request waiting for capacity, as [`Snapshot::waiters`] lists it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WaitingRequest {
+    /// Who asked.
+    pub caller: Caller,
+    /// Units wanted.
+    pub gpus: u32,
+    /// Memory per unit, or exclusive.
+    pub memory: MemoryAsk,
+    /// When it began to wait.
+    pub since: Millis,
+    /// When it gives up unless served.
+    pub gives_up_at: Millis,
+}
+
+/// Why a broker operation failed. Each variant maps to one HTTP status in `api`.
+/// Cloneable: a failed group commit gives the same error to every call of the group.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum BrokerError {
+    /// The request is malformed or inconsistent.
+    #[error("{0}")]
+    Invalid(String),
+    /// It can never fit on this machine.
+    #[error("{0}")]
+    Unsatisfiable(String),
+    /// Not enough capacity now.
+    #[error("{0}")]
+    NoCapacity(String),
+    /// Waited and capacity did not free up.
+    #[error("{0}")]
+    WaitTimeout(String),
+    /// The caller may not do this.
+    #[error("{0}")]
+    Forbidden(String),
+    /// A quota would be exceeded.
+    #[error("{0}")]
+    QuotaExceeded(String),
+    /// No such reservation.
+    #[error("no reservation with id {0:?}")]
+    NotFound(String),
+    /// The reservation is no longer active.
+    #[error("reservation {id} is {state} ({reason})")]
+    NotActive {
+        /// The id.
+        id: String,
+        /// Its state.
+        state: &'static str,
+        /// Why it ended.
+        reason: String,
+    },
+    /// The database failed.
+    #[error("state could not be written, nothing was changed: {0}")]
+    Storage(#[source] Arc<StoreError>),
+    /// gpud is stopping.
+    #[error("gpud is shutting down; try again when it is back")]
+    ShuttingDown,
+    /// A bug: a command panicked, or the broker thread is gone.
+    #[error("internal error: {0}")]
+    Internal(&'static str),
+}
+
+impl From<StoreError> for BrokerError {
+    fn from(e: StoreError) -> BrokerError {
+        BrokerError::Storage(Arc::new(e))
+    }
+}
+
+impl From<crate::holder::PinError> for BrokerError {
+    fn from(e: crate::holder::PinError) -> BrokerError {
+        match e {
+            crate::holder::PinError::Invalid(m) => BrokerError::Invalid(m),
+            crate::holder::PinError::Forbidden(m) => BrokerError::Forbidden(m),
+        }
+    }
+}
+
+/// What `reserve` did: placed at once, or queued the request.
+#[derive(Debug)]
+pub enum ReserveOutcome {
+    /// Placed and committed.
+    Reserved(Reservation),
+    /// Queued; await the ticket.
+    Queued(WaitTicket),
+}
+
+/// Operational settings the broker needs from the config.
+#[derive(Debug, Clone)]
+pub struct BrokerSettings {
+    /// Gids whose members are admins.
+    pub admin_gids: Vec<u32>,
+    /// The config (quotas, wait, env, placement defaults).
+    pub config: Config,
+}
+
+/// What one audit pass found, applied as one command ([`Broker::apply_audit`]).
+#[derive(Debug, Clone, Default)]
+pub struct AuditFindings {
+    /// Physical GPUs whose health changed, by index.
+    pub health: Vec<(u32, bool)>,
+    /// The link matrix read again (after a GPU came back).
+    pub topology: Option<Topology>,
+    /// Memory used per unit, as measured (all processes); empty: not measured.
+    pub used: Vec<u64>,
+    /// Per unit: memory no reservation accounts for, and whether a process outside every
+    /// reservation runs there.
+    pub unaccounted: Vec<(u64, bool)>,
+    /// Events to record.
+    pub events: Vec<Event>,
+}
+
+/// The state as of the last commit: immutable, shared by every reader until the next.
+#[derive(Debug, Clone)]
+pub struct Snapshot {
+    /// GPUs with current health.
+    pub gpus: Arc<Vec<Gpu>>,
+    /// The NVIDIA driver's version, as NVML reported it at start.
+    pub driver_version: Option<String>,
+    /// Link matrix.
+    pub topology: Arc<Topology>,
+    /// Allocatable units.
+    pub units: Arc<Vec<Unit>>,
+    /// Load per unit.
+    pub loads: Vec<UnitLoad>,
+    /// Measured memory use per unit.
+    pub used: Vec<u64>,
+    /// Active reservations, oldest first.
+    pub reservations: Arc<Vec<Arc<Reservation>>>,
+    /// Queued requests, in the order they are tried.
+    pub waiters: Arc<Vec<WaitingRequest>>,
+    /// The settings in force.
+    pub settings: Arc<BrokerSettings>,
+    /// Group commits so far (one COMMIT for the commands queued together).
+    pub groups_committed: u64,
+    /// Commands carried by those group commits.
+    pub grouped_calls: u64,
+}
+
+impl Snapshot {
+    /// Active reservations.
+    pub fn active(&self) -> usize {
+        self.reservations.len()
+    }
+
+    /// Queued requests.
+    pub fn waiting(&self) -> usize {
+        self.waiters.len()
+    }
+
+    /// The active reservation `id`, if it is one.
+    pub fn reservation(&self, id: &str) -> Option<&Reservation> {
+        self.reservations
+            .iter()
+            .find(|r| r.id == id)
+            .map(AsRef::as_ref)
+    }
+
+    /// What the audit needs: GPUs with health, units, and every active reservation's holder
+    /// and holdings.
+    pub fn audit_view(&self) -> AuditView {
+        AuditView {
+            gpus: self.gpus.to_vec(),
+            units: self.units.to_vec(),
+            reservations: self
+                .reservations
+                .iter()
+                .map(|r| AuditedReservation::of(r))
+                .collect(),
+        }
+    }
+}
+
+/// The broker: the handle every other module holds. Share it as `Arc<Broker>`; dropping the
+/// last one stops the broker thread.
+#[derive(Debug)]
+pub struct Broker {
+    commands: mpsc::Sender<Command>,
+    published: Arc<ArcSwap<Snapshot>>,
+    /// A connection of its own for reading the history; `None` for an in-memory database,
+    /// whose history the broker thread reads ([`Command::Read`]).
+    reader: Option<Arc<Mutex<Store>>>,
+}
+
+impl Drop for Broker {
+    fn drop(&mut self) {
+        let _ = self.commands.send(Command::Stop);
+    }
+}
+
+impl Broker {
+    /// Loads the database, reaps what died while gpud was down (holders gone, leases run
+    /// out, GPUs no longer present), and starts the broker thread. Holders are watched on the
+    /// tokio runtime this is called from; without one (unit tests) nobody watches them.
+    pub fn start(
+        store: Store,
+        inventory: &GpuInventory,
+        settings: BrokerSettings,
+    ) -> Result<Arc<Broker>, BrokerError> {
+        Broker::start_with_clock(store, inventory, settings, crate::clock::wall())
+    }
+
+    /// [`Broker::start`] with the time read from `clock`: tests move it by hand.
+    pub fn start_with_clock(
+        mut store: Store,
+        inventory: &GpuInventory,
+        settings: BrokerSettings,
+        clock: Clock,
+    ) -> Result<Arc<Broker>, BrokerError> {
+        let now = clock();
+        let reader = store.reader()?.map(|r| Arc::new(Mutex::new(r)));
+        let mut txn = store.transaction()?;
+        let ledger = Ledger::open(&mut txn, inventory, settings, now)?;
+        txn.commit()?;
+        let (commands, queue) = mpsc::channel();
+        let published = executor::start(store, ledger, queue, commands.clone(), clock)?;
+        Ok(Arc::new(Broker {
+            commands,
+            published,
+            reader,
+        }))
+    }
+
+    /// Sends the command `make` builds around its reply channel.
+    fn send<T>(&self, make: impl FnOnce(command::Reply<T>) -> Command) -> Pending<T> {
+        let (reply, rx) = oneshot::channel();
+        // A closed queue drops the command and its reply: the answer is "stopped".
+        let _ = self.commands.send(make(reply));
+        Pending::new(rx)
+    }
+
+    /// The state as of the last commit. Never waits.
+    pub fn snapshot(&self) -> Arc<Snapshot> {
+        self.published.load_full()
+    }
+
+    /// The settings in force.
+    pub fn settings(&self) -> Arc<BrokerSettings> {
+        self.published.load().settings.clone()
+    }
+
+    /// Reserves, or queues the request when it asks to wait and nothing fits now. `holder`
+    /// is the request's `holder_pid`, pinned by the caller ([`crate::holder::pin_holder`])
+    /// before the command reaches the broker thread, so that reading `/proc` (a scan of it,
+    /// for a caller in another PID namespace) never holds up a group commit.
+    pub fn reserve(
+        &self,
+        caller: Caller,
+        request: ReserveRequest,
+        holder: Option<PinnedProcess>,
+    ) -> Pending<ReserveOutcome> {
+        self.send(|reply| Command::Reserve {
+            caller,
+            request,
+            holder,
+            reply,
+        })
+    }
+
+    /// Releases `id` on behalf of `caller` (its owner, root or an admin).
+    pub fn release(&self, caller: Caller, id: String) -> Pending<Reservation> {
+        self.send(|reply| Command::Release { caller, id, reply })
+    }
+
+    /// Extends the lease of `id` by `ttl_seconds` from now (default: its own TTL).
+    pub fn renew(
+        &self,
+        caller: Caller,
+        id: String,
+        ttl_seconds: Option<u64>,
+    ) -> Pending<Reservation> {
+        self.send(|reply| Command::Renew {
+            caller,
+            id,
+            ttl_seconds,
+            reply,
+        })
+    }
+
+    /// Releases `id` because `holder` exited, if that process still holds it.
+    pub fn holder_exited(&self, id: String, holder: Holder) -> Pending<()> {
+        self.send(|reply| Command::HolderExited { id, holder, reply })
+    }
+
+    /// Ends `id` on gpud's own authority (the kubelet integration: its pod is gone), with
+    /// `reason` recorded. `None` when it was not active.
+    pub fn end(&self, id: String, reason: String) -> Pending<Option<Reservation>> {
+        self.send(|reply| Command::End {
+            id,
+            reason,
+            reply: Some(reply),
+        })
+    }
+
+    /// Reserves the units the kubelet chose for a pod's containers, all or nothing.
+    pub fn allocate(&self, caller: Caller, request: AllocateRequest) -> Pending<Vec<Reservation>> {
+        self.send(|reply| Command::Allocate {
+            caller,
+            request,
+            reply,
+        })
+    }
+
+    /// Applies what an audit pass found; returns the events with their ids.
+    pub fn apply_audit(&self, findings: AuditFindings) -> Pending<Vec<Event>> {
+        self.send(|reply| Command::Audit { findings, reply })
+    }
+
+    /// Replaces the settings (config reload) and tries the queue again.
+    pub fn reload(&self, settings: BrokerSettings) -> Pending<()> {
+        self.send(|reply| Command::Reload {
+            settings: Box::new(settings),
+            reply,
+        })
+    }
+
+    /// Deletes up to `limit` reservations that ended before `before` (never an active one)
+    /// and up to `limit` events recorded before it. Returns how many of each.
+    pub fn prune_history(&self, before: Millis, limit: u32) -> Pending<(usize, usize)> {
+        self.send(|reply| Command::PruneHistory {
+            before,
+            limit,
+            reply,
+        })
+    }
+
+    /// Refuses new requests and fails every waiter (graceful stop).
+    pub fn shut_down(&self) -> Pending<()> {
+        self.send(|reply| Command::ShutDown { reply })
+    }
+
+    /// Answers once the broker thread has run a group: it is alive and not wedged.
+    pub fn ping(&self) -> Pending<()> {
+        self.send(|reply| Command::Ping { reply })
+    }
+
+    /// Runs `f` on the history: on the reader connection, or, for an in-memory database,
+    /// on the broker thread. Blocks: call it from a blocking thread.
+    pub fn read_history<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&Store) -> Result<T, StoreError> + Send + 'static,
+    ) -> Result<T, BrokerError> {
+        match &self.reader {
+            Some(reader) => {
+                let store = reader
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                Ok(f(&store)?)
+            }
+            None => self
+                .send(|reply| {
+                    Command::Read(Box::new(move |store| {
+                        let _ = reply.send(f(store).map_err(BrokerError::from));
+                    }))
+                })
+                .wait(),
+        }
+    }
+
+    /// [`Broker::read_history`] from async code: on the blocking pool.
+    pub async fn history<T: Send + 'static>(
+        self: &Arc<Self>,
+        f: impl FnOnce(&Store) -> Result<T, StoreError> + Send + 'static,
+    ) -> Result<T, BrokerError> {
+        let broker = self.clone();
+        tokio::task::spawn_blocking(move || broker.read_history(f))
+            .await
+            .map_err(|_| BrokerError::Internal("a history read panicked"))?
+    }
+
+    /// One reservation, active (from the snapshot) or not (from the history).
+    pub async fn get(self: &Arc<Self>, id: String) -> Result<Reservation, BrokerError> {
+        if let Some(r) = self.snapshot().reservation(&id) {
+            return Ok(r.clone());
+        }
+        let wanted = id.clone();
+        self.history(move |store| store.get(&wanted))
+            .await?
+            .ok_or(BrokerError::NotFound(id))
+    }
+
+    /// Reservations in `state` (`None`: all states), optionally of one owner, oldest first.
+    /// Active ones come from the snapshot; the others from the history (the newest 1000).
+    pub async fn list(
+        self: &Arc<Self>,
+        state: Option<ReservationState>,
+        owner: Option<u32>,
+    ) -> Result<Vec<Reservation>, BrokerError> {
+        if state == Some(ReservationState::Active) {
+            return Ok(self
+                .snapshot()
+                .reservations
+                .iter()
+                .filter(|r| owner.is_none_or(|o| r.owner_uid == o))
+                .map(|r| Reservation::clone(r))
+                .collect());
+        }
+        self.history(move |store| store.list(state, owner)).await
+    }
+
+    /// Stored events matching `filter`.
+    pub async fn events(self: &Arc<Self>, filter: EventFilter) -> Result<Vec<Event>, BrokerError> {
+        self.history(move |store| store.events(&filter)).await
+    }
+}
+
+#[cfg(test)]
+mod tests;

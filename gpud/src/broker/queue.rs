@@ -1,0 +1,158 @@
+//! The wait queue: requests that asked to wait, oldest first, each with the time it gives up.
+//!
+//! Order and the starvation guard live here; trying the queue against free capacity is the
+//! ledger's ([`super::Ledger`]), which owns the capacity.
+
+use std::collections::VecDeque;
+use std::time::Duration;
+
+use tokio::sync::oneshot;
+
+use super::{BrokerError, Caller, ReserveRequest, WaitingRequest};
+use crate::holder::PinnedProcess;
+use crate::model::{Millis, Reservation};
+
+/// A request waiting for capacity.
+pub(super) struct Waiter {
+    pub ticket: u64,
+    pub caller: Caller,
+    pub request: ReserveRequest,
+    pub holder: Option<PinnedProcess>,
+    pub since: Millis,
+    pub gives_up_at: Millis,
+    /// Why it did not fit when it came, for the time-out's message.
+    pub why: String,
+    pub reply: oneshot::Sender<Result<Reservation, BrokerError>>,
+}
+
+impl std::fmt::Debug for Waiter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Waiter")
+            .field("ticket", &self.ticket)
+            .field("since", &self.since)
+            .field("gives_up_at", &self.gives_up_at)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Waiter {
+    /// What the waiter's client is told when it gives up.
+    pub fn timed_out(&self) -> BrokerError {
+        let waited = Duration::from_millis(self.gives_up_at.saturating_sub(self.since));
+        BrokerError::WaitTimeout(format!(
+            "waited {} and nothing freed up: {}",
+            humantime::format_duration(waited),
+            self.why
+        ))
+    }
+}
+
+/// The queue, oldest first.
+#[derive(Debug, Default)]
+pub(super) struct WaitQueue {
+    pub waiters: VecDeque<Waiter>,
+    next_ticket: u64,
+}
+
+/// Milliseconds in `d`, saturating.
+pub(super) fn millis(d: Duration) -> Millis {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+impl WaitQueue {
+    /// Queues a request at `now` for `wait`; returns its ticket and where its answer comes.
+    pub fn push(
+        &mut self,
+        caller: Caller,
+        request: ReserveRequest,
+        holder: Option<PinnedProcess>,
+        now: Millis,
+        why: String,
+    ) -> (u64, oneshot::Receiver<Result<Reservation, BrokerError>>) {
+        let (reply, rx) = oneshot::channel();
+        self.next_ticket += 1;
+        let ticket = self.next_ticket;
+        let wait = request.wait.unwrap_or_default();
+        self.waiters.push_back(Waiter {
+            ticket,
+            caller,
+            holder,
+            since: now,
+            gives_up_at: now.saturating_add(millis(wait)),
+            why,
+            request,
+            reply,
+        });
+        (ticket, rx)
+    }
+
+    /// Withdraws `ticket`; `false` when it is no longer queued.
+    pub fn withdraw(&mut self, ticket: u64) -> bool {
+        match self.waiters.iter().position(|w| w.ticket == ticket) {
+            Some(i) => {
+                self.waiters.remove(i);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Whether the oldest request has waited `starvation` or more: then nothing may go
+    /// ahead of it.
+    pub fn head_is_starved(&self, now: Millis, starvation: Duration) -> bool {
+        self.waiters
+            .front()
+            .is_some_and(|w| now.saturating_sub(w.since) >= millis(starvation))
+    }
+
+    /// Whether a queued request chose `id`.
+    pub fn asked_for(&self, id: &str) -> bool {
+        self.waiters
+            .iter()
+            .any(|w| w.request.id.as_deref() == Some(id))
+    }
+
+    /// When the next request gives up.
+    pub fn next_give_up(&self) -> Option<Millis> {
+        self.waiters.iter().map(|w| w.gives_up_at).min()
+    }
+
+    /// Takes out every request that gives up by `now`.
+    pub fn take_timed_out(&mut self, now: Millis) -> Vec<Waiter> {
+        let mut out = Vec::new();
+        let mut i = 0;
+        while i < self.waiters.len() {
+            if self.waiters[i].gives_up_at <= now
+                && let Some(w) = self.waiters.remove(i)
+            {
+                out.push(w);
+                continue;
+            }
+            i += 1;
+        }
+        out
+    }
+
+    /// Fails every request with `error`.
+    pub fn fail_all(&mut self, error: &BrokerError) {
+        for w in self.waiters.drain(..) {
+            let _ = w.reply.send(Err(error.clone()));
+        }
+    }
+
+    /// The requests waiting, in the order they are tried (`GET /v1/waiters`).
+    pub fn listing(&self) -> Vec<WaitingRequest> {
+        self.waiters
+            .iter()
+            // A client that went away is dropped at the next try; it waits for nothing.
+            .filter(|w| !w.reply.is_closed())
+            .map(|w| WaitingRequest {
+                caller: w.caller,
+                gpus: w.request.gpus,
+                memory: w.request.memory,
+                since: w.since,
+                gives_up_at: w.gives_up_at,
+            })
+            .collect()
+    }
+}
