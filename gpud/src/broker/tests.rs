@@ -1,1 +1,686 @@
-//! placeholder
+//! The broker's rules, driven directly with an explicit `now` (no thread, no clock, no root),
+//! and the broker thread's promises: one transaction per group, nobody told before the
+//! commit, reads that never wait for it, deadlines of its own.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, mpsc};
+use std::time::Duration;
+
+use super::ledger::{Admitted, Ledger};
+use super::*;
+use crate::config::Quota;
+use crate::model::Holder;
+
+const GIB: u64 = 1 << 30;
+const ROOT: Caller = Caller {
+    uid: 0,
+    gid: 0,
+    pid: None,
+};
+const ALICE: Caller = Caller {
+    uid: 1000,
+    gid: 100,
+    pid: None,
+};
+const BOB: Caller = Caller {
+    uid: 1001,
+    gid: 100,
+    pid: None,
+};
+const CAROL: Caller = Caller {
+    uid: 1002,
+    gid: 200,
+    pid: None,
+};
+
+/// A lease of `memory` on one GPU for `ttl` seconds.
+fn lease(memory: MemoryAsk, ttl: u64) -> ReserveRequest {
+    ReserveRequest {
+        gpus: 1,
+        memory,
+        policy: None,
+        wait: None,
+        ttl_seconds: Some(ttl),
+        holder_pid: None,
+        labels: BTreeMap::new(),
+        id: None,
+    }
+}
+
+fn gib(n: u64) -> MemoryAsk {
+    MemoryAsk::Bytes(n * GIB)
+}
+
+/// The same, waiting up to `wait` for capacity.
+fn waiting(memory: MemoryAsk, ttl: u64, wait: Duration) -> ReserveRequest {
+    ReserveRequest {
+        wait: Some(wait),
+        ..lease(memory, ttl)
+    }
+}
+
+/// A ledger on `gpus` 16 GiB GPUs and an in-memory database, driven without a thread.
+struct Rules {
+    store: Store,
+    ledger: Ledger,
+}
+
+impl Rules {
+    fn new(gpus: u32, config: Config, admin_gids: Vec<u32>) -> Rules {
+        let mut store = Store::open_in_memory().unwrap();
+        let inventory = GpuInventory::test_machine(gpus, 16);
+        let settings = BrokerSettings { admin_gids, config };
+        let mut txn = store.transaction().unwrap();
+        let ledger = Ledger::open(&mut txn, &inventory, settings, 0).unwrap();
+        txn.commit().unwrap();
+        Rules { store, ledger }
+    }
+
+    fn plain(gpus: u32) -> Rules {
+        Rules::new(gpus, Config::default(), vec![])
+    }
+
+    /// Runs `f` in one committed transaction.
+    fn run<T>(&mut self, f: impl FnOnce(&mut Ledger, &mut crate::store::Txn<'_>) -> T) -> T {
+        let mut txn = self.store.transaction().unwrap();
+        let out = f(&mut self.ledger, &mut txn);
+        txn.commit().unwrap();
+        out
+    }
+
+    fn reserve(
+        &mut self,
+        caller: Caller,
+        request: ReserveRequest,
+        now: Millis,
+    ) -> Result<Admitted, BrokerError> {
+        self.run(|l, t| l.reserve(t, caller, request, None, now))
+    }
+
+    /// Reserves, and fails the test unless it was placed at once.
+    fn reserved(&mut self, caller: Caller, request: ReserveRequest, now: Millis) -> Reservation {
+        match self.reserve(caller, request, now) {
+            Ok(Admitted::Reserved(r)) => r,
+            other => panic!("not reserved: {other:?}"),
+        }
+    }
+
+    fn release(
+        &mut self,
+        caller: Caller,
+        id: &str,
+        now: Millis,
+    ) -> Result<Reservation, BrokerError> {
+        self.run(|l, t| l.release(t, &caller, id, now))
+    }
+
+    fn active_ids(&mut self) -> Vec<String> {
+        self.ledger
+            .snapshot((0, 0))
+            .reservations
+            .iter()
+            .map(|r| r.id.clone())
+            .collect()
+    }
+
+    /// The served waiters' reservations, told as the broker thread tells them after a commit.
+    fn tell_served(&mut self) -> usize {
+        let served = self.ledger.take_effects().served;
+        let n = served.len();
+        for s in served {
+            s.reply.send(Ok(s.reservation)).unwrap();
+        }
+        n
+    }
+}
+
+fn quota(q: Quota) -> Config {
+    Config {
+        quotas: vec![q],
+        ..Config::default()
+    }
+}
+
+const NO_QUOTA: Quota = Quota {
+    uid: None,
+    gid: None,
+    max_gpus: None,
+    max_memory: None,
+    max_reservations: None,
+};
+
+#[test]
+fn a_uid_quota_counts_gpus_memory_and_reservations_and_frees_on_release() {
+    let config = quota(Quota {
+        uid: Some(ALICE.uid),
+        max_gpus: Some(2),
+        max_memory: Some(10 * GIB),
+        ..NO_QUOTA
+    });
+    let mut rules = Rules::new(4, config, vec![]);
+    let first = rules.reserved(ALICE, lease(gib(6), 60), 0);
+    let e = rules.reserve(ALICE, lease(gib(6), 60), 0).unwrap_err();
+    assert!(matches!(e, BrokerError::QuotaExceeded(_)), "{e}");
+    assert!(e.to_string().contains("10 GiB of GPU memory"), "{e}");
+    rules.reserved(ALICE, lease(gib(4), 60), 0);
+    let e = rules.reserve(ALICE, lease(gib(1), 60), 0).unwrap_err();
+    assert!(
+        e.to_string().contains("allows 2 GPUs at once; 2 held"),
+        "{e}"
+    );
+    // Another user is not counted against it.
+    rules.reserved(BOB, lease(gib(12), 60), 0);
+    // A release gives the quota back.
+    rules.release(ALICE, &first.id, 1).unwrap();
+    rules.reserved(ALICE, lease(gib(6), 60), 2);
+}
+
+#[test]
+fn a_group_quota_sums_its_members_and_spares_other_groups() {
+    let config = quota(Quota {
+        gid: Some(100),
+        max_reservations: Some(2),
+        ..NO_QUOTA
+    });
+    let mut rules = Rules::new(2, config, vec![]);
+    rules.reserved(ALICE, lease(gib(1), 60), 0);
+    rules.reserved(BOB, lease(gib(1), 60), 0);
+    let e = rules.reserve(ALICE, lease(gib(1), 60), 0).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("group 100 allows 2 reservations at once; 2 held"),
+        "{e}"
+    );
+    rules.reserved(CAROL, lease(gib(1), 60), 0);
+}
+
+#[test]
+fn only_the_owner_root_or_an_admin_may_release_or_renew() {
+    let mut rules = Rules::new(1, Config::default(), vec![300]);
+    let r = rules.reserved(ALICE, lease(gib(1), 60), 0);
+    let e = rules.release(BOB, &r.id, 1).unwrap_err();
+    assert!(matches!(e, BrokerError::Forbidden(_)), "{e}");
+    let e = rules
+        .run(|l, t| l.renew(t, &BOB, &r.id, None, 1))
+        .unwrap_err();
+    assert!(matches!(e, BrokerError::Forbidden(_)), "{e}");
+    let admin = Caller { gid: 300, ..CAROL };
+    rules
+        .run(|l, t| l.renew(t, &admin, &r.id, None, 1))
+        .unwrap();
+    let ended = rules.release(ROOT, &r.id, 2).unwrap();
+    assert_eq!(ended.end_reason.as_deref(), Some("released by uid 0"));
+    // Its owner releases the next one, and the reason says so.
+    let mine = rules.reserved(ALICE, lease(gib(1), 60), 3);
+    let ended = rules.release(ALICE, &mine.id, 4).unwrap();
+    assert_eq!(ended.end_reason.as_deref(), Some("released by its owner"));
+    let e = rules.release(ALICE, &mine.id, 5).unwrap_err();
+    assert!(matches!(e, BrokerError::NotActive { .. }), "{e}");
+    let e = rules.release(ALICE, "0000000000000000", 5).unwrap_err();
+    assert!(matches!(e, BrokerError::NotFound(_)), "{e}");
+}
+
+#[test]
+fn a_lease_ends_exactly_at_its_deadline_and_a_renewal_moves_it() {
+    let mut rules = Rules::plain(1);
+    let r = rules.reserved(ALICE, lease(gib(1), 60), 1_000);
+    assert_eq!(rules.ledger.next_deadline(), Some(61_000));
+    assert_eq!(rules.run(|l, t| l.expire_due(t, 60_999)).unwrap(), 0);
+    // Renewed at 30 s for 120 s: it now ends at 150 s.
+    let renewed = rules
+        .run(|l, t| l.renew(t, &ALICE, &r.id, Some(120), 30_000))
+        .unwrap();
+    assert_eq!(renewed.expires_at, Some(150_000));
+    assert_eq!(rules.ledger.next_deadline(), Some(150_000));
+    assert_eq!(rules.run(|l, t| l.expire_due(t, 149_999)).unwrap(), 0);
+    // A renewal without a length uses the reservation's own (now 120 s).
+    let again = rules
+        .run(|l, t| l.renew(t, &ALICE, &r.id, None, 100_000))
+        .unwrap();
+    assert_eq!(again.expires_at, Some(220_000));
+    assert_eq!(rules.run(|l, t| l.expire_due(t, 220_000)).unwrap(), 1);
+    assert!(rules.active_ids().is_empty());
+    assert_eq!(rules.ledger.next_deadline(), None);
+    let stored = rules.store.get(&r.id).unwrap().unwrap();
+    assert_eq!(stored.state, ReservationState::Expired);
+    assert_eq!(stored.ended_at, Some(220_000));
+}
+
+#[test]
+fn renewing_a_reservation_held_by_a_process_asks_for_a_lease() {
+    let mut rules = Rules::plain(1);
+    // The kubelet's reservations have neither; a lease-less one stands for them here.
+    let made = rules.run(|l, t| {
+        l.allocate(
+            t,
+            ROOT,
+            AllocateRequest {
+                end: vec![],
+                containers: vec![ExactRequest {
+                    ids: vec!["k8s-x".to_owned()],
+                    units: vec![("GPU-0".to_owned(), GIB)],
+                    exclusive: false,
+                    labels: BTreeMap::new(),
+                }],
+            },
+            0,
+        )
+    });
+    assert_eq!(made.unwrap().len(), 1);
+    let e = rules
+        .run(|l, t| l.renew(t, &ROOT, "k8s-x", None, 1))
+        .unwrap_err();
+    assert!(e.to_string().contains("no lease to renew"), "{e}");
+    let e = rules
+        .run(|l, t| l.renew(t, &ROOT, "k8s-x", Some(0), 1))
+        .unwrap_err();
+    assert!(e.to_string().contains("at least 1 second"), "{e}");
+    let e = rules
+        .run(|l, t| l.renew(t, &ROOT, "k8s-x", Some(MAX_TTL_SECONDS + 1), 1))
+        .unwrap_err();
+    assert!(e.to_string().contains("longer than ten years"), "{e}");
+}
+
+#[test]
+fn a_request_needs_a_lifetime_and_a_wait_this_gpud_allows() {
+    let mut rules = Rules::plain(1);
+    let e = rules
+        .reserve(
+            ALICE,
+            ReserveRequest {
+                ttl_seconds: None,
+                ..lease(gib(1), 1)
+            },
+            0,
+        )
+        .unwrap_err();
+    assert!(e.to_string().contains("needs a lifetime"), "{e}");
+    let e = rules
+        .reserve(
+            ALICE,
+            waiting(gib(1), 60, Duration::from_secs(25 * 3600)),
+            0,
+        )
+        .unwrap_err();
+    assert!(
+        e.to_string().contains("longer than this gpud allows"),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_waiter_is_served_when_capacity_frees_and_gives_up_at_its_deadline() {
+    let mut rules = Rules::plain(1);
+    let big = rules.reserved(ALICE, lease(gib(12), 600), 0);
+    let Admitted::Queued { mut rx, .. } = rules
+        .reserve(BOB, waiting(gib(8), 60, Duration::from_secs(30)), 1_000)
+        .unwrap()
+    else {
+        panic!("8 GiB does not fit beside 12: it waits");
+    };
+    let Admitted::Queued { rx: mut late, .. } = rules
+        .reserve(CAROL, waiting(gib(8), 60, Duration::from_secs(5)), 2_000)
+        .unwrap()
+    else {
+        panic!("it waits too");
+    };
+    // The earliest give-up is the next deadline, before any lease.
+    assert_eq!(rules.ledger.next_deadline(), Some(7_000));
+    assert_eq!(rules.run(|l, t| l.expire_due(t, 7_000)).unwrap(), 0);
+    let e = late.try_recv().unwrap().unwrap_err();
+    assert!(matches!(e, BrokerError::WaitTimeout(_)), "{e}");
+    assert!(
+        e.to_string()
+            .starts_with("waited 5s and nothing freed up: "),
+        "{e}"
+    );
+    assert_eq!(rules.ledger.next_deadline(), Some(31_000));
+    // The release serves the first waiter, who is told only after the commit.
+    rules.release(ALICE, &big.id, 8_000).unwrap();
+    assert!(rx.try_recv().is_err(), "not told before the commit");
+    assert_eq!(rules.tell_served(), 1);
+    let served = rx.try_recv().unwrap().unwrap();
+    assert_eq!(served.owner_uid, BOB.uid);
+    assert_eq!(served.created_at, 8_000);
+    assert_eq!(rules.active_ids(), [served.id]);
+}
+
+#[test]
+fn backfill_goes_ahead_until_the_head_has_waited_past_the_starvation_guard() {
+    let config = Config {
+        wait: crate::config::WaitConfig {
+            starvation_after: Duration::from_secs(60),
+            ..Default::default()
+        },
+        ..Config::default()
+    };
+    let mut rules = Rules::new(2, config, vec![]);
+    let held = rules.reserved(ALICE, lease(gib(8), 600), 0);
+    // The head wants both GPUs whole: it waits.
+    let whole = ReserveRequest {
+        gpus: 2,
+        ..waiting(MemoryAsk::Exclusive, 600, Duration::from_secs(3600))
+    };
+    let Admitted::Queued { rx: mut head, .. } = rules.reserve(BOB, whole, 1_000).unwrap() else {
+        panic!("two whole GPUs are not free: it waits");
+    };
+    // Before the guard, a request that fits now goes ahead.
+    let backfilled = rules.reserved(CAROL, lease(gib(4), 600), 60_999);
+    // From then on nothing goes ahead of it, though 4 GiB would fit.
+    let e = rules
+        .reserve(CAROL, lease(gib(4), 600), 61_000)
+        .unwrap_err();
+    assert!(e.to_string().contains("capacity is being held"), "{e}");
+    // A waiter behind it is not served either when memory frees.
+    let Admitted::Queued { rx: mut behind, .. } = rules
+        .reserve(
+            CAROL,
+            waiting(gib(2), 600, Duration::from_secs(3600)),
+            62_000,
+        )
+        .unwrap()
+    else {
+        panic!("queued behind the starved head");
+    };
+    rules.release(CAROL, &backfilled.id, 63_000).unwrap();
+    assert_eq!(rules.tell_served(), 0);
+    assert!(behind.try_recv().is_err());
+    // Once both GPUs are free the head is served, then the one behind it.
+    rules.release(ALICE, &held.id, 64_000).unwrap();
+    assert_eq!(rules.tell_served(), 1);
+    let r = head.try_recv().unwrap().unwrap();
+    assert_eq!((r.units.len(), r.exclusive), (2, true));
+    assert!(behind.try_recv().is_err(), "nothing is left for it");
+}
+
+#[test]
+fn a_chosen_id_must_be_new_even_against_a_waiter() {
+    let mut rules = Rules::plain(1);
+    rules.reserved(ALICE, lease(gib(16), 600), 0);
+    let named = |id: &str| ReserveRequest {
+        id: Some(id.to_owned()),
+        ..waiting(gib(16), 60, Duration::from_secs(60))
+    };
+    assert!(matches!(
+        rules.reserve(BOB, named("job-1"), 1).unwrap(),
+        Admitted::Queued { .. }
+    ));
+    let e = rules.reserve(CAROL, named("job-1"), 2).unwrap_err();
+    assert!(e.to_string().contains("already taken"), "{e}");
+}
+
+#[test]
+fn the_exit_of_another_process_does_not_release_a_reservation() {
+    let mut rules = Rules::plain(1);
+    let r = rules.reserved(ALICE, lease(gib(1), 600), 0);
+    let stranger = Holder {
+        pid: 4242,
+        start_time: 7,
+        boot_id: String::new(),
+    };
+    rules
+        .run(|l, t| l.holder_exited(t, &r.id, &stranger, 1))
+        .unwrap();
+    assert_eq!(rules.active_ids(), [r.id]);
+}
+
+#[test]
+fn an_allocate_that_fails_for_one_container_changes_nothing() {
+    let mut rules = Rules::plain(1);
+    let old = rules.reserved(ALICE, lease(gib(4), 600), 0);
+    let container = |id: &str, gib: u64| ExactRequest {
+        ids: vec![id.to_owned()],
+        units: vec![("GPU-0".to_owned(), gib * GIB)],
+        exclusive: false,
+        labels: BTreeMap::new(),
+    };
+    let request = AllocateRequest {
+        end: vec![(old.id.clone(), "pod gone".to_owned())],
+        containers: vec![container("k8s-a", 10), container("k8s-b", 10)],
+    };
+    let e = rules
+        .run(|l, t| l.allocate(t, ROOT, request, 1))
+        .unwrap_err();
+    assert!(matches!(e, BrokerError::NoCapacity(_)), "{e}");
+    assert_eq!(
+        rules.active_ids(),
+        std::slice::from_ref(&old.id),
+        "the old one is kept"
+    );
+    assert!(rules.store.get("k8s-a").unwrap().is_none());
+    // All of it at once when it fits.
+    let request = AllocateRequest {
+        end: vec![(old.id.clone(), "pod gone".to_owned())],
+        containers: vec![container("k8s-a", 10), container("k8s-b", 6)],
+    };
+    let made = rules.run(|l, t| l.allocate(t, ROOT, request, 2)).unwrap();
+    assert_eq!(made.len(), 2);
+    assert_eq!(rules.active_ids(), ["k8s-a", "k8s-b"]);
+    let ended = rules.store.get(&old.id).unwrap().unwrap();
+    assert_eq!(ended.end_reason.as_deref(), Some("pod gone"));
+}
+
+#[test]
+fn an_audit_that_frees_unaccounted_memory_serves_the_queue() {
+    let mut rules = Rules::plain(1);
+    let stray = AuditFindings {
+        unaccounted: vec![(10 * GIB, true)],
+        ..AuditFindings::default()
+    };
+    rules.run(|l, t| l.apply_audit(t, stray, 0)).unwrap();
+    let Admitted::Queued { mut rx, .. } = rules
+        .reserve(BOB, waiting(gib(8), 60, Duration::from_secs(60)), 1)
+        .unwrap()
+    else {
+        panic!("10 GiB used by a stray process leaves 6: it waits");
+    };
+    let gone = AuditFindings {
+        unaccounted: vec![(0, false)],
+        ..AuditFindings::default()
+    };
+    rules.run(|l, t| l.apply_audit(t, gone, 2)).unwrap();
+    assert_eq!(rules.tell_served(), 1);
+    assert!(rx.try_recv().unwrap().is_ok());
+}
+
+// The broker thread, with a clock the test moves.
+
+/// A broker on two 16 GiB GPUs and an in-memory database, at time `clock`.
+fn broker() -> (Arc<Broker>, Arc<AtomicU64>) {
+    let clock = Arc::new(AtomicU64::new(1_000));
+    let time = clock.clone();
+    let broker = Broker::start_with_clock(
+        Store::open_in_memory().unwrap(),
+        &GpuInventory::test_machine(2, 16),
+        BrokerSettings {
+            admin_gids: vec![],
+            config: Config::default(),
+        },
+        Arc::new(move || time.load(Ordering::SeqCst)),
+    )
+    .unwrap();
+    (broker, clock)
+}
+
+/// Holds the broker thread inside a group until the returned sender is dropped or sent to:
+/// commands sent meanwhile join that group.
+fn hold_group(b: &Broker) -> mpsc::Sender<()> {
+    let (release, held) = mpsc::channel::<()>();
+    let (entered, inside) = mpsc::channel::<()>();
+    b.commands
+        .send(Command::Read(Box::new(move |_| {
+            entered.send(()).unwrap();
+            let _ = held.recv();
+        })))
+        .unwrap();
+    inside.recv().unwrap();
+    release
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+#[test]
+fn commands_queued_together_commit_as_one_group_and_reads_never_wait() {
+    let (b, _) = broker();
+    let before = b.snapshot();
+    let release = hold_group(&b);
+    let pending: Vec<_> = (0..5)
+        .map(|_| b.reserve(ALICE, lease(gib(1), 60), None))
+        .collect();
+    // The thread is inside a group: a read answers from the last commit at once.
+    assert_eq!(b.snapshot().active(), 0);
+    drop(release);
+    for p in pending {
+        assert!(matches!(p.wait().unwrap(), ReserveOutcome::Reserved(_)));
+    }
+    let after = b.snapshot();
+    assert_eq!(after.active(), 5, "published before the answers");
+    assert_eq!(after.groups_committed - before.groups_committed, 1);
+    assert_eq!(after.grouped_calls - before.grouped_calls, 6);
+}
+
+#[test]
+fn a_failed_commit_fails_every_command_that_saw_a_change_and_keeps_nothing() {
+    let (b, _) = broker();
+    let kept = match b.reserve(ALICE, lease(gib(1), 60), None).wait().unwrap() {
+        ReserveOutcome::Reserved(r) => r,
+        ReserveOutcome::Queued(_) => panic!("queued"),
+    };
+    // The COMMIT of a transaction that inserted a reservation labelled `boom` fails (a
+    // deferred foreign key: statements succeed, only the COMMIT checks it).
+    b.commands
+        .send(Command::Read(Box::new(|store| {
+            store
+                .connection()
+                .execute_batch(
+                    "CREATE TABLE boom (id TEXT REFERENCES reservations (id) DEFERRABLE INITIALLY DEFERRED);
+                     CREATE TRIGGER boom AFTER INSERT ON reservations WHEN NEW.labels LIKE '%boom%'
+                     BEGIN INSERT INTO boom VALUES ('no such reservation'); END;",
+                )
+                .unwrap();
+        })))
+        .unwrap();
+    let release = hold_group(&b);
+    let renew = b.renew(ALICE, kept.id.clone(), Some(600));
+    let mut boom = lease(gib(2), 60);
+    boom.labels.insert("boom".to_owned(), "boom".to_owned());
+    let failing = b.reserve(ALICE, boom, None);
+    let after = b.reserve(BOB, lease(gib(3), 60), None);
+    drop(release);
+    for p in [
+        renew.wait().map(drop),
+        failing.wait().map(drop),
+        after.wait().map(drop),
+    ] {
+        let e = p.unwrap_err();
+        assert!(matches!(e, BrokerError::Storage(_)), "{e}");
+    }
+    let snap = b.snapshot();
+    assert_eq!(snap.active(), 1, "memory was reloaded from the database");
+    assert_eq!(snap.reservations[0].expires_at, kept.expires_at);
+    assert_eq!(
+        snap.loads[0].reserved_bytes + snap.loads[1].reserved_bytes,
+        GIB
+    );
+    // The broker goes on.
+    assert!(matches!(
+        b.reserve(BOB, lease(gib(3), 60), None).wait().unwrap(),
+        ReserveOutcome::Reserved(_)
+    ));
+}
+
+#[test]
+fn a_command_that_panics_rolls_its_group_back_and_the_thread_goes_on() {
+    let (b, _) = broker();
+    let release = hold_group(&b);
+    let made = b.reserve(ALICE, lease(gib(1), 60), None);
+    b.commands
+        .send(Command::Read(Box::new(|_| panic!("a bug"))))
+        .unwrap();
+    drop(release);
+    let e = made.wait().unwrap_err();
+    assert!(e.to_string().contains("panicked"), "{e}");
+    assert_eq!(b.snapshot().active(), 0);
+    assert!(b.ping().wait().is_ok());
+}
+
+#[test]
+fn leases_end_at_the_broker_s_own_deadline() {
+    let (b, clock) = broker();
+    let ReserveOutcome::Reserved(r) = b.reserve(ALICE, lease(gib(1), 60), None).wait().unwrap()
+    else {
+        panic!("queued");
+    };
+    assert_eq!(r.expires_at, Some(61_000));
+    clock.store(60_999, Ordering::SeqCst);
+    b.ping().wait().unwrap();
+    assert_eq!(b.snapshot().active(), 1);
+    clock.store(61_000, Ordering::SeqCst);
+    b.ping().wait().unwrap();
+    assert_eq!(
+        b.snapshot().active(),
+        0,
+        "expired before the ping was answered"
+    );
+    let ended = b.read_history(move |s| s.get(&r.id)).unwrap().unwrap();
+    assert_eq!(ended.state, ReservationState::Expired);
+}
+
+#[test]
+fn a_wait_gives_up_at_its_deadline_and_a_dropped_ticket_withdraws() {
+    let (b, clock) = broker();
+    let whole = ReserveRequest {
+        gpus: 2,
+        ..lease(MemoryAsk::Exclusive, 600)
+    };
+    assert!(matches!(
+        b.reserve(ALICE, whole, None).wait().unwrap(),
+        ReserveOutcome::Reserved(_)
+    ));
+    let ask = || waiting(gib(1), 60, Duration::from_secs(10));
+    let ReserveOutcome::Queued(ticket) = b.reserve(BOB, ask(), None).wait().unwrap() else {
+        panic!("nothing is free: it waits");
+    };
+    let ReserveOutcome::Queued(dropped) = b.reserve(CAROL, ask(), None).wait().unwrap() else {
+        panic!("it waits too");
+    };
+    assert_eq!(b.snapshot().waiting(), 2);
+    drop(dropped);
+    b.ping().wait().unwrap();
+    assert_eq!(b.snapshot().waiting(), 1, "withdrawn");
+    clock.store(11_000, Ordering::SeqCst);
+    b.ping().wait().unwrap();
+    let e = runtime().block_on(ticket.wait()).unwrap_err();
+    assert!(matches!(e, BrokerError::WaitTimeout(_)), "{e}");
+    assert_eq!(b.snapshot().waiting(), 0);
+}
+
+#[test]
+fn after_a_graceful_stop_requests_are_refused_and_waiters_told() {
+    let (b, _) = broker();
+    let whole = ReserveRequest {
+        gpus: 2,
+        ..lease(MemoryAsk::Exclusive, 600)
+    };
+    b.reserve(ALICE, whole, None).wait().unwrap();
+    let ReserveOutcome::Queued(ticket) = b
+        .reserve(BOB, waiting(gib(1), 60, Duration::from_secs(60)), None)
+        .wait()
+        .unwrap()
+    else {
+        panic!("it waits");
+    };
+    b.shut_down().wait().unwrap();
+    let e = runtime().block_on(ticket.wait()).unwrap_err();
+    assert!(matches!(e, BrokerError::ShuttingDown), "{e}");
+    let e = b.reserve(BOB, lease(gib(1), 60), None).wait().unwrap_err();
+    assert!(matches!(e, BrokerError::ShuttingDown), "{e}");
+}
