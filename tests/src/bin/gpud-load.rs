@@ -5,12 +5,18 @@
 //! `DELETE /v1/reservations/{id}`. It prints cycles/s and the cycle latency p50/p99/p99.9
 //! (plus each request's p50/p99).
 //!
+//! - Meanwhile one more connection, the observer, sends `GET /v1/gpus` once a millisecond
+//!   (`--gpus-every`) and prints that read's latency p50/p99/max: what a monitoring agent or
+//!   `gpuctl gpus` waits for while the clients keep the server busy. A fixed rate rather than
+//!   back to back, so that the observer takes little of the CPU the clients and the server
+//!   share, and the cycle rate stays what it was without it.
 //! - `--baseline` first runs the very same clients against a minimal HTTP server on a
 //!   temporary Unix socket (this binary again, in its own process, with the same accept-loop
 //!   shape as gpud's: peer credentials, connection semaphore, header timeout, one task per
 //!   connection) that answers a fixed JSON body of the size of a gpud reply, and prints the
 //!   ratio gpud / baseline: what deciding, committing to SQLite and answering costs over
-//!   HTTP alone.
+//!   HTTP alone. To `GET /v1/gpus` it answers the very reply gpud gave to one (gpud is
+//!   started first for that), so that the observer's figure compares the same bytes too.
 //! - `--background N` creates N other TTL reservations before measuring; `--scaling 10,10000`
 //!   measures at each of those background levels (with 1 client and with `--clients`) and
 //!   prints the latency ratio of the last level to the first.
@@ -89,9 +95,16 @@ struct Args {
     /// Memory each cycle reserves.
     #[arg(long, default_value = "1MiB")]
     memory: String,
+    /// How often the observer sends `GET /v1/gpus` while the clients cycle (`0s`: back to
+    /// back).
+    #[arg(long, default_value = "1ms", value_parser = humantime::parse_duration)]
+    gpus_every: Duration,
     /// Internal: serve the baseline on this socket (the child process).
     #[arg(long, hide = true)]
     serve_baseline: Option<PathBuf>,
+    /// Internal: the baseline's answer to `GET /v1/gpus` (the child process).
+    #[arg(long, hide = true)]
+    baseline_gpus_reply: Option<PathBuf>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -100,7 +113,11 @@ fn main() -> anyhow::Result<()> {
         .enable_all()
         .build()?;
     if let Some(path) = &args.serve_baseline {
-        return runtime.block_on(serve_baseline(path));
+        let gpus_reply = match &args.baseline_gpus_reply {
+            Some(file) => Bytes::from(std::fs::read(file)?),
+            None => Bytes::from_static(BASELINE_BODY.as_bytes()),
+        };
+        return runtime.block_on(serve_baseline(path, gpus_reply));
     }
     runtime.block_on(drive(args))
 }
@@ -196,8 +213,9 @@ fn handoff_round_trip(a: usize, b: usize) -> Option<Duration> {
 /// serialize, send and the clients read the same number of bytes.
 const BASELINE_BODY: &str = r#"{"id":"0123456789abcdef","state":"active","owner_uid":0,"owner_gid":0,"holder_pid":null,"exclusive":false,"gpus":[{"index":0,"uuid":"GPU-6f2c8c2e-1c3f-5b34-9a41-0d6c1b7a9e10","memory_bytes":1048576}],"env":{"CUDA_DEVICE_ORDER":"PCI_BUS_ID","CUDA_VISIBLE_DEVICES":"GPU-6f2c8c2e-1c3f-5b34-9a41-0d6c1b7a9e10","GPUD_MEM_FRACTION":"0.0000","GPUD_MEM_LIMIT_BYTES":"1048576","GPUD_MEM_TOTAL_BYTES":"34359738368","GPUD_RESERVATION_ID":"0123456789abcdef","NVIDIA_VISIBLE_DEVICES":"GPU-6f2c8c2e-1c3f-5b34-9a41-0d6c1b7a9e10","PYTORCH_CUDA_ALLOC_CONF":"per_process_memory_fraction:0.0000","TF_FORCE_GPU_ALLOW_GROWTH":"true","XLA_PYTHON_CLIENT_MEM_FRACTION":"0.0000","XLA_PYTHON_CLIENT_PREALLOCATE":"false"},"created_at":"2026-11-21T05:00:00.000Z","expires_at":"2026-11-21T05:10:00.000Z","ttl_seconds":600,"ended_at":null,"end_reason":null,"labels":{}}"#;
 
-/// The same accept loop as gpud's `server::serve`, answering [`BASELINE_BODY`].
-async fn serve_baseline(path: &Path) -> anyhow::Result<()> {
+/// The same accept loop as gpud's `server::serve`, answering [`BASELINE_BODY`], and
+/// `gpus_reply` to `GET /v1/gpus`.
+async fn serve_baseline(path: &Path, gpus_reply: Bytes) -> anyhow::Result<()> {
     let _ = std::fs::remove_file(path);
     let listener = UnixListener::bind(path).with_context(|| format!("bind {}", path.display()))?;
     let graceful = GracefulShutdown::new();
@@ -216,12 +234,13 @@ async fn serve_baseline(path: &Path) -> anyhow::Result<()> {
             continue;
         };
         let caller = (cred.uid(), cred.gid(), cred.pid());
+        let gpus_reply = gpus_reply.clone();
         let conn = http1::Builder::new()
             .timer(TokioTimer::new())
             .header_read_timeout(Duration::from_secs(5))
             .serve_connection(
                 TokioIo::new(stream),
-                service_fn(move |req| answer(caller, req)),
+                service_fn(move |req| answer(caller, gpus_reply.clone(), req)),
             );
         let conn = graceful.watch(conn);
         tokio::spawn(async move {
@@ -233,6 +252,7 @@ async fn serve_baseline(path: &Path) -> anyhow::Result<()> {
 
 async fn answer(
     _caller: (u32, u32, Option<i32>),
+    gpus_reply: Bytes,
     req: Request<Incoming>,
 ) -> Result<Response<Full<Bytes>>, Infallible> {
     let status = if req.method() == Method::POST {
@@ -240,9 +260,14 @@ async fn answer(
     } else {
         StatusCode::OK
     };
+    let reply = if req.method() == Method::GET && req.uri().path() == "/v1/gpus" {
+        gpus_reply
+    } else {
+        Bytes::from_static(BASELINE_BODY.as_bytes())
+    };
     // Read the body as gpud does (bounded), then answer the fixed reply.
     let _ = Limited::new(req.into_body(), 64 * 1024).collect().await;
-    let mut resp = Response::new(Full::new(Bytes::from_static(BASELINE_BODY.as_bytes())));
+    let mut resp = Response::new(Full::new(reply));
     *resp.status_mut() = status;
     resp.headers_mut()
         .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
@@ -272,12 +297,17 @@ fn beside_me(name: &str) -> PathBuf {
     exe.parent().expect("exe dir").join(name)
 }
 
-fn start_baseline() -> anyhow::Result<Server> {
+/// The baseline server, answering `gpus_reply` (gpud's own) to `GET /v1/gpus`.
+fn start_baseline(gpus_reply: &[u8]) -> anyhow::Result<Server> {
     let dir = tempfile::Builder::new().prefix("gpud-load").tempdir()?;
     let socket = dir.path().join("baseline.sock");
+    let reply = dir.path().join("gpus.json");
+    std::fs::write(&reply, gpus_reply)?;
     let child = Command::new(std::env::current_exe()?)
         .arg("--serve-baseline")
         .arg(&socket)
+        .arg("--baseline-gpus-reply")
+        .arg(&reply)
         .stdin(Stdio::null())
         .spawn()?;
     listening(child, socket, dir)
@@ -437,6 +467,18 @@ impl Client {
         reply_id(&reply).context("reserve: no id in the reply")
     }
 
+    /// `GET /v1/gpus`; returns the reply.
+    async fn gpus(&mut self) -> anyhow::Result<Bytes> {
+        let (status, reply) = self.send(Method::GET, "/v1/gpus", Bytes::new()).await?;
+        if status != StatusCode::OK {
+            bail!(
+                "GET /v1/gpus: {status}: {}",
+                String::from_utf8_lossy(&reply).trim()
+            );
+        }
+        Ok(reply)
+    }
+
     async fn release(&mut self, id: &str) -> anyhow::Result<()> {
         let (status, reply) = self
             .send(
@@ -499,6 +541,41 @@ async fn client_loop(
     }
 }
 
+/// The observer: `GET /v1/gpus` on its own connection once every `every` (back to back when
+/// zero) while the clients cycle; returns the latencies of the requests wholly inside the
+/// measured period, microseconds.
+async fn observer_loop(
+    socket: PathBuf,
+    every: Duration,
+    measure_from: Instant,
+    until: Instant,
+) -> anyhow::Result<Vec<u32>> {
+    let mut client = Client::connect(&socket).await?;
+    // A request slower than `every` delays the next one rather than causing a burst to catch
+    // up: the observer stands for one reader that waits for each answer, and a burst would
+    // load the server more than the clients alone while it lasts.
+    let mut ticks = (!every.is_zero()).then(|| {
+        let mut ticks = tokio::time::interval(every);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        ticks
+    });
+    let mut samples = Vec::new();
+    loop {
+        if let Some(ticks) = &mut ticks {
+            ticks.tick().await;
+        }
+        let start = Instant::now();
+        if start >= until {
+            return Ok(samples);
+        }
+        client.gpus().await?;
+        let done = Instant::now();
+        if start >= measure_from && done <= until {
+            samples.push(micros(done - start));
+        }
+    }
+}
+
 /// What one measurement gives.
 struct Measured {
     rate: f64,
@@ -508,6 +585,10 @@ struct Measured {
     cycle: Percentiles,
     reserve: Percentiles,
     release: Percentiles,
+    /// The observer's `GET /v1/gpus` latencies.
+    gpus: Percentiles,
+    gpus_max: u32,
+    gpus_requests: usize,
 }
 
 #[derive(Clone, Copy)]
@@ -544,6 +625,7 @@ async fn measure(
     memory: &str,
     warmup: Duration,
     duration: Duration,
+    gpus_every: Duration,
 ) -> anyhow::Result<Measured> {
     let body = Bytes::from(
         serde_json::json!({"memory": memory, "ttl_seconds": 600, "labels": {"load": "cycle"}})
@@ -561,6 +643,12 @@ async fn measure(
             ))
         })
         .collect();
+    let observer = tokio::spawn(observer_loop(
+        socket.to_owned(),
+        gpus_every,
+        measure_from,
+        until,
+    ));
     tokio::time::sleep_until(measure_from.into()).await;
     let ticks_before = server_pid.and_then(cpu_ticks);
     tokio::time::sleep_until(until.into()).await;
@@ -572,6 +660,7 @@ async fn measure(
         all.reserve.extend(s.reserve);
         all.release.extend(s.release);
     }
+    let mut gpus = observer.await??;
     let cycles = all.cycle.len();
     let server_cpu = ticks_before.zip(ticks_after).map(|(b, a)| {
         let seconds = a.saturating_sub(b) as f64 / TICKS_PER_SECOND;
@@ -587,6 +676,9 @@ async fn measure(
         cycle: Percentiles::of(&mut all.cycle),
         reserve: Percentiles::of(&mut all.reserve),
         release: Percentiles::of(&mut all.release),
+        gpus: Percentiles::of(&mut gpus),
+        gpus_max: gpus.last().copied().unwrap_or(0),
+        gpus_requests: gpus.len(),
     })
 }
 
@@ -609,6 +701,15 @@ fn print_measured(what: &str, clients: usize, m: &Measured) {
             ""
         );
     }
+    println!(
+        "{:<34} GET /v1/gpus while {clients} client{} reserve and release: p50 {} µs, p99 {} µs, max {} µs ({} requests)",
+        "",
+        if clients == 1 { "" } else { "s" },
+        m.gpus.p50,
+        m.gpus.p99,
+        m.gpus_max,
+        m.gpus_requests,
+    );
 }
 
 /// Creates `count` TTL reservations (16 connections at a time); returns their ids.
@@ -658,8 +759,18 @@ async fn drive(args: Args) -> anyhow::Result<()> {
         std::thread::available_parallelism().map_or(0, std::num::NonZero::get),
     );
     print_handoff_cost();
+    // gpud starts before the baseline is measured, idle meanwhile (as it is with --socket), so
+    // that the baseline can answer `GET /v1/gpus` with gpud's own reply.
+    let spawned = match &args.spawn_gpud {
+        Some(fixture) => Some(start_gpud(&args, fixture)?),
+        None => None,
+    };
+    let socket = spawned
+        .as_ref()
+        .map_or_else(|| args.socket.clone(), |s| s.socket.clone());
     let baseline = if args.baseline {
-        let server = start_baseline()?;
+        let gpus_reply = Client::connect(&socket).await?.gpus().await?;
+        let server = start_baseline(&gpus_reply)?;
         let m = measure(
             &server.socket,
             Some(server.child.id()),
@@ -667,6 +778,7 @@ async fn drive(args: Args) -> anyhow::Result<()> {
             &args.memory,
             args.warmup,
             args.duration,
+            args.gpus_every,
         )
         .await?;
         print_measured("baseline (fixed JSON, no state)", args.clients, &m);
@@ -675,13 +787,6 @@ async fn drive(args: Args) -> anyhow::Result<()> {
         None
     };
 
-    let spawned = match &args.spawn_gpud {
-        Some(fixture) => Some(start_gpud(&args, fixture)?),
-        None => None,
-    };
-    let socket = spawned
-        .as_ref()
-        .map_or_else(|| args.socket.clone(), |s| s.socket.clone());
     let (pid, idle) = rss_kib(&socket).await?;
     let gpud_pid = u32::try_from(pid).ok();
     println!(
@@ -710,6 +815,7 @@ async fn drive(args: Args) -> anyhow::Result<()> {
                 &args.memory,
                 args.warmup,
                 args.duration,
+                args.gpus_every,
             )
             .await?;
             print_measured(&label, 1, &m);
@@ -724,6 +830,7 @@ async fn drive(args: Args) -> anyhow::Result<()> {
             &args.memory,
             args.warmup,
             args.duration,
+            args.gpus_every,
         )
         .await?;
         print_measured(&label, args.clients, &m);
@@ -735,6 +842,11 @@ async fn drive(args: Args) -> anyhow::Result<()> {
                 args.clients,
                 m.rate / b.rate,
                 f64::from(m.cycle.p50) / f64::from(b.cycle.p50.max(1)),
+            );
+            println!(
+                "ratio gpud / baseline for GET /v1/gpus under that load: p50 {:.2}x, p99 {:.2}x",
+                f64::from(m.gpus.p50) / f64::from(b.gpus.p50.max(1)),
+                f64::from(m.gpus.p99) / f64::from(b.gpus.p99.max(1)),
             );
         }
         let (_, rss) = rss_kib(&socket).await?;
