@@ -1119,7 +1119,8 @@ mod tests {
             gid: ME,
             pid: None,
         };
-        let ReserveOutcome::Queued(_ticket) = b.reserve(caller, waiting, None).wait().unwrap() else {
+        let ReserveOutcome::Queued(_ticket) = b.reserve(caller, waiting, None).wait().unwrap()
+        else {
             panic!("7 GiB fits nowhere yet, so it waits");
         };
         nvml.0.lock().unwrap().insert(0, Ok(vec![]));

@@ -519,7 +519,6 @@ impl Default for EventFilter {
     }
 }
 
-
 /// What the audit needs to know about one active reservation.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AuditedReservation {

@@ -153,7 +153,11 @@ async fn serve(config: Config, config_path: Option<PathBuf>) -> anyhow::Result<(
         admin_gids,
         config: config.clone(),
     };
-    let broker = Broker::start(store, &inventory, settings)?;
+    // Blocks until the broker thread has loaded the database.
+    let broker = {
+        let inventory = inventory.clone();
+        tokio::task::spawn_blocking(move || Broker::start(store, &inventory, settings)).await??
+    };
 
     let Listening {
         listener,
@@ -397,7 +401,6 @@ async fn watchdog(broker: Arc<Broker>, every: Duration) {
         }
     }
 }
-
 
 /// What a reload would do: the configuration to run with, the reloadable sections that
 /// changed (with their new values, for the log), and the keys that changed in the file but

@@ -382,23 +382,12 @@ impl Store {
             });
         }
         for (number, (name, sql)) in (1u32..).zip(MIGRATIONS).skip(current) {
-            let path = self.path.clone();
-            let tx = self
-                .conn
-                .transaction()
-                .map_err(|source| StoreError::Sqlite {
-                    op: "begin migration",
-                    path: path.clone(),
-                    source,
-                })?;
-            tx.execute_batch(sql)
-                .and_then(|()| tx.pragma_update(None, "user_version", number))
-                .and_then(|()| tx.commit())
-                .map_err(|source| StoreError::Sqlite {
-                    op: "migration",
-                    path,
-                    source,
-                })?;
+            let mut txn = self.transaction()?;
+            txn.write("migration", |c| {
+                c.execute_batch(sql)?;
+                c.pragma_update(None, "user_version", number)
+            })?;
+            txn.commit()?;
             tracing::info!(migration = name, "applied database migration");
         }
         Ok(())
@@ -773,8 +762,7 @@ impl Txn<'_> {
     /// not a failed statement (which would poison the transaction).
     pub fn insert(&mut self, r: &Reservation) -> Result<bool, StoreError> {
         // Creation order, and distinct even within a millisecond or if the clock went back.
-        let seq =
-            first_seq_at(to_sql_int(r.created_at)).max(self.store.last_seq.saturating_add(1));
+        let seq = first_seq_at(to_sql_int(r.created_at)).max(self.store.last_seq.saturating_add(1));
         self.store.last_seq = seq;
         let labels = serde_json::to_string(&r.labels).unwrap_or_else(|_| "{}".to_owned());
         let env = r.env.json();
@@ -1362,7 +1350,10 @@ mod tests {
         ));
         let e = txn.commit().unwrap_err();
         assert!(e.is_storage_unavailable(), "{e}");
-        assert!(store.conn.is_autocommit(), "the transaction was rolled back");
+        assert!(
+            store.conn.is_autocommit(),
+            "the transaction was rolled back"
+        );
         let ids: Vec<String> = store.active().unwrap().into_iter().map(|r| r.id).collect();
         assert_eq!(ids, ["before", "half"], "nothing of it was kept");
         // A new transaction commits.

@@ -23,6 +23,11 @@ pub type Reply<T> = oneshot::Sender<Result<T, BrokerError>>;
 /// Every change of state, as the broker thread receives it. Each runs inside the group's
 /// transaction; its answer is sent once that transaction is committed.
 pub enum Command {
+    /// Load the reservations from the database and reap the dead (the first command).
+    Load {
+        /// The answer.
+        reply: Reply<()>,
+    },
     /// Reserve (or queue) a request.
     Reserve {
         /// Who asks.
@@ -132,6 +137,7 @@ pub enum Command {
 impl std::fmt::Debug for Command {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let name = match self {
+            Command::Load { .. } => "Load",
             Command::Reserve { .. } => "Reserve",
             Command::Release { .. } => "Release",
             Command::Renew { .. } => "Renew",

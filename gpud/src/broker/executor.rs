@@ -42,7 +42,7 @@ pub(super) fn start(
     clock: Clock,
 ) -> Result<Arc<ArcSwap<Snapshot>>, BrokerError> {
     let published = Arc::new(ArcSwap::from_pointee(ledger.snapshot((0, 0))));
-    let mut executor = Executor {
+    let executor = Executor {
         store,
         ledger,
         queue,
@@ -55,9 +55,6 @@ pub(super) fn start(
         groups_committed: 0,
         grouped_calls: 0,
     };
-    // The holders of the reservations loaded at start.
-    let loaded = executor.ledger.take_effects();
-    executor.after_commit(loaded);
     std::thread::Builder::new()
         .name("gpud-broker".to_owned())
         .spawn(move || executor.run())
@@ -319,7 +316,8 @@ fn fail(command: Command, error: &BrokerError) {
         Command::HolderExited { reply, .. }
         | Command::Reload { reply, .. }
         | Command::ShutDown { reply }
-        | Command::Ping { reply } => tell(reply, error),
+        | Command::Ping { reply }
+        | Command::Load { reply } => tell(reply, error),
         Command::End { reply, .. } => {
             if let Some(reply) = reply {
                 tell(reply, error);
@@ -341,6 +339,7 @@ fn execute(
     commands: &mpsc::Sender<Command>,
 ) -> Option<Answer> {
     match command {
+        Command::Load { reply } => answer(reply, ledger.load(txn, now)),
         Command::Reserve {
             caller,
             request,
@@ -398,9 +397,7 @@ fn execute(
             ledger.withdraw(ticket);
             None
         }
-        Command::Audit { findings, reply } => {
-            answer(reply, ledger.apply_audit(txn, findings, now))
-        }
+        Command::Audit { findings, reply } => answer(reply, ledger.apply_audit(txn, findings, now)),
         Command::Reload { settings, reply } => {
             ledger.set_settings(txn, *settings, now);
             answer(reply, Ok(()))

@@ -117,16 +117,8 @@ impl std::fmt::Debug for Ledger {
 }
 
 impl Ledger {
-    /// The ledger of the reservations `txn`'s database holds on `inventory`. What died while
-    /// gpud was down is ended through `txn`: reservations whose holder is gone, whose lease
-    /// ran out, or whose GPU is no longer present (when every GPU could be identified). The
-    /// live holders are to be watched once `txn` is committed ([`Ledger::take_effects`]).
-    pub fn open(
-        txn: &mut Txn<'_>,
-        inventory: &GpuInventory,
-        settings: BrokerSettings,
-        now: Millis,
-    ) -> Result<Ledger, BrokerError> {
+    /// An empty ledger of `inventory`'s units; [`Ledger::load`] fills it.
+    pub fn new(inventory: &GpuInventory, settings: BrokerSettings) -> Ledger {
         let units = inventory.units();
         let unit_by_uuid = units
             .iter()
@@ -143,7 +135,7 @@ impl Ledger {
                 ..UnitLoad::default()
             })
             .collect();
-        let mut ledger = Ledger {
+        Ledger {
             gpus: Arc::new(inventory.gpus.clone()),
             driver_version: inventory.driver_version.clone(),
             topology: Arc::new(inventory.topology.clone()),
@@ -160,17 +152,24 @@ impl Ledger {
             shutting_down: false,
             effects: Effects::default(),
             published: None,
-        };
+        }
+    }
+
+    /// Loads the reservations `txn`'s database holds (gpud's start). What died while gpud
+    /// was down is ended through `txn`: reservations whose holder is gone, whose lease ran
+    /// out, or whose GPU is no longer present (when every GPU could be identified). The live
+    /// holders are watched once `txn` is committed ([`Ledger::take_effects`]).
+    pub fn load(&mut self, txn: &mut Txn<'_>, now: Millis) -> Result<(), BrokerError> {
         let mut dead = Vec::new();
         // A GPU that failed discovery has no UUID to match: while any did, a reservation
         // naming an unknown unit may well be on it, so it is kept (its GPU is unhealthy and
         // takes no placements anyway) rather than released.
-        let every_gpu_identified = inventory.gpus.iter().all(|g| g.healthy);
+        let every_gpu_identified = self.gpus.iter().all(|g| g.healthy);
         for r in txn.active()? {
             if let Some(missing) = r
                 .units
                 .iter()
-                .find(|u| !ledger.unit_by_uuid.contains_key(&u.uuid))
+                .find(|u| !self.unit_by_uuid.contains_key(&u.uuid))
                 .filter(|_| every_gpu_identified)
             {
                 dead.push((
@@ -192,7 +191,7 @@ impl Ledger {
             }
             if let Some(holder) = &r.holder {
                 match PinnedProcess::repin(holder) {
-                    Some(pinned) => ledger.effects.watches.push((r.id.clone(), pinned)),
+                    Some(pinned) => self.effects.watches.push((r.id.clone(), pinned)),
                     None => {
                         dead.push((
                             r.id.clone(),
@@ -203,7 +202,7 @@ impl Ledger {
                     }
                 }
             }
-            ledger.add_active(r);
+            self.add_active(r);
         }
         if !dead.is_empty() {
             txn.finish(&dead, now)?;
@@ -211,7 +210,7 @@ impl Ledger {
                 tracing::info!(reservation = %id, %reason, "reaped at start");
             }
         }
-        Ok(ledger)
+        Ok(())
     }
 
     /// Takes what must happen now that the commands run so far are committed.
@@ -434,9 +433,10 @@ impl Ledger {
         let mut units: Vec<ReservedUnit> = Vec::new();
         let mut totals = Vec::new();
         for a in &placement.assignments {
-            let unit = self.units.get(a.unit).ok_or(BrokerError::Internal(
-                "placement chose an unknown unit",
-            ))?;
+            let unit = self
+                .units
+                .get(a.unit)
+                .ok_or(BrokerError::Internal("placement chose an unknown unit"))?;
             units.push(ReservedUnit {
                 uuid: unit.uuid.clone(),
                 gpu_index: unit.gpu_index,
@@ -678,7 +678,12 @@ impl Ledger {
                 .is_some_and(|h| h.pid == holder.pid && h.start_time == holder.start_time)
         });
         if held_by_it {
-            self.release_one(txn, id, format!("holder process {} exited", holder.pid), now)?;
+            self.release_one(
+                txn,
+                id,
+                format!("holder process {} exited", holder.pid),
+                now,
+            )?;
         }
         Ok(())
     }
@@ -730,11 +735,7 @@ impl Ledger {
             .iter()
             .take_while(|(at, _)| *at <= now)
             .map(|(_, id)| {
-                let ttl = self
-                    .active
-                    .get(id)
-                    .and_then(|r| r.ttl_seconds)
-                    .unwrap_or(0);
+                let ttl = self.active.get(id).and_then(|r| r.ttl_seconds).unwrap_or(0);
                 (
                     id.clone(),
                     ReservationState::Expired,
@@ -854,8 +855,8 @@ impl Ledger {
 
     /// Marks a physical GPU healthy or not.
     fn set_gpu_health(&mut self, gpu_index: u32, healthy: bool) {
-        let Some(gpu) = Arc::make_mut(&mut self.gpus)
-            .get_mut(usize::try_from(gpu_index).unwrap_or(usize::MAX))
+        let Some(gpu) =
+            Arc::make_mut(&mut self.gpus).get_mut(usize::try_from(gpu_index).unwrap_or(usize::MAX))
         else {
             return;
         };

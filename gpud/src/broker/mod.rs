@@ -261,9 +261,11 @@ impl Drop for Broker {
 }
 
 impl Broker {
-    /// Loads the database, reaps what died while gpud was down (holders gone, leases run
-    /// out, GPUs no longer present), and starts the broker thread. Holders are watched on the
-    /// tokio runtime this is called from; without one (unit tests) nobody watches them.
+    /// Starts the broker thread, which loads the database and reaps what died while gpud
+    /// was down (holders gone, leases run out, GPUs no longer present) before anything else.
+    /// Holders are watched on the tokio runtime this is called from; without one (unit
+    /// tests) nobody watches them. Blocks until the database is loaded: call it from a
+    /// blocking thread.
     pub fn start(
         store: Store,
         inventory: &GpuInventory,
@@ -274,23 +276,22 @@ impl Broker {
 
     /// [`Broker::start`] with the time read from `clock`: tests move it by hand.
     pub fn start_with_clock(
-        mut store: Store,
+        store: Store,
         inventory: &GpuInventory,
         settings: BrokerSettings,
         clock: Clock,
     ) -> Result<Arc<Broker>, BrokerError> {
-        let now = clock();
         let reader = store.reader()?.map(|r| Arc::new(Mutex::new(r)));
-        let mut txn = store.transaction()?;
-        let ledger = Ledger::open(&mut txn, inventory, settings, now)?;
-        txn.commit()?;
+        let ledger = Ledger::new(inventory, settings);
         let (commands, queue) = mpsc::channel();
         let published = executor::start(store, ledger, queue, commands.clone(), clock)?;
-        Ok(Arc::new(Broker {
+        let broker = Arc::new(Broker {
             commands,
             published,
             reader,
-        }))
+        });
+        broker.send(|reply| Command::Load { reply }).wait()?;
+        Ok(broker)
     }
 
     /// Sends the command `make` builds around its reply channel.

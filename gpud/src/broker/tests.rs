@@ -70,13 +70,15 @@ struct Rules {
 
 impl Rules {
     fn new(gpus: u32, config: Config, admin_gids: Vec<u32>) -> Rules {
-        let mut store = Store::open_in_memory().unwrap();
+        let store = Store::open_in_memory().unwrap();
         let inventory = GpuInventory::test_machine(gpus, 16);
         let settings = BrokerSettings { admin_gids, config };
-        let mut txn = store.transaction().unwrap();
-        let ledger = Ledger::open(&mut txn, &inventory, settings, 0).unwrap();
-        txn.commit().unwrap();
-        Rules { store, ledger }
+        let mut rules = Rules {
+            ledger: Ledger::new(&inventory, settings),
+            store,
+        };
+        rules.run(|l, t| l.load(t, 0)).unwrap();
+        rules
     }
 
     fn plain(gpus: u32) -> Rules {

@@ -90,7 +90,9 @@ fn exact(b: &Broker, request: ExactRequest) -> Result<Reservation, BrokerError> 
         end: Vec::new(),
         containers: vec![request],
     };
-    b.allocate(ROOT, request).wait().map(|mut made| made.remove(0))
+    b.allocate(ROOT, request)
+        .wait()
+        .map(|mut made| made.remove(0))
 }
 
 /// What the audit hands the broker about memory nobody reserved, per unit.
@@ -476,10 +478,7 @@ fn exact_reservations_never_overcommit_and_end_with_a_reason() {
     ));
     let mut unknown = request("k8s-d", 1);
     unknown.units[0].0 = "GPU-7".into();
-    assert!(matches!(
-        exact(&b, unknown),
-        Err(BrokerError::Invalid(_))
-    ));
+    assert!(matches!(exact(&b, unknown), Err(BrokerError::Invalid(_))));
     exact(&b, request("k8s-e", 6)).unwrap();
     let ended = b
         .end("k8s-a".into(), "pod gone".into())
@@ -487,10 +486,7 @@ fn exact_reservations_never_overcommit_and_end_with_a_reason() {
         .unwrap()
         .unwrap();
     assert_eq!(ended.end_reason.as_deref(), Some("pod gone"));
-    assert_eq!(
-        b.end("k8s-a".into(), "again".into()).wait().unwrap(),
-        None
-    );
+    assert_eq!(b.end("k8s-a".into(), "again".into()).wait().unwrap(), None);
     let history = b.read_history(|s| s.get("k8s-a")).unwrap().unwrap();
     assert_eq!(history.state, ReservationState::Released);
     set_health(&b, 0, false);
