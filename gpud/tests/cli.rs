@@ -53,7 +53,14 @@ fn default_library_name_is_named_when_absent() {
         .output()
         .unwrap();
     if out.status.success() {
-        return; // a machine with a real driver: nothing to check here
+        // A machine with a real driver: nothing to check here. CI has none (it runs on the
+        // fake NVML), so there this must not pass without checking anything.
+        assert!(
+            std::env::var_os("CI").is_none_or(|v| v.is_empty()),
+            "CI must run without an NVIDIA driver: `gpud probe` found one although \
+             LD_LIBRARY_PATH=/nonexistent"
+        );
+        return;
     }
     let stderr = String::from_utf8(out.stderr).unwrap();
     assert_eq!(stderr.lines().count(), 1, "{stderr}");

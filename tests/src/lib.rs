@@ -14,6 +14,29 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
+/// How long a test waits for something that must happen before it calls the test hung.
+/// Only a guard against hangs, never a performance bound: a loaded machine may be slow, and
+/// how fast things happen is for the benchmarks to measure.
+pub const PATIENCE: Duration = Duration::from_secs(60);
+
+/// Whether this is a CI run (`CI` set and not empty), where every prerequisite of every
+/// test must be present.
+pub fn in_ci() -> bool {
+    std::env::var_os("CI").is_some_and(|v| !v.is_empty())
+}
+
+/// For a test that cannot run here because `what` is missing (a tool, root, a kernel
+/// feature): under CI this fails the test, since a test that checks nothing must not pass
+/// there; elsewhere it says on stderr that the test was skipped, and the caller returns.
+pub fn missing_prerequisite(what: &str) {
+    assert!(
+        !in_ci(),
+        "CI must provide {what}: without it this test checks nothing (.ci/run installs the \
+         tests' prerequisites and runs them as root)"
+    );
+    eprintln!("SKIPPED: needs {what} (under CI this fails instead)");
+}
+
 /// `target/debug` (or whichever profile dir holds this test binary).
 pub fn target_dir() -> PathBuf {
     let exe = std::env::current_exe().expect("current exe");
@@ -325,6 +348,29 @@ impl Daemon {
             .collect()
     }
 
+    /// How many audit passes this gpud has finished: the count of its
+    /// `gpud_audit_pass_duration_seconds` histogram on `GET /metrics`.
+    pub fn audit_passes(&self) -> u64 {
+        let r = self.get("/metrics");
+        assert_eq!(r.status, 200, "GET /metrics: {}", r.text);
+        audit_pass_count(&r.text)
+            .unwrap_or_else(|| panic!("no {AUDIT_PASS_COUNT} in GET /metrics:\n{}", r.text))
+    }
+
+    /// Waits until gpud has finished `n` more audit passes than when called (for at most
+    /// [`PATIENCE`]). Checks that something did *not* happen use this instead of a sleep:
+    /// with `n = 2`, at least one whole pass began after the call (the first may already
+    /// have been under way), so the audit has seen whatever the test changed before it.
+    pub fn wait_for_audit_passes(&self, n: u64) {
+        let target = self.audit_passes() + n;
+        let reached = wait_for(PATIENCE, || (self.audit_passes() >= target).then_some(()));
+        assert!(
+            reached.is_some(),
+            "gpud did not finish {n} audit passes in {PATIENCE:?} (it is at {}, waiting for {target})",
+            self.audit_passes()
+        );
+    }
+
     /// Reads the fixture copy this daemon's fake NVML uses.
     pub fn read_fixture(&self) -> Value {
         serde_json::from_slice(&std::fs::read(&self.fixture).unwrap()).unwrap()
@@ -349,6 +395,18 @@ impl Drop for Daemon {
     }
 }
 
+/// The sample that counts finished audit passes (gpud's metrics module records a pass once
+/// its findings are stored).
+const AUDIT_PASS_COUNT: &str = "gpud_audit_pass_duration_seconds_count";
+
+/// The value of [`AUDIT_PASS_COUNT`] in a Prometheus text exposition.
+fn audit_pass_count(metrics: &str) -> Option<u64> {
+    metrics.lines().find_map(|line| {
+        let (name, value) = line.split_once(' ')?;
+        (name == AUDIT_PASS_COUNT).then(|| value.trim().parse().ok())?
+    })
+}
+
 /// Signal numbers (Linux).
 pub const SIGTERM: i32 = 15;
 /// SIGKILL.
@@ -364,7 +422,6 @@ pub fn signal(pid: u32, sig: i32) {
     assert!(status.success(), "kill -{sig} {pid}");
 }
 
-/// Polls `f` every 10 ms until it returns `Some`, for at most `limit`.
 /// Runs `cmd`, which must succeed (its stderr is the failure message), and parses its
 /// stdout as JSON.
 pub fn json_output(cmd: &mut Command) -> Value {
@@ -377,6 +434,7 @@ pub fn json_output(cmd: &mut Command) -> Value {
     serde_json::from_slice(&out.stdout).unwrap()
 }
 
+/// Polls `f` every 10 ms until it returns `Some`, for at most `limit`.
 pub fn wait_for<T>(limit: Duration, mut f: impl FnMut() -> Option<T>) -> Option<T> {
     let deadline = Instant::now() + limit;
     loop {
@@ -417,3 +475,22 @@ pub fn is_root() -> bool {
 
 /// GiB in bytes.
 pub const GIB: u64 = 1 << 30;
+
+#[cfg(test)]
+mod tests {
+    use super::audit_pass_count;
+
+    #[test]
+    fn the_audit_pass_count_is_read_from_the_exposition() {
+        let text = "# TYPE gpud_audit_pass_duration_seconds histogram\n\
+                    gpud_audit_pass_duration_seconds_sum 0.25\n\
+                    gpud_audit_pass_duration_seconds_count 17\n\
+                    gpud_audit_pass_duration_seconds_bucket{le=\"0.0001\"} 0\n\
+                    # EOF\n";
+        assert_eq!(audit_pass_count(text), Some(17));
+        assert_eq!(
+            audit_pass_count("gpud_audit_pass_duration_seconds_sum 1\n"),
+            None
+        );
+    }
+}

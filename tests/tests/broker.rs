@@ -7,9 +7,9 @@ use std::io::Write;
 use std::os::unix::net::UnixStream;
 use std::os::unix::process::CommandExt;
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use gpud_tests::{Daemon, GIB, Reply, is_root, wait_for};
+use gpud_tests::{Daemon, GIB, PATIENCE, Reply, is_root, missing_prerequisite, wait_for};
 use serde_json::{Value, json};
 
 fn reserve(d: &Daemon, body: Value) -> Reply {
@@ -152,7 +152,7 @@ fn history_older_than_keep_is_deleted_and_active_reservations_stay() {
     // The history is pruned at start (then hourly).
     d.stop();
     d.spawn();
-    let gone = wait_for(Duration::from_secs(5), || {
+    let gone = wait_for(PATIENCE, || {
         let r = d.get(&format!("/v1/reservations/{}", id(&ended)));
         (r.status == 404).then_some(r)
     });
@@ -163,7 +163,7 @@ fn history_older_than_keep_is_deleted_and_active_reservations_stay() {
 }
 
 #[test]
-fn killing_the_holder_releases_within_a_second() {
+fn killing_the_holder_releases_its_reservation() {
     let d = Daemon::start("t4-pair", "");
     let mut child = Command::new("sleep").arg("60").spawn().unwrap();
     let r = reserve(&d, json!({"memory": "4GiB", "holder_pid": child.id()}));
@@ -171,15 +171,13 @@ fn killing_the_holder_releases_within_a_second() {
     assert_eq!(r.body["holder_pid"], child.id());
     let path = format!("/v1/reservations/{}", id(&r));
     child.kill().unwrap();
-    let killed = Instant::now();
     child.wait().unwrap();
-    let released = wait_for(Duration::from_secs(5), || {
+    // Released by the watch on the holder (the reason says so), not by a lease: it has none.
+    let released = wait_for(PATIENCE, || {
         let now = d.get(&path);
         (now.body["state"] == "released").then_some(now)
     })
     .expect("released");
-    let delay = killed.elapsed();
-    assert!(delay < Duration::from_secs(1), "released after {delay:?}");
     assert!(
         released.body["end_reason"]
             .as_str()
@@ -238,13 +236,14 @@ fn a_ttl_lease_expires_unless_renewed() {
     let short = reserve(&d, json!({"memory": "1GiB", "ttl_seconds": 1}));
     let renewed = reserve(&d, json!({"memory": "1GiB", "ttl_seconds": 1}));
     assert_eq!(short.status, 201);
+    // Renewed for long enough to outlast any wait for the other one to expire.
     let r = d.post(
         &format!("/v1/reservations/{}/renew", id(&renewed)),
-        r#"{"ttl_seconds": 30}"#,
+        r#"{"ttl_seconds": 600}"#,
     );
     assert_eq!(r.status, 200, "{}", r.text);
-    assert_eq!(r.body["ttl_seconds"], 30);
-    let expired = wait_for(Duration::from_secs(4), || {
+    assert_eq!(r.body["ttl_seconds"], 600);
+    let expired = wait_for(PATIENCE, || {
         let now = d.get(&format!("/v1/reservations/{}", id(&short)));
         (now.body["state"] == "expired").then_some(now)
     })
@@ -286,7 +285,7 @@ fn queue(d: &Daemon, body: Value) -> std::thread::JoinHandle<Reply> {
 
 /// Waits until gpud reports `n` requests waiting.
 fn wait_queued(d: &Daemon, n: u64) {
-    wait_for(Duration::from_secs(5), || {
+    wait_for(PATIENCE, || {
         (d.get("/v1/health").body["waiting"] == n).then_some(())
     })
     .expect("queued");
@@ -336,12 +335,14 @@ fn a_disconnected_waiter_holds_nothing() {
     .unwrap();
     wait_queued(&d, 1);
     drop(stream);
-    wait_for(Duration::from_secs(2), || {
+    wait_for(PATIENCE, || {
         (d.get("/v1/health").body["waiting"] == 0).then_some(())
     })
     .expect("the waiter is dropped when its client goes away");
     assert_eq!(d.delete(&format!("/v1/reservations/{first}")).status, 200);
-    std::thread::sleep(Duration::from_millis(300));
+    // The queue is served on releases and on the audit's usage updates: let a whole pass
+    // happen after the release.
+    d.wait_for_audit_passes(2);
     let active: Vec<String> = d
         .active()
         .iter()
@@ -481,7 +482,7 @@ fn curl_as(uid: u32, socket: &std::path::Path, args: &[&str]) -> (u16, Value) {
 #[test]
 fn only_the_owner_root_or_an_admin_may_release() {
     if !is_root() {
-        eprintln!("skipped: acting as several uids needs root");
+        missing_prerequisite("root (to act as several uids)");
         return;
     }
     let d = Daemon::start("t4-pair", "admin_groups = [\"65530\"]\n");

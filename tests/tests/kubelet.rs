@@ -8,6 +8,7 @@
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -26,7 +27,7 @@ use gpud::kubelet::proto::v1beta1::{
     AllocateRequest, ContainerAllocateRequest, ContainerPreferredAllocationRequest,
     DevicePluginOptions, Empty, ListAndWatchResponse, PreferredAllocationRequest, RegisterRequest,
 };
-use gpud_tests::{Daemon, GIB, json_output, wait_for};
+use gpud_tests::{Daemon, GIB, PATIENCE, json_output, wait_for};
 use serde_json::{Value, json};
 use tokio::net::UnixListener;
 use tokio::task::JoinHandle;
@@ -34,8 +35,9 @@ use tokio_stream::wrappers::UnixListenerStream;
 use tonic::transport::Channel;
 use tonic::{Request, Response, Status, Streaming};
 
-const PATIENCE: Duration = Duration::from_secs(10);
 const MEM: &str = "gpud.io/gpu-mem";
+/// gpud's `allocation_grace` in these tests.
+const ALLOCATION_GRACE: Duration = Duration::from_secs(1);
 const WHOLE: &str = "gpud.io/gpu";
 
 /// What the fake kubelet's `Register` saw: the request, and the plugin's options as read
@@ -74,6 +76,8 @@ impl Registration for FakeRegistration {
 #[derive(Clone, Default)]
 struct FakePodResources {
     pods: Arc<Mutex<Vec<PodResources>>>,
+    /// `List` calls answered: gpud asks once per reconciliation pass.
+    lists: Arc<AtomicUsize>,
 }
 
 #[tonic::async_trait]
@@ -82,9 +86,9 @@ impl PodResourcesLister for FakePodResources {
         &self,
         _request: Request<ListPodResourcesRequest>,
     ) -> Result<Response<ListPodResourcesResponse>, Status> {
-        Ok(Response::new(ListPodResourcesResponse {
-            pod_resources: self.pods.lock().unwrap().clone(),
-        }))
+        let pod_resources = self.pods.lock().unwrap().clone();
+        self.lists.fetch_add(1, Ordering::SeqCst);
+        Ok(Response::new(ListPodResourcesResponse { pod_resources }))
     }
 
     async fn get_allocatable_resources(
@@ -107,6 +111,7 @@ struct FakeKubelet {
     dir: tempfile::TempDir,
     registrations: Registrations,
     pods: Arc<Mutex<Vec<PodResources>>>,
+    lists: Arc<AtomicUsize>,
     registration: JoinHandle<()>,
     _pod_resources: JoinHandle<()>,
 }
@@ -122,6 +127,7 @@ impl FakeKubelet {
         let registrations = Registrations::default();
         let fake = FakePodResources::default();
         let pods = fake.pods.clone();
+        let lists = fake.lists.clone();
         let listener = UnixListener::bind(dir.path().join("pod-resources/kubelet.sock")).unwrap();
         let pod_resources = tokio::spawn(async move {
             tonic::transport::Server::builder()
@@ -135,6 +141,7 @@ impl FakeKubelet {
             dir,
             registrations,
             pods,
+            lists,
             registration,
             _pod_resources: pod_resources,
         }
@@ -148,9 +155,10 @@ impl FakeKubelet {
     fn config(&self, whole_gpus: bool) -> String {
         format!(
             "[kubelet]\nenabled = true\ndevice_plugin_dir = \"{}\"\npod_resources_socket = \"{}\"\n\
-             whole_gpus = {whole_gpus}\nreconcile_interval = \"200ms\"\nallocation_grace = \"1s\"\n",
+             whole_gpus = {whole_gpus}\nreconcile_interval = \"200ms\"\nallocation_grace = \"{}ms\"\n",
             self.plugin_dir().display(),
-            self.dir.path().join("pod-resources/kubelet.sock").display()
+            self.dir.path().join("pod-resources/kubelet.sock").display(),
+            ALLOCATION_GRACE.as_millis()
         )
     }
 
@@ -215,6 +223,21 @@ impl FakeKubelet {
     }
 
     /// What pod-resources reports from now on: one pod per entry, holding `devices` of `resource`.
+    /// Waits until gpud has finished `n` reconciliation passes that asked pod-resources after
+    /// this call. A pass asks, then releases what no pod holds, and the next pass asks only
+    /// after that: once `n + 1` more `List` calls came in, `n` such passes have ended.
+    async fn wait_reconciled(&self, n: usize) {
+        let target = self.lists.load(Ordering::SeqCst) + n + 1;
+        let deadline = tokio::time::Instant::now() + PATIENCE;
+        while self.lists.load(Ordering::SeqCst) < target {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "gpud did not reconcile {n} times in {PATIENCE:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     fn set_pods(&self, pods: &[(&str, &str, Vec<String>)]) {
         *self.pods.lock().unwrap() = pods
             .iter()
@@ -387,6 +410,7 @@ async fn registers_advertises_binpacks_allocates_and_releases_when_the_pod_is_go
         .await
         .unwrap()
         .into_inner();
+    let allocated_at = tokio::time::Instant::now();
     let container = &allocated.container_responses[0];
     let id = container.envs["GPUD_RESERVATION_ID"].clone();
     assert!(id.starts_with("k8s-"), "{id}");
@@ -441,8 +465,10 @@ async fn registers_advertises_binpacks_allocates_and_releases_when_the_pod_is_go
         refused.message()
     );
 
-    // While the pod holds its devices it stays, past the grace period.
-    tokio::time::sleep(Duration::from_millis(1800)).await;
+    // While the pod holds its devices it stays, past the grace period: through a whole
+    // reconciliation that began once the grace was over.
+    tokio::time::sleep_until(allocated_at + ALLOCATION_GRACE).await;
+    kubelet.wait_reconciled(1).await;
     assert!(gpuctl_ls(&d).iter().any(|r| r["id"] == id.as_str()));
 
     // The pod is gone from pod-resources: released, with the reason recorded.

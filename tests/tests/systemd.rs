@@ -4,7 +4,8 @@
 //! listens on, and `SIGHUP` reloads.
 //!
 //! Without `systemd-socket-activate` (the `systemd` package) the activation tests say so and
-//! pass, except under CI (`CI` set), where a missing tool is a failure: CI installs it.
+//! pass, except under CI (`CI` set and not empty), where a missing tool is a failure: CI
+//! installs it.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step should stop with its line
 
@@ -16,7 +17,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use gpud_tests::{
-    Daemon, SIGTERM, fake_nvml, fixture, gpud_bin, http, my_ids, signal, try_http, wait_for,
+    Daemon, PATIENCE, SIGTERM, fake_nvml, fixture, gpud_bin, http, missing_prerequisite, my_ids,
+    signal, try_http, wait_for,
 };
 use serde_json::json;
 
@@ -31,11 +33,7 @@ fn socket_activate() -> Option<PathBuf> {
         .map(|dir| dir.join("systemd-socket-activate"))
         .find(|p| p.is_file());
     if found.is_none() {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "systemd-socket-activate is missing; .ci/run installs the `systemd` package"
-        );
-        eprintln!("SKIPPED: systemd-socket-activate is not installed (apt-get install systemd)");
+        missing_prerequisite("systemd-socket-activate (the `systemd` package)");
     }
     found
 }
@@ -69,9 +67,7 @@ impl Activation {
         )
         .unwrap();
         let notify = UnixDatagram::bind(dir.path().join("notify")).unwrap();
-        notify
-            .set_read_timeout(Some(Duration::from_secs(20)))
-            .unwrap();
+        notify.set_read_timeout(Some(PATIENCE)).unwrap();
         Activation { dir, notify }
     }
 
@@ -122,7 +118,7 @@ impl Activation {
             .unwrap();
         let socket = self.path("activated.sock");
         assert!(
-            wait_for(Duration::from_secs(10), || socket.exists().then_some(())).is_some(),
+            wait_for(PATIENCE, || socket.exists().then_some(())).is_some(),
             "systemd-socket-activate did not create {}",
             socket.display()
         );
@@ -162,7 +158,7 @@ fn socket_activated_gpud_reports_ready_serves_the_passed_socket_and_pings_the_wa
     // Like systemd, the tool starts gpud on the first connection; that connection waits in
     // the socket's backlog and is answered once gpud is up.
     // (The tool binds the path a moment before it listens: retry a refused connection.)
-    let health = wait_for(Duration::from_secs(20), || {
+    let health = wait_for(PATIENCE, || {
         try_http(&socket, "GET", "/v1/health", None).ok()
     })
     .unwrap_or_else(|| panic!("no answer on the activated socket; log:\n{}", a.log()));
@@ -182,7 +178,9 @@ fn socket_activated_gpud_reports_ready_serves_the_passed_socket_and_pings_the_wa
     );
     assert!(!a.path("self-bound.sock").exists());
 
-    // WATCHDOG_USEC=300000: keep-alives every 150 ms.
+    // WATCHDOG_USEC=300000: keep-alives keep coming, at half the watchdog period as gpud
+    // says in its log. (How punctually is for systemd to judge, not for a test on a
+    // machine that may be loaded.)
     let started = Instant::now();
     let mut pings = 0;
     while pings < 3 {
@@ -190,10 +188,17 @@ fn socket_activated_gpud_reports_ready_serves_the_passed_socket_and_pings_the_wa
             pings += 1;
         }
         assert!(
-            started.elapsed() < Duration::from_secs(5),
-            "only {pings} watchdog pings in 5 s"
+            started.elapsed() < PATIENCE,
+            "only {pings} watchdog pings in {PATIENCE:?}; log:\n{}",
+            a.log()
         );
     }
+    let log = a.log();
+    assert!(
+        log.lines()
+            .any(|l| l.contains("watchdog") && l.contains("every=150ms")),
+        "{log}"
+    );
 
     // SIGTERM: a clean exit that says so, and the socket (systemd's) is left in place.
     signal(gpud.0.id(), SIGTERM);
@@ -233,7 +238,7 @@ fn an_activated_socket_of_the_wrong_kind_is_refused_with_a_clear_message() {
     let mut gpud = a.spawn(&tool, &["--datagram"]);
     let sender = UnixDatagram::unbound().unwrap();
     sender.send_to(b"hello", a.path("activated.sock")).unwrap();
-    let deadline = Instant::now() + Duration::from_secs(20);
+    let deadline = Instant::now() + PATIENCE;
     let status = loop {
         if let Some(status) = gpud.0.try_wait().unwrap() {
             break status;
@@ -273,7 +278,7 @@ fn sighup_applies_a_new_quota_and_keeps_the_old_config_when_the_new_one_is_broke
     d.child = Some(child);
     let log = || std::fs::read_to_string(&log_path).unwrap_or_default();
     assert!(
-        wait_for(Duration::from_secs(20), || {
+        wait_for(PATIENCE, || {
             try_http(&d.socket, "GET", "/v1/health", None)
                 .ok()
                 .filter(|r| r.status == 200)
@@ -296,7 +301,7 @@ fn sighup_applies_a_new_quota_and_keeps_the_old_config_when_the_new_one_is_broke
     )
     .unwrap();
     signal(d.pid(), SIGHUP);
-    let second = wait_for(Duration::from_secs(10), || {
+    let second = wait_for(PATIENCE, || {
         let r = d.post("/v1/reservations", &ask);
         (r.status == 201).then_some(r)
     });
@@ -319,7 +324,7 @@ fn sighup_applies_a_new_quota_and_keeps_the_old_config_when_the_new_one_is_broke
     std::fs::write(&d.config, config("\"many\"")).unwrap();
     signal(d.pid(), SIGHUP);
     assert!(
-        wait_for(Duration::from_secs(10), || log()
+        wait_for(PATIENCE, || log()
             .contains("config reload rejected")
             .then_some(()))
         .is_some(),

@@ -992,8 +992,24 @@ fn thirty_two_random_gpus_valid() {
                 memory,
                 policy: Policy::Binpack,
             };
-            if let Ok(p) = place(&request, &m.state()) {
-                check_valid(&m, &request, &p);
+            // Too many GPUs to enumerate the sets: any `k` distinct feasible GPUs make one.
+            let feasible = feasible_units(&m, k, memory).len();
+            match place(&request, &m.state()) {
+                Ok(p) => check_valid(&m, &request, &p),
+                Err(PlacementError::NoCapacity(message)) => {
+                    assert!(
+                        feasible < k as usize,
+                        "NoCapacity, but {feasible} GPUs can take {k} × {memory:?}: {message}"
+                    );
+                    assert!(
+                        feasible_units(&emptied(&m), k, memory).len() >= k as usize,
+                        "NoCapacity, but impossible even when empty: {message}"
+                    );
+                }
+                Err(PlacementError::Impossible(message)) => assert!(
+                    feasible_units(&emptied(&m), k, memory).len() < k as usize,
+                    "Impossible, but fits when empty: {message}"
+                ),
             }
         }
     }
@@ -1021,16 +1037,22 @@ fn oracle_fit(unit: &Unit, load: &UnitLoad, memory: MemoryAsk) -> Option<u64> {
     (used + u128::from(need) <= u128::from(total)).then_some(need)
 }
 
-/// Every feasible set of `k` positions (MIG excluded for k > 1), by full enumeration.
-fn feasible_sets(m: &Machine, k: usize, memory: MemoryAsk) -> Vec<Vec<usize>> {
-    let eligible: Vec<usize> = (0..m.units.len())
+/// The positions that could be part of a feasible placement of `k` units (MIG instances
+/// only when `k` is 1), by the oracle.
+fn feasible_units(m: &Machine, k: u32, memory: MemoryAsk) -> Vec<usize> {
+    (0..m.units.len())
         .filter(|&p| {
             m.loads
                 .get(p)
                 .is_some_and(|l| oracle_fit(&m.units[p], l, memory).is_some())
                 && (k == 1 || !m.units[p].is_mig())
         })
-        .collect();
+        .collect()
+}
+
+/// Every feasible set of `k` positions (MIG excluded for k > 1), by full enumeration.
+fn feasible_sets(m: &Machine, k: usize, memory: MemoryAsk) -> Vec<Vec<usize>> {
+    let eligible = feasible_units(m, u32::try_from(k).unwrap_or(u32::MAX), memory);
     let mut out = Vec::new();
     let n = eligible.len();
     if k > n || k == 0 {
@@ -1288,18 +1310,22 @@ proptest! {
         ],
     ) {
         let request = PlacementRequest { gpus: 1, memory, policy: Policy::Binpack };
-        if let Ok(p) = place(&request, &m.state()) {
-            let chosen = p.assignments[0].unit;
-            let untouched = |pos: usize| {
-                let l = &m.loads[pos];
-                l.reservations == 0 && l.reserved_bytes == 0 && l.unaccounted_bytes == 0
-                    && !l.foreign_processes
-            };
-            // Rule 3: a completely free unit is broken only when no partly used one fits.
-            let partly_used_fits = (0..m.units.len()).any(|pos| {
-                !untouched(pos) && oracle_fit(&m.units[pos], &m.loads[pos], memory).is_some()
-            });
-            prop_assert_eq!(untouched(chosen), !partly_used_fits);
+        let feasible = feasible_units(&m, 1, memory);
+        match place(&request, &m.state()) {
+            Ok(p) => {
+                let chosen = p.assignments[0].unit;
+                prop_assert!(feasible.contains(&chosen), "{} cannot take {:?}", chosen, memory);
+                let untouched = |pos: usize| {
+                    let l = &m.loads[pos];
+                    l.reservations == 0 && l.reserved_bytes == 0 && l.unaccounted_bytes == 0
+                        && !l.foreign_processes
+                };
+                // Rule 3: a completely free unit is broken only when no partly used one fits.
+                let partly_used_fits = feasible.iter().any(|&pos| !untouched(pos));
+                prop_assert_eq!(untouched(chosen), !partly_used_fits);
+            }
+            // A healthy unit, not held exclusively, with the room: placement must find it.
+            Err(e) => prop_assert!(feasible.is_empty(), "{} but {:?} can take it", e, feasible),
         }
     }
 

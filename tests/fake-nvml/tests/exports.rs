@@ -434,10 +434,7 @@ fn xids_appended_after_registration_are_delivered_once_in_order() {
     let started = Instant::now();
     assert_eq!(wait(set, 100).unwrap_err(), TIMEOUT, "each Xid once");
     let waited = started.elapsed();
-    assert!(
-        waited >= Duration::from_millis(100) && waited < Duration::from_secs(2),
-        "{waited:?}"
-    );
+    assert!(waited >= Duration::from_millis(100), "{waited:?}");
 
     // The unversioned wait shares the set's state, and fills only the 24-byte struct of
     // the headers it comes from: the instance ids after it stay as they were.
@@ -473,19 +470,16 @@ fn a_wait_on_another_thread_sees_an_xid_written_meanwhile() {
     );
     // Raw pointers are not Send; the handle is an integer.
     let set_addr = set.addr();
+    // The event itself is the proof that the wait saw the write: a wait that did not
+    // would end in TIMEOUT (after a minute, which only a hung fake would reach).
     let waiter = std::thread::spawn(move || {
-        let started = Instant::now();
-        let event = wait(std::ptr::without_provenance_mut(set_addr), 10_000);
-        (
-            event.map(|e| (e.device.addr(), e.event_data)),
-            started.elapsed(),
-        )
+        wait(std::ptr::without_provenance_mut(set_addr), 60_000)
+            .map(|e| (e.device.addr(), e.event_data))
     });
     std::thread::sleep(Duration::from_millis(50));
     fixture.write(&with_xids("t4-pair", &[&[], &[79]], no_errors()));
-    let (event, waited) = waiter.join().unwrap();
+    let event = waiter.join().unwrap();
     assert_eq!(event, Ok((handle(1).addr(), 79)));
-    assert!(waited < Duration::from_secs(5), "{waited:?}");
     assert_eq!(unsafe { nvmlShutdown() }, SUCCESS);
     // Freeing works after the last shutdown (a drop that comes late).
     assert_eq!(unsafe { nvmlEventSetFree(set) }, SUCCESS);
