@@ -193,6 +193,11 @@ pub struct AuditConfig {
     /// access, a hung kernel), not the card. Any other Xid the driver reports as critical
     /// marks its GPU unhealthy until gpud restarts.
     pub xid_ignore: Vec<u64>,
+    /// How long waiting for Xid errors may keep failing before gpud registers the GPUs
+    /// again (a GPU that fell off the bus can fail every wait of its set; a new set leaves
+    /// it out). Xids of the other GPUs during that time are not heard. Read at start.
+    #[serde(deserialize_with = "duration")]
+    pub xid_reregister_after: Duration,
 }
 
 impl Default for AuditConfig {
@@ -205,6 +210,7 @@ impl Default for AuditConfig {
             over_limit_tolerance: Tolerance::BasisPoints(500),
             failures_before_unhealthy: 3,
             xid_ignore: APPLICATION_XIDS.to_vec(),
+            xid_reregister_after: Duration::from_secs(10),
         }
     }
 }

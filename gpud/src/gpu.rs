@@ -443,13 +443,17 @@ impl Nvml {
     /// that an error from then on is seen. The thread stops at the first event after the
     /// receiver is dropped. A driver (or GPU) without the event API gives a receiver that
     /// never yields: the audit still sees a GPU that stops answering.
-    pub fn watch_xids(self: &std::sync::Arc<Self>) -> std::sync::mpsc::Receiver<(u32, u64)> {
+    /// Waiting that keeps failing for `reregister_after` registers the GPUs again.
+    pub fn watch_xids(
+        self: &std::sync::Arc<Self>,
+        reregister_after: std::time::Duration,
+    ) -> std::sync::mpsc::Receiver<(u32, u64)> {
         let (tx, rx) = std::sync::mpsc::channel();
         let (registered, wait_registered) = std::sync::mpsc::sync_channel(1);
         let nvml = self.clone();
         let spawned = std::thread::Builder::new()
             .name("gpud-xid".to_owned())
-            .spawn(move || nvml.forward_xids(&tx, &registered));
+            .spawn(move || nvml.forward_xids(&tx, &registered, reregister_after));
         match spawned {
             // Also returns when the thread gives up (it drops `registered`).
             Ok(_) => {
@@ -467,13 +471,19 @@ impl Nvml {
         &self,
         tx: &std::sync::mpsc::Sender<(u32, u64)>,
         registered: &std::sync::mpsc::SyncSender<()>,
+        reregister_after: std::time::Duration,
     ) {
         use nvml_wrapper::enums::event::XidError;
 
-        /// Failed waits in a row (one a second) after which the GPUs are registered anew:
-        /// a GPU that fell off the bus can fail every wait of its set, and a new set leaves
-        /// it out, so that the others are heard again.
+        /// Failed waits in a row after which the GPUs are registered anew (spread over
+        /// `reregister_after`): a GPU that fell off the bus can fail every wait of its set,
+        /// and a new set leaves it out, so that the others are heard again.
         const FAILURES_BEFORE_REGISTERING_AGAIN: u32 = 10;
+        let step = (reregister_after / FAILURES_BEFORE_REGISTERING_AGAIN).clamp(
+            std::time::Duration::from_millis(10),
+            std::time::Duration::from_secs(1),
+        );
+        let step_ms = u32::try_from(step.as_millis()).unwrap_or(1_000);
         loop {
             let Some((set, by_handle)) = self.register_xids() else {
                 return;
@@ -482,7 +492,7 @@ impl Nvml {
             let mut failures = 0;
             let mut last_error = None;
             while failures < FAILURES_BEFORE_REGISTERING_AGAIN {
-                match set.wait(1_000) {
+                match set.wait(step_ms) {
                     Ok(event) => {
                         failures = 0;
                         let xid = match event.event_data {
@@ -513,10 +523,10 @@ impl Nvml {
                         // audit's queries.
                         let text = e.to_string();
                         if last_error.as_ref() != Some(&text) {
-                            tracing::warn!(error = %text, "waiting for Xid errors failed; retrying every second");
+                            tracing::warn!(error = %text, every = %humantime::format_duration(step), "waiting for Xid errors failed; retrying");
                             last_error = Some(text);
                         }
-                        std::thread::sleep(std::time::Duration::from_secs(1));
+                        std::thread::sleep(step);
                     }
                 }
             }

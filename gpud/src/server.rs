@@ -173,7 +173,8 @@ async fn serve(config: Config, config_path: Option<PathBuf>) -> anyhow::Result<(
     tokio::spawn(history_loop(broker.clone()));
     let xids = {
         let nvml = nvml.clone();
-        tokio::task::spawn_blocking(move || nvml.watch_xids()).await?
+        let after = config.audit.xid_reregister_after;
+        tokio::task::spawn_blocking(move || nvml.watch_xids(after)).await?
     };
     let auditor =
         Auditor::new(broker.clone(), nvml.clone(), ProcFs, metrics.clone()).with_xids(xids);
