@@ -73,6 +73,8 @@ pub fn status_for(e: &BrokerError) -> (StatusCode, &'static str) {
         BrokerError::NoCapacity(_) => (StatusCode::CONFLICT, codes::NO_CAPACITY),
         BrokerError::WaitTimeout(_) => (StatusCode::REQUEST_TIMEOUT, codes::WAIT_TIMEOUT),
         BrokerError::Forbidden(_) => (StatusCode::FORBIDDEN, codes::FORBIDDEN),
+        BrokerError::Holder(e) if e.is_forbidden() => (StatusCode::FORBIDDEN, codes::FORBIDDEN),
+        BrokerError::Holder(_) => (StatusCode::BAD_REQUEST, codes::INVALID_REQUEST),
         BrokerError::QuotaExceeded(_) => (StatusCode::FORBIDDEN, codes::QUOTA_EXCEEDED),
         BrokerError::NotFound(_) => (StatusCode::NOT_FOUND, codes::NOT_FOUND),
         BrokerError::NotActive { .. } => (StatusCode::CONFLICT, codes::NOT_ACTIVE),
@@ -660,6 +662,20 @@ mod tests {
                 codes::WAIT_TIMEOUT,
             ),
             (BrokerError::Forbidden("x".into()), 403, codes::FORBIDDEN),
+            (
+                BrokerError::from(crate::holder::PinError::NotYours {
+                    pid: 1,
+                    owner: 0,
+                    caller: 1000,
+                }),
+                403,
+                codes::FORBIDDEN,
+            ),
+            (
+                BrokerError::from(crate::holder::PinError::Invisible { seen_as: 1 }),
+                400,
+                codes::INVALID_REQUEST,
+            ),
             (
                 BrokerError::QuotaExceeded("x".into()),
                 403,

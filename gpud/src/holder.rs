@@ -196,14 +196,57 @@ pub fn translate_pid(caller_pid: u32, pid: u32) -> Result<u32, HolderError> {
 }
 
 /// Why a caller cannot name a process as the holder of a reservation.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, thiserror::Error)]
 pub enum PinError {
-    /// No such process, or gpud cannot see it: the message says which.
-    #[error("{0}")]
-    Invalid(String),
+    /// No such process in the caller's PID namespace.
+    #[error(
+        "process {seen_as} (holder_pid) cannot hold a reservation: {source} in your PID namespace"
+    )]
+    NotInNamespace {
+        /// The pid as the caller gave it.
+        seen_as: u32,
+        /// Why it was not found.
+        #[source]
+        source: HolderError,
+    },
+    /// The caller is outside gpud's PID namespace, so none of its processes can be checked.
+    #[error(
+        "process {seen_as} (holder_pid) cannot be checked: gpud cannot see your processes (it runs \
+         in a PID namespace that does not include yours; run it with the host's, e.g. \
+         hostPID: true); use ttl_seconds for a lease instead"
+    )]
+    Invisible {
+        /// The pid as the caller gave it.
+        seen_as: u32,
+    },
+    /// The process could not be pinned (gone, or `/proc` unreadable).
+    #[error("process {pid} (holder_pid) cannot hold a reservation: {source}")]
+    Unpinnable {
+        /// The pid in gpud's namespace.
+        pid: u32,
+        /// Why.
+        #[source]
+        source: HolderError,
+    },
     /// The process is not the caller's.
-    #[error("{0}")]
-    Forbidden(String),
+    #[error(
+        "process {pid} (holder_pid) belongs to uid {owner}, not to you (uid {caller}); name one of your own processes"
+    )]
+    NotYours {
+        /// The pid in gpud's namespace.
+        pid: u32,
+        /// Its owner.
+        owner: u32,
+        /// The caller.
+        caller: u32,
+    },
+}
+
+impl PinError {
+    /// Whether the caller is refused another's process (rather than naming a bad one).
+    pub fn is_forbidden(&self) -> bool {
+        matches!(self, PinError::NotYours { .. })
+    }
 }
 
 /// Pins the process `caller` names as a holder (`pid` as the caller sees it), checking that
@@ -214,30 +257,18 @@ pub fn pin_holder(caller: &Caller, pid: u32) -> Result<PinnedProcess, PinError> 
     // PID namespace sees other numbers than gpud does.
     let seen_as = pid;
     let pid = match caller.pid {
-        Some(caller_pid) => translate_pid(caller_pid, pid).map_err(|e| {
-            PinError::Invalid(format!(
-                "process {seen_as} (holder_pid) cannot hold a reservation: {e} in your PID namespace"
-            ))
-        })?,
-        // A peer outside gpud's PID namespace (see `server::peer`).
-        None => {
-            return Err(PinError::Invalid(format!(
-                "process {seen_as} (holder_pid) cannot be checked: gpud cannot see your processes (it runs \
-                 in a PID namespace that does not include yours; run it with the host's, e.g. \
-                 hostPID: true); use ttl_seconds for a lease instead"
-            )));
-        }
+        Some(caller_pid) => translate_pid(caller_pid, pid)
+            .map_err(|source| PinError::NotInNamespace { seen_as, source })?,
+        // A peer outside gpud's PID namespace (see `server::socket::peer`).
+        None => return Err(PinError::Invisible { seen_as }),
     };
-    let pinned = PinnedProcess::pin(pid).map_err(|e| {
-        PinError::Invalid(format!(
-            "process {pid} (holder_pid) cannot hold a reservation: {e}"
-        ))
-    })?;
+    let pinned = PinnedProcess::pin(pid).map_err(|source| PinError::Unpinnable { pid, source })?;
     if caller.uid != 0 && pinned.info.uid != caller.uid {
-        return Err(PinError::Forbidden(format!(
-            "process {pid} (holder_pid) belongs to uid {}, not to you (uid {}); name one of your own processes",
-            pinned.info.uid, caller.uid
-        )));
+        return Err(PinError::NotYours {
+            pid,
+            owner: pinned.info.uid,
+            caller: caller.uid,
+        });
     }
     Ok(pinned)
 }

@@ -31,7 +31,7 @@ use tokio::sync::oneshot;
 
 use crate::clock::Clock;
 use crate::config::Config;
-use crate::holder::PinnedProcess;
+use crate::holder::{PinError, PinnedProcess};
 use crate::model::{
     AuditView, AuditedReservation, Event, EventFilter, Gpu, GpuInventory, Holder, MemoryAsk,
     Millis, Policy, Reservation, ReservationState, Topology, Unit,
@@ -122,6 +122,9 @@ pub enum BrokerError {
         /// Why it ended.
         reason: String,
     },
+    /// The process named as holder cannot hold it (400), or is not the caller's (403).
+    #[error("{0}")]
+    Holder(#[source] Arc<PinError>),
     /// The database failed.
     #[error("state could not be written, nothing was changed: {0}")]
     Storage(#[source] Arc<StoreError>),
@@ -139,12 +142,9 @@ impl From<StoreError> for BrokerError {
     }
 }
 
-impl From<crate::holder::PinError> for BrokerError {
-    fn from(e: crate::holder::PinError) -> BrokerError {
-        match e {
-            crate::holder::PinError::Invalid(m) => BrokerError::Invalid(m),
-            crate::holder::PinError::Forbidden(m) => BrokerError::Forbidden(m),
-        }
+impl From<PinError> for BrokerError {
+    fn from(e: PinError) -> BrokerError {
+        BrokerError::Holder(Arc::new(e))
     }
 }
 
