@@ -2,29 +2,35 @@
 //! was reserved, and the differences become events, metrics, enforcement and input to
 //! placement.
 //!
-//! Depends on `broker`, `gpu`, `holder`, `config`. One pass, in order:
-//! 1. ask NVML for the processes on every GPU (a GPU whose query fails keeps its previous
-//!    findings; NVML reporting it lost, or `failures_before_unhealthy` failures in a row,
-//!    make it unhealthy — one bad GPU never stops the others from being checked). A GPU
-//!    whose driver reported a critical Xid error (`Nvml::watch_xids`; not one of
-//!    `xid_ignore`, which a program causes) is unhealthy from then until gpud restarts,
-//!    even though NVML still answers for it;
-//! 2. attribute each process to a reservation: the holder itself or one of its descendants
-//!    (walking `/proc/<pid>/stat` parents), or a process in the holder's cgroup when that
-//!    cgroup is the holder's own (a container's), not a shared one like gpud's or `/`;
-//! 3. findings: `unreserved` (no reservation), `wrong_gpu` (a reservation's process on a GPU
+//! Depends on `broker`, `gpu`, `holder`, `config`. A pass first gathers its input, then runs
+//! three stages, each its own function:
+//! - listing: ask NVML for the processes on every GPU (a GPU whose query fails keeps its
+//!   previous findings; NVML reporting it lost, or `failures_before_unhealthy` failures in a
+//!   row, make it unhealthy — one bad GPU never stops the others from being checked). A GPU
+//!   whose driver reported a critical Xid error (`Nvml::watch_xids`; not one of
+//!   `xid_ignore`, which a program causes) is unhealthy from then until gpud restarts, even
+//!   though NVML still answers for it. Then read from `/proc`, once per process, what
+//!   attribution needs: owner, start time, parents, environment, cgroup ([`ProcessTable`]);
+//! 1. attribution (`attribute`, pure: plain data in, no `/proc`, NVML, broker or clock):
+//!    each process belongs to a reservation whose holder is the process itself or one of its
+//!    ancestors, else to the reservation its `GPUD_RESERVATION_ID` names (when that is
+//!    allowed), else to one whose holder's cgroup it shares when that cgroup is the holder's
+//!    own (a container's), not a shared one like gpud's or `/`. From that, the memory used
+//!    per unit and per reservation, and the memory no reservation accounts for on each unit;
+//! 2. findings: `unreserved` (no reservation), `wrong_gpu` (a reservation's process on a GPU
 //!    it does not hold), `over_limit` (a reservation's processes on one GPU use more than it
-//!    reserved there, beyond the tolerance; exclusive reservations own the whole GPU);
-//! 4. a finding is recorded once when it starts and once when it ends, with the action
-//!    taken; under `terminate`, offending processes get SIGTERM, and SIGKILL after the
-//!    grace period if the same process (pid and start time) still runs — never gpud itself,
-//!    never root's processes unless `terminate_root`;
-//! 5. memory used by processes no reservation accounts for on that GPU is handed to the
-//!    broker, so placement does not promise it again.
+//!    reserved there, beyond the tolerance; exclusive reservations own the whole GPU). The
+//!    auditor remembers the open ones between passes, so a finding is recorded once when it
+//!    starts and once when it ends;
+//! 3. enforcement: under `terminate`, a new finding's processes get SIGTERM, and SIGKILL
+//!    after the grace period if the same process (pid and start time) still runs — never
+//!    gpud itself, never root's processes unless `terminate_root`. The start event says the
+//!    action taken.
 //!
 //! The pass runs on a blocking thread. It reads the broker's latest snapshot (never waiting
 //! for a commit) and hands everything it found to the broker as one command
-//! ([`Broker::apply_audit`]), so NVML latency never blocks the API.
+//! ([`Broker::apply_audit`]): health, the unaccounted memory (so placement does not promise
+//! it again) and the events. NVML latency never blocks the API.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
@@ -37,7 +43,7 @@ use crate::config::{AuditConfig, Enforcement};
 use crate::gpu::{GpuProcess, Nvml};
 use crate::holder::process_info;
 use crate::metrics::Metrics;
-use crate::model::{AuditedReservation, Event, EventKind, EventPhase, Gpu, Millis, Topology};
+use crate::model::{AuditedReservation, Event, EventKind, EventPhase, Gpu, Millis, Topology, Unit};
 
 /// How deep to walk a process's ancestors looking for a holder.
 const MAX_ANCESTRY: usize = 64;
@@ -227,13 +233,93 @@ impl<S, T> std::fmt::Debug for Auditor<S, T> {
     }
 }
 
+/// Whose a listed process is, as attribution decided.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Attributed {
+    /// No reservation's.
+    Unreserved,
+    /// Reservation `i`'s (an index into the view's reservations), on a unit it holds.
+    Held(usize),
+    /// Reservation `i`'s, on a unit it does not hold.
+    WrongGpu(usize),
+}
+
 /// A process as attributed in one pass.
 struct Seen<'a> {
     process: &'a GpuProcess,
     gpu_index: u32,
     uid: Option<u32>,
     start_time: Option<u64>,
-    owner: Option<usize>,
+    owner: Attributed,
+}
+
+impl Seen<'_> {
+    /// The process as enforcement would signal it.
+    fn target(&self) -> Target {
+        Target {
+            pid: self.process.pid,
+            start_time: self.start_time,
+            uid: self.uid,
+        }
+    }
+}
+
+/// What `/proc` says about one listed process, read before attribution ([`read_facts`]).
+#[derive(Debug, Default)]
+struct ProcessFacts {
+    /// Owner, if the process still exists.
+    uid: Option<u32>,
+    /// Start time, to recognise the process when it is signalled later.
+    start_time: Option<u64>,
+    /// Its parent, the parent's parent, … nearest first: up to the nearest holder, init, or
+    /// `MAX_ANCESTRY` processes counting the process itself.
+    ancestry: Vec<u32>,
+    /// The `GPUD_RESERVATION_ID` it was started with.
+    reservation_env: Option<String>,
+    /// Its cgroup ([`cgroup_key`]).
+    cgroup: Option<String>,
+}
+
+/// The `/proc` facts one pass's attribution needs, as plain data.
+#[derive(Debug, Default)]
+struct Facts {
+    /// Each listed process's facts, by pid; a pid missing here is one `/proc` knew nothing of.
+    processes: HashMap<u32, ProcessFacts>,
+    /// Each holder's cgroup, by holder pid.
+    holder_cgroups: HashMap<u32, String>,
+    /// gpud's own cgroup: a holder in it shares gpud's, so its cgroup proves nothing.
+    own_cgroup: Option<String>,
+}
+
+/// What attribution found: whose each process is, and the memory in use.
+struct Attribution<'a> {
+    /// Every listed process, in listing order.
+    seen: Vec<Seen<'a>>,
+    /// Usage of each reservation on each unit it holds.
+    per_reservation: ReservationUse,
+    /// Memory used per unit (indexed like the view's units), by all processes.
+    used: Vec<u64>,
+    /// Per unit: memory no reservation accounts for, and whether a process outside every
+    /// reservation (or on a unit its reservation does not hold) runs there.
+    unaccounted: Vec<(u64, bool)>,
+}
+
+/// What listing found.
+struct Listed {
+    /// Processes per GPU index, for the GPUs NVML answered for.
+    processes: Vec<(u32, Vec<GpuProcess>)>,
+    /// GPUs NVML could not list: their findings stand until it can.
+    unlisted: Vec<u32>,
+    /// The link matrix read again after a GPU came back.
+    topology: Option<Topology>,
+}
+
+/// How the open findings changed in one pass.
+struct Changes {
+    /// Findings that started, with the processes enforcement may signal.
+    started: Vec<(FindingKey, Event, Vec<Target>)>,
+    /// Findings that ended.
+    ended: Vec<(FindingKey, Event)>,
 }
 
 impl<S: ProcessSource, T: ProcessTable> Auditor<S, T> {
@@ -293,7 +379,8 @@ impl<S: ProcessSource, T: ProcessTable> Auditor<S, T> {
         fresh
     }
 
-    /// One audit pass at time `now`.
+    /// One audit pass at time `now`: listing, then attribution, findings and enforcement,
+    /// then everything to the broker as one command.
     pub fn pass(&mut self, config: &AuditConfig, now: Millis) -> PassReport {
         let started = Instant::now();
         let view = self.broker.snapshot().audit_view();
@@ -303,32 +390,77 @@ impl<S: ProcessSource, T: ProcessTable> Auditor<S, T> {
             now: view.gpus.iter().map(|g| (g.index, g.healthy)).collect(),
             changed: Vec::new(),
         };
+        let listed = self.list(&view.gpus, config, now, &mut health, &mut events);
+        let facts = read_facts(
+            &self.procs,
+            self.self_pid,
+            &view.reservations,
+            &listed.processes,
+        );
 
-        // 1. Processes per GPU, and health. An Xid is recorded even on a GPU already
-        // unhealthy for another reason: it is why the GPU will not come back.
+        let attribution = attribute(&view.reservations, &view.units, &listed.processes, &facts);
+        let current = findings(&view.reservations, &attribution, config, now);
+        let mut changes = self.open_and_close(current, &listed.unlisted, now);
+        let kills = self.enforcement(config, &mut changes, now);
+        events.extend(changes.started.into_iter().map(|(_, event, _)| event));
+        events.extend(changes.ended.into_iter().map(|(_, event)| event));
+        events.extend(kills);
+
+        // Hand health, links and usage to placement; store events.
+        let processes = attribution.seen.len();
+        let found = AuditFindings {
+            health: health.changed,
+            topology: listed.topology,
+            used: attribution.used,
+            unaccounted: attribution.unaccounted,
+            events: events.clone(),
+        };
+        let events = match self.broker.apply_audit(found).wait() {
+            Ok(stored) => stored,
+            Err(e) => {
+                tracing::error!(error = %e, "could not apply the audit's findings; the next pass tries again");
+                events
+            }
+        };
+        for e in &events {
+            log_event(e);
+        }
+        self.metrics.observe_audit_pass(started.elapsed());
+        PassReport {
+            processes,
+            open_findings: self.open.len(),
+            events,
+        }
+    }
+
+    /// Listing: the processes on each of `gpus`, and their health as NVML and the Xid
+    /// errors tell it (health events go to `events`).
+    fn list(
+        &mut self,
+        gpus: &[Gpu],
+        config: &AuditConfig,
+        now: Millis,
+        health: &mut Health,
+        events: &mut Vec<Event>,
+    ) -> Listed {
+        // An Xid is recorded even on a GPU already unhealthy for another reason: it is why
+        // the GPU will not come back.
         for (index, reason) in self.take_xids(&config.xid_ignore) {
-            if let Some(gpu) = view.gpus.iter().find(|g| g.index == index) {
+            if let Some(gpu) = gpus.iter().find(|g| g.index == index) {
                 health.set(index, false);
-                self.record_health(gpu, false, &reason, now, &mut events);
+                self.record_health(gpu, false, &reason, now, events);
             }
         }
         let mut listed: Vec<(u32, Vec<GpuProcess>)> = Vec::new();
         let mut unlisted: Vec<u32> = Vec::new();
         let mut recovered = Vec::new();
-        for gpu in &view.gpus {
+        for gpu in gpus {
             match self.source.processes(gpu) {
                 Ok(procs) => {
                     self.failures.remove(&gpu.index);
                     // An Xid keeps the GPU out (it was marked when the Xid came).
                     if !self.xid_failed.contains(&gpu.index)
-                        && self.set_health(
-                            &mut health,
-                            gpu,
-                            true,
-                            "NVML answers again",
-                            now,
-                            &mut events,
-                        )
+                        && self.set_health(health, gpu, true, "NVML answers again", now, events)
                     {
                         recovered.push(gpu.index);
                     }
@@ -347,7 +479,7 @@ impl<S: ProcessSource, T: ProcessTable> Auditor<S, T> {
                                 gpu.index
                             )
                         };
-                        self.set_health(&mut health, gpu, false, &reason, now, &mut events);
+                        self.set_health(health, gpu, false, &reason, now, events);
                     }
                 }
             }
@@ -357,205 +489,33 @@ impl<S: ProcessSource, T: ProcessTable> Auditor<S, T> {
         // placement uses its links as they are now.
         let mut topology = None;
         if !recovered.is_empty() {
-            topology = self.source.topology(&view.gpus);
+            topology = self.source.topology(gpus);
             if topology.is_some() {
                 tracing::info!(gpus = %crate::gpu::format_ranges(recovered), "GPU links read again after a GPU came back");
             }
         }
+        Listed {
+            processes: listed,
+            unlisted,
+            topology,
+        }
+    }
 
-        // 2. Attribution.
-        let holders: HashMap<u32, usize> = view
-            .reservations
-            .iter()
-            .enumerate()
-            .filter_map(|(i, r)| r.holder_pid.map(|p| (p, i)))
-            .collect();
-        let own_cgroup = self.procs.cgroup(self.self_pid);
-        let mut by_cgroup: HashMap<String, Vec<usize>> = HashMap::new();
-        // Which reservations attribution may choose among for a process: one holder's, or
-        // one holder cgroup's (see `overage`).
-        let mut attribution_group: Vec<String> = Vec::with_capacity(view.reservations.len());
-        for (i, r) in view.reservations.iter().enumerate() {
-            let cgroup = r
-                .holder_pid
-                .and_then(|p| self.procs.cgroup(p))
-                .filter(|cg| Some(cg) != own_cgroup.as_ref());
-            attribution_group.push(match (&cgroup, r.holder_pid) {
-                (Some(cg), _) => format!("cgroup {cg}"),
-                (None, Some(pid)) => format!("pid {pid}"),
-                (None, None) => format!("reservation {i}"),
-            });
-            if let Some(cg) = cgroup {
-                by_cgroup.entry(cg).or_default().push(i);
-            }
-        }
-        let mut seen: Vec<Seen<'_>> = Vec::new();
-        let mut cache = PassCache::new(&self.procs);
-        for (gpu_index, procs) in &listed {
-            for p in procs {
-                let info = cache.info(p.pid);
-                let owner = attribute(p, &holders, &by_cgroup, &view.reservations, &mut cache);
-                seen.push(Seen {
-                    process: p,
-                    gpu_index: *gpu_index,
-                    uid: info.map(|(_, uid, _)| uid),
-                    start_time: info.map(|(_, _, st)| st),
-                    owner,
-                });
-            }
-        }
-
-        // 3. Findings and usage.
-        let unit_index: HashMap<&str, usize> = view
-            .units
-            .iter()
-            .enumerate()
-            .map(|(i, u)| (u.uuid.as_str(), i))
-            .collect();
-        let mut used = vec![0u64; view.units.len()];
-        let mut unaccounted = vec![(0u64, false); view.units.len()];
-        let mut current = Findings::new();
-        let mut per_reservation = ReservationUse::new();
-        for s in &seen {
-            let bytes = s.process.used_bytes.unwrap_or(0);
-            let unit = s.process.unit_uuid.clone();
-            let slot = unit_index.get(unit.as_str()).copied();
-            if let Some(i) = slot {
-                used[i] += bytes;
-            }
-            let target = Target {
-                pid: s.process.pid,
-                start_time: s.start_time,
-                uid: s.uid,
-            };
-            let holds_unit = s.owner.and_then(|o| {
-                view.reservations[o]
-                    .units
-                    .iter()
-                    .find(|(u, _)| *u == unit)
-                    .map(|(_, reserved)| (o, *reserved))
-            });
-            match (s.owner, holds_unit) {
-                (_, Some((o, _))) => {
-                    let entry = per_reservation.entry((o, unit.clone())).or_insert((
-                        0,
-                        s.gpu_index,
-                        Vec::new(),
-                    ));
-                    entry.0 += bytes;
-                    entry.2.push(target);
-                }
-                (owner, None) => {
-                    if let Some(i) = slot {
-                        unaccounted[i].0 += bytes;
-                        unaccounted[i].1 = true;
-                    }
-                    let (kind, reservation, message) = match owner {
-                        None => (
-                            EventKind::Unreserved,
-                            None,
-                            format!(
-                                "process {} uses {} on GPU {} without a reservation",
-                                s.process.pid,
-                                format_bytes(bytes),
-                                s.gpu_index
-                            ),
-                        ),
-                        Some(o) => {
-                            let r = &view.reservations[o];
-                            (
-                                EventKind::WrongGpu,
-                                Some(r.id.clone()),
-                                format!(
-                                    "process {} of reservation {} uses {} on GPU {}, which the reservation does not hold",
-                                    s.process.pid,
-                                    r.id,
-                                    format_bytes(bytes),
-                                    s.gpu_index
-                                ),
-                            )
-                        }
-                    };
-                    let key = FindingKey {
-                        kind,
-                        unit: unit.clone(),
-                        pid: Some(s.process.pid),
-                        reservation: reservation.clone(),
-                    };
-                    let event = Event {
-                        id: 0,
-                        at: now,
-                        kind,
-                        phase: EventPhase::Start,
-                        gpu_index: Some(s.gpu_index),
-                        unit_uuid: Some(unit.clone()),
-                        pid: Some(s.process.pid),
-                        uid: s.uid,
-                        reservation_id: reservation,
-                        used_bytes: Some(bytes),
-                        reserved_bytes: None,
-                        action: String::new(),
-                        message,
-                    };
-                    current.insert(key, (event, vec![target]));
-                }
-            }
-        }
-        for (unit, bytes) in overage(&view.reservations, &attribution_group, &per_reservation) {
-            if let Some(i) = unit_index.get(unit.as_str()).copied() {
-                unaccounted[i].0 += bytes;
-            }
-        }
-        for ((o, unit), (bytes, gpu_index, targets)) in per_reservation {
-            let r = &view.reservations[o];
-            let reserved = r
-                .units
-                .iter()
-                .find(|(u, _)| *u == unit)
-                .map_or(0, |(_, b)| *b);
-            if r.exclusive || bytes <= config.over_limit_tolerance.limit(reserved) {
-                continue;
-            }
-            let key = FindingKey {
-                kind: EventKind::OverLimit,
-                unit: unit.clone(),
-                pid: None,
-                reservation: Some(r.id.clone()),
-            };
-            let event = Event {
-                id: 0,
-                at: now,
-                kind: EventKind::OverLimit,
-                phase: EventPhase::Start,
-                gpu_index: Some(gpu_index),
-                unit_uuid: Some(unit),
-                pid: targets.first().map(|t| t.pid),
-                uid: Some(r.owner_uid),
-                reservation_id: Some(r.id.clone()),
-                used_bytes: Some(bytes),
-                reserved_bytes: Some(reserved),
-                action: String::new(),
-                message: format!(
-                    "reservation {} uses {} on GPU {}, more than the {} it reserved",
-                    r.id,
-                    format_bytes(bytes),
-                    gpu_index,
-                    format_bytes(reserved)
-                ),
-            };
-            current.insert(key, (event, targets));
-        }
-
-        // 4. Open, keep, and close findings; enforcement.
+    /// Findings, continued: opens the findings of `current` that were not open, and closes
+    /// the open ones it no longer has. A finding on a GPU that could not be listed stands
+    /// (nothing is known about it this pass), and health findings are opened and closed by
+    /// listing.
+    fn open_and_close(&mut self, current: Findings, unlisted: &[u32], now: Millis) -> Changes {
+        let mut started = Vec::new();
+        let mut ended = Vec::new();
         let present: std::collections::BTreeSet<FindingKey> = current.keys().cloned().collect();
-        for (key, (mut event, targets)) in current {
+        for (key, (event, targets)) in current {
             if self.open.contains_key(&key) {
                 continue;
             }
-            event.action = self.enforce(config, &key, event.gpu_index.unwrap_or(0), &targets, now);
             self.metrics.count_event(event.kind.as_str());
-            self.open.insert(key, event.clone());
-            events.push(event);
+            self.open.insert(key.clone(), event.clone());
+            started.push((key, event, targets));
         }
         let still: Vec<FindingKey> = self.open.keys().cloned().collect();
         for key in still {
@@ -571,42 +531,35 @@ impl<S: ProcessSource, T: ProcessTable> Auditor<S, T> {
                 continue;
             }
             if let Some(start) = self.open.remove(&key) {
-                self.kills.retain(|k| k.key != key);
-                events.push(Event {
+                let end = Event {
                     phase: EventPhase::End,
                     at: now,
                     action: "none".to_owned(),
                     message: format!("over: {}", start.message),
                     ..start
-                });
+                };
+                ended.push((key, end));
             }
         }
-        events.extend(self.due_kills(now));
+        Changes { started, ended }
+    }
 
-        // 5. Hand health, links and usage to placement; store events.
-        let findings = AuditFindings {
-            health: health.changed,
-            topology,
-            used,
-            unaccounted,
-            events: events.clone(),
-        };
-        let events = match self.broker.apply_audit(findings).wait() {
-            Ok(stored) => stored,
-            Err(e) => {
-                tracing::error!(error = %e, "could not apply the audit's findings; the next pass tries again");
-                events
-            }
-        };
-        for e in &events {
-            log_event(e);
+    /// Enforcement: applies the policy to the findings that started (each start event gets
+    /// the action taken), forgets the pending kills of those that ended, and sends the
+    /// SIGKILLs now due; returns their events.
+    fn enforcement(
+        &mut self,
+        config: &AuditConfig,
+        changes: &mut Changes,
+        now: Millis,
+    ) -> Vec<Event> {
+        for (key, event, targets) in &mut changes.started {
+            event.action = self.enforce(config, key, event.gpu_index.unwrap_or(0), targets, now);
         }
-        self.metrics.observe_audit_pass(started.elapsed());
-        PassReport {
-            processes: seen.len(),
-            open_findings: self.open.len(),
-            events,
+        for (key, _) in &changes.ended {
+            self.kills.retain(|k| k.key != *key);
         }
+        self.due_kills(now)
     }
 
     /// Marks `gpu` healthy or not, with an event; `false` when it already was.
@@ -762,39 +715,6 @@ impl<S: ProcessSource, T: ProcessTable> Auditor<S, T> {
     }
 }
 
-/// `/proc` facts read at most once per pid in a pass: a process using 8 GPUs is listed 8
-/// times, and ancestors are shared by many processes.
-struct PassCache<'t, T> {
-    procs: &'t T,
-    info: HashMap<u32, Option<(u32, u32, u64)>>,
-    cgroup: HashMap<u32, Option<String>>,
-    by_holder_or_env: HashMap<u32, Option<usize>>,
-}
-
-impl<'t, T: ProcessTable> PassCache<'t, T> {
-    fn new(procs: &'t T) -> Self {
-        PassCache {
-            procs,
-            info: HashMap::new(),
-            cgroup: HashMap::new(),
-            by_holder_or_env: HashMap::new(),
-        }
-    }
-
-    fn info(&mut self, pid: u32) -> Option<(u32, u32, u64)> {
-        let procs = self.procs;
-        *self.info.entry(pid).or_insert_with(|| procs.info(pid))
-    }
-
-    fn cgroup(&mut self, pid: u32) -> Option<String> {
-        let procs = self.procs;
-        self.cgroup
-            .entry(pid)
-            .or_insert_with(|| procs.cgroup(pid))
-            .clone()
-    }
-}
-
 /// Memory in use beyond what reservations reserved, per unit: placement must not promise it
 /// to the next request. Counted per attribution group (`group[i]` for reservation `i`: its
 /// holder, or its holder's cgroup), since attribution gives all of a group's processes to
@@ -826,59 +746,329 @@ fn overage(
     over
 }
 
+/// `/proc` facts read at most once per pid in a pass: a process using 8 GPUs is listed 8
+/// times, and ancestors are shared by many processes.
+struct PassCache<'t, T> {
+    procs: &'t T,
+    info: HashMap<u32, Option<(u32, u32, u64)>>,
+    cgroup: HashMap<u32, Option<String>>,
+}
+
+impl<'t, T: ProcessTable> PassCache<'t, T> {
+    fn new(procs: &'t T) -> Self {
+        PassCache {
+            procs,
+            info: HashMap::new(),
+            cgroup: HashMap::new(),
+        }
+    }
+
+    fn info(&mut self, pid: u32) -> Option<(u32, u32, u64)> {
+        let procs = self.procs;
+        *self.info.entry(pid).or_insert_with(|| procs.info(pid))
+    }
+
+    fn cgroup(&mut self, pid: u32) -> Option<String> {
+        let procs = self.procs;
+        self.cgroup
+            .entry(pid)
+            .or_insert_with(|| procs.cgroup(pid))
+            .clone()
+    }
+}
+
+/// Reads from `procs` what attribution needs to know about the `listed` processes and the
+/// reservations' holders. A holder's descendant is its holder's whatever its environment
+/// and cgroup say, so those are read only for the other processes, and a process's
+/// ancestry only up to the nearest holder.
+fn read_facts<T: ProcessTable>(
+    procs: &T,
+    self_pid: u32,
+    reservations: &[AuditedReservation],
+    listed: &[(u32, Vec<GpuProcess>)],
+) -> Facts {
+    let mut cache = PassCache::new(procs);
+    let holders: HashSet<u32> = reservations.iter().filter_map(|r| r.holder_pid).collect();
+    let mut facts = Facts {
+        own_cgroup: cache.cgroup(self_pid),
+        ..Facts::default()
+    };
+    for &pid in &holders {
+        if let Some(cgroup) = cache.cgroup(pid) {
+            facts.holder_cgroups.insert(pid, cgroup);
+        }
+    }
+    for p in listed.iter().flat_map(|(_, procs)| procs) {
+        if facts.processes.contains_key(&p.pid) {
+            continue;
+        }
+        let info = cache.info(p.pid);
+        let mut ancestry = Vec::new();
+        let mut ancestor = p.pid;
+        while !holders.contains(&ancestor) && ancestry.len() + 1 < MAX_ANCESTRY {
+            match cache.info(ancestor) {
+                Some((ppid, _, _)) if ppid > 1 && ppid != ancestor => {
+                    ancestry.push(ppid);
+                    ancestor = ppid;
+                }
+                _ => break,
+            }
+        }
+        let holder_known = holders.contains(&ancestor);
+        let process = ProcessFacts {
+            uid: info.map(|(_, uid, _)| uid),
+            start_time: info.map(|(_, _, st)| st),
+            ancestry,
+            reservation_env: if holder_known {
+                None
+            } else {
+                procs.reservation_env(p.pid)
+            },
+            cgroup: if holder_known {
+                None
+            } else {
+                cache.cgroup(p.pid)
+            },
+        };
+        facts.processes.insert(p.pid, process);
+    }
+    facts
+}
+
+/// Attribution, pure: whose each `listed` process is, given the `reservations`, the
+/// `units` and what `/proc` said (`facts`); and from that the memory in use per unit and
+/// per reservation, and what no reservation accounts for.
+fn attribute<'a>(
+    reservations: &[AuditedReservation],
+    units: &[Unit],
+    listed: &'a [(u32, Vec<GpuProcess>)],
+    facts: &Facts,
+) -> Attribution<'a> {
+    // A holder of several reservations: its processes go to the last one (see `overage`).
+    let holders: HashMap<u32, usize> = reservations
+        .iter()
+        .enumerate()
+        .filter_map(|(i, r)| r.holder_pid.map(|p| (p, i)))
+        .collect();
+    let mut by_cgroup: HashMap<&str, Vec<usize>> = HashMap::new();
+    // Which reservations attribution may choose among for a process: one holder's, or
+    // one holder cgroup's (see `overage`).
+    let mut attribution_group: Vec<String> = Vec::with_capacity(reservations.len());
+    for (i, r) in reservations.iter().enumerate() {
+        let cgroup = r
+            .holder_pid
+            .and_then(|p| facts.holder_cgroups.get(&p))
+            .filter(|cg| Some(*cg) != facts.own_cgroup.as_ref());
+        attribution_group.push(match (cgroup, r.holder_pid) {
+            (Some(cg), _) => format!("cgroup {cg}"),
+            (None, Some(pid)) => format!("pid {pid}"),
+            (None, None) => format!("reservation {i}"),
+        });
+        if let Some(cg) = cgroup {
+            by_cgroup.entry(cg).or_default().push(i);
+        }
+    }
+
+    let unit_index: HashMap<&str, usize> = units
+        .iter()
+        .enumerate()
+        .map(|(i, u)| (u.uuid.as_str(), i))
+        .collect();
+    let mut used = vec![0u64; units.len()];
+    let mut unaccounted = vec![(0u64, false); units.len()];
+    let mut per_reservation = ReservationUse::new();
+    let mut seen = Vec::new();
+    let unknown = ProcessFacts::default();
+    for (gpu_index, procs) in listed {
+        for p in procs {
+            let known = facts.processes.get(&p.pid).unwrap_or(&unknown);
+            let owner = match owner_of(p, known, &holders, &by_cgroup, reservations) {
+                None => Attributed::Unreserved,
+                Some(o) if holds(&reservations[o], &p.unit_uuid) => Attributed::Held(o),
+                Some(o) => Attributed::WrongGpu(o),
+            };
+            let s = Seen {
+                process: p,
+                gpu_index: *gpu_index,
+                uid: known.uid,
+                start_time: known.start_time,
+                owner,
+            };
+            let bytes = p.used_bytes.unwrap_or(0);
+            let slot = unit_index.get(p.unit_uuid.as_str()).copied();
+            if let Some(i) = slot {
+                used[i] += bytes;
+            }
+            if let Attributed::Held(o) = owner {
+                let entry = per_reservation.entry((o, p.unit_uuid.clone())).or_insert((
+                    0,
+                    *gpu_index,
+                    Vec::new(),
+                ));
+                entry.0 += bytes;
+                entry.2.push(s.target());
+            } else if let Some(i) = slot {
+                unaccounted[i].0 += bytes;
+                unaccounted[i].1 = true;
+            }
+            seen.push(s);
+        }
+    }
+    for (unit, bytes) in overage(reservations, &attribution_group, &per_reservation) {
+        if let Some(i) = unit_index.get(unit.as_str()).copied() {
+            unaccounted[i].0 += bytes;
+        }
+    }
+    Attribution {
+        seen,
+        per_reservation,
+        used,
+        unaccounted,
+    }
+}
+
 /// The reservation process `p` belongs to: its holder is `p` or an ancestor; else it was
 /// started with a reservation's environment (a Kubernetes pod's container, or a workload's
 /// child that lost its parent) — honoured for reservations without a holder process, or
 /// when the process belongs to the owner, so nobody can book their usage to someone else's
 /// reservation; else it shares the holder's own cgroup (a container).
-fn attribute<T: ProcessTable>(
+fn owner_of(
     p: &GpuProcess,
+    facts: &ProcessFacts,
     holders: &HashMap<u32, usize>,
-    by_cgroup: &HashMap<String, Vec<usize>>,
+    by_cgroup: &HashMap<&str, Vec<usize>>,
     reservations: &[AuditedReservation],
-    cache: &mut PassCache<'_, T>,
 ) -> Option<usize> {
-    let known = match cache.by_holder_or_env.get(&p.pid) {
-        Some(known) => *known,
-        None => {
-            let found = by_holder_or_env(p.pid, holders, reservations, cache);
-            cache.by_holder_or_env.insert(p.pid, found);
-            found
-        }
-    };
-    if known.is_some() {
-        return known;
+    let by_holder = std::iter::once(&p.pid)
+        .chain(&facts.ancestry)
+        .find_map(|pid| holders.get(pid).copied());
+    if by_holder.is_some() {
+        return by_holder;
     }
-    let candidates = by_cgroup.get(&cache.cgroup(p.pid)?)?;
+    let by_env = facts.reservation_env.as_ref().and_then(|id| {
+        let i = reservations.iter().position(|r| r.id == *id)?;
+        let r = &reservations[i];
+        (r.holder_pid.is_none() || facts.uid == Some(r.owner_uid)).then_some(i)
+    });
+    if by_env.is_some() {
+        return by_env;
+    }
+    let candidates = by_cgroup.get(facts.cgroup.as_deref()?)?;
     // Several reservations from one container: the one holding this GPU, else the first.
     candidates
         .iter()
         .copied()
-        .find(|&i| reservations[i].units.iter().any(|(u, _)| *u == p.unit_uuid))
+        .find(|&i| holds(&reservations[i], &p.unit_uuid))
         .or_else(|| candidates.first().copied())
 }
 
-fn by_holder_or_env<T: ProcessTable>(
-    pid: u32,
-    holders: &HashMap<u32, usize>,
+/// Whether `r` holds `unit`.
+fn holds(r: &AuditedReservation, unit: &str) -> bool {
+    r.units.iter().any(|(u, _)| u == unit)
+}
+
+/// Findings, pure: the findings `attribution` shows at `now`, each with the processes
+/// enforcement would signal for it.
+fn findings(
     reservations: &[AuditedReservation],
-    cache: &mut PassCache<'_, T>,
-) -> Option<usize> {
-    let mut ancestor = pid;
-    for _ in 0..MAX_ANCESTRY {
-        if let Some(&i) = holders.get(&ancestor) {
-            return Some(i);
-        }
-        match cache.info(ancestor) {
-            Some((ppid, _, _)) if ppid > 1 && ppid != ancestor => ancestor = ppid,
-            _ => break,
-        }
+    attribution: &Attribution<'_>,
+    config: &AuditConfig,
+    now: Millis,
+) -> Findings {
+    let mut current = Findings::new();
+    for s in &attribution.seen {
+        let bytes = s.process.used_bytes.unwrap_or(0);
+        let unit = &s.process.unit_uuid;
+        let (kind, reservation, message) = match s.owner {
+            Attributed::Held(_) => continue,
+            Attributed::Unreserved => (
+                EventKind::Unreserved,
+                None,
+                format!(
+                    "process {} uses {} on GPU {} without a reservation",
+                    s.process.pid,
+                    format_bytes(bytes),
+                    s.gpu_index
+                ),
+            ),
+            Attributed::WrongGpu(o) => {
+                let r = &reservations[o];
+                (
+                    EventKind::WrongGpu,
+                    Some(r.id.clone()),
+                    format!(
+                        "process {} of reservation {} uses {} on GPU {}, which the reservation does not hold",
+                        s.process.pid,
+                        r.id,
+                        format_bytes(bytes),
+                        s.gpu_index
+                    ),
+                )
+            }
+        };
+        let key = FindingKey {
+            kind,
+            unit: unit.clone(),
+            pid: Some(s.process.pid),
+            reservation: reservation.clone(),
+        };
+        let event = Event {
+            id: 0,
+            at: now,
+            kind,
+            phase: EventPhase::Start,
+            gpu_index: Some(s.gpu_index),
+            unit_uuid: Some(unit.clone()),
+            pid: Some(s.process.pid),
+            uid: s.uid,
+            reservation_id: reservation,
+            used_bytes: Some(bytes),
+            reserved_bytes: None,
+            action: String::new(),
+            message,
+        };
+        current.insert(key, (event, vec![s.target()]));
     }
-    let id = cache.procs.reservation_env(pid)?;
-    let i = reservations.iter().position(|r| r.id == id)?;
-    let r = &reservations[i];
-    let uid = cache.info(pid).map(|(_, uid, _)| uid);
-    (r.holder_pid.is_none() || uid == Some(r.owner_uid)).then_some(i)
+    for ((o, unit), (bytes, gpu_index, targets)) in &attribution.per_reservation {
+        let r = &reservations[*o];
+        let reserved = r
+            .units
+            .iter()
+            .find(|(u, _)| u == unit)
+            .map_or(0, |(_, b)| *b);
+        if r.exclusive || *bytes <= config.over_limit_tolerance.limit(reserved) {
+            continue;
+        }
+        let key = FindingKey {
+            kind: EventKind::OverLimit,
+            unit: unit.clone(),
+            pid: None,
+            reservation: Some(r.id.clone()),
+        };
+        let event = Event {
+            id: 0,
+            at: now,
+            kind: EventKind::OverLimit,
+            phase: EventPhase::Start,
+            gpu_index: Some(*gpu_index),
+            unit_uuid: Some(unit.clone()),
+            pid: targets.first().map(|t| t.pid),
+            uid: Some(r.owner_uid),
+            reservation_id: Some(r.id.clone()),
+            used_bytes: Some(*bytes),
+            reserved_bytes: Some(reserved),
+            action: String::new(),
+            message: format!(
+                "reservation {} uses {} on GPU {}, more than the {} it reserved",
+                r.id,
+                format_bytes(*bytes),
+                gpu_index,
+                format_bytes(reserved)
+            ),
+        };
+        current.insert(key, (event, targets.clone()));
+    }
+    current
 }
 
 fn log_event(e: &Event) {
@@ -941,6 +1131,7 @@ impl ProcessSource for Arc<Nvml> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::BTreeSet;
     use std::sync::Mutex;
     use std::time::Duration;
 
@@ -1512,6 +1703,170 @@ mod tests {
             [(EventKind::GpuUnhealthy, EventPhase::Start)]
         );
         assert!(!b.snapshot().gpus[0].healthy);
+    }
+
+    /// A reservation owned by `ME`, as the audit view has it.
+    fn audited(id: &str, holder_pid: Option<u32>, unit: &str, gib: u64) -> AuditedReservation {
+        AuditedReservation {
+            id: id.to_owned(),
+            owner_uid: ME,
+            holder_pid,
+            exclusive: false,
+            units: vec![(unit.to_owned(), gib * GIB)],
+        }
+    }
+
+    fn owners(attribution: &Attribution<'_>) -> Vec<(u32, Attributed)> {
+        attribution
+            .seen
+            .iter()
+            .map(|s| (s.process.pid, s.owner))
+            .collect()
+    }
+
+    #[test]
+    fn attribution_follows_holder_then_environment_then_cgroup_from_plain_data() {
+        let reservations = [
+            audited("a", Some(100), "GPU-0", 4),
+            audited("b", None, "GPU-1", 2),
+            audited("c", Some(300), "GPU-1", 1),
+        ];
+        let listed = [
+            (0, vec![process(101, "GPU-0", 5), process(200, "GPU-0", 1)]),
+            (
+                1,
+                vec![
+                    process(101, "GPU-1", 1),
+                    process(400, "GPU-1", 2),
+                    process(500, "GPU-1", 1),
+                    process(600, "GPU-1", 3),
+                ],
+            ),
+        ];
+        let mine = |start_time| ProcessFacts {
+            uid: Some(ME),
+            start_time: Some(start_time),
+            ..ProcessFacts::default()
+        };
+        let facts = Facts {
+            processes: HashMap::from([
+                // A child of reservation a's holder.
+                (
+                    101,
+                    ProcessFacts {
+                        ancestry: vec![100],
+                        ..mine(1)
+                    },
+                ),
+                (200, mine(2)),
+                // Started with b's environment; b has no holder.
+                (
+                    400,
+                    ProcessFacts {
+                        reservation_env: Some("b".into()),
+                        ..mine(4)
+                    },
+                ),
+                // In c's holder's container.
+                (
+                    500,
+                    ProcessFacts {
+                        cgroup: Some("/kubepods/pod-c/ctr".into()),
+                        ..mine(5)
+                    },
+                ),
+                // Names a's environment, but a has a holder and 600 is not a's owner.
+                (
+                    600,
+                    ProcessFacts {
+                        uid: Some(ME + 1),
+                        reservation_env: Some("a".into()),
+                        ..mine(6)
+                    },
+                ),
+            ]),
+            holder_cgroups: HashMap::from([(300, "/kubepods/pod-c/ctr".to_owned())]),
+            own_cgroup: Some("/system.slice/gpud.service".into()),
+        };
+        let attribution = attribute(&reservations, &inventory().units(), &listed, &facts);
+        assert_eq!(
+            owners(&attribution),
+            [
+                (101, Attributed::Held(0)),
+                (200, Attributed::Unreserved),
+                (101, Attributed::WrongGpu(0)),
+                (400, Attributed::Held(1)),
+                (500, Attributed::Held(2)),
+                (600, Attributed::Unreserved),
+            ]
+        );
+        assert_eq!(attribution.used, [6 * GIB, 7 * GIB]);
+        // GPU 0: 200's 1 GiB and the 1 GiB a uses beyond its 4; GPU 1: 101 (a's, on a GPU a
+        // does not hold) and 600.
+        assert_eq!(attribution.unaccounted, [(2 * GIB, true), (4 * GIB, true)]);
+        let usage: Vec<((usize, &str), u64)> = attribution
+            .per_reservation
+            .iter()
+            .map(|((o, unit), (bytes, ..))| ((*o, unit.as_str()), *bytes))
+            .collect();
+        assert_eq!(
+            usage,
+            [
+                ((0, "GPU-0"), 5 * GIB),
+                ((1, "GPU-1"), 2 * GIB),
+                ((2, "GPU-1"), GIB)
+            ]
+        );
+        // The findings follow from the attribution alone.
+        let found: BTreeSet<(EventKind, Option<u32>)> =
+            findings(&reservations, &attribution, &AuditConfig::default(), 1)
+                .keys()
+                .map(|k| (k.kind, k.pid))
+                .collect();
+        assert_eq!(
+            found,
+            BTreeSet::from([
+                (EventKind::Unreserved, Some(200)),
+                (EventKind::Unreserved, Some(600)),
+                (EventKind::WrongGpu, Some(101)),
+                (EventKind::OverLimit, None),
+            ])
+        );
+    }
+
+    #[test]
+    fn attribution_ignores_a_cgroup_shared_with_gpud_and_pools_one_holders_reservations() {
+        let gpud = "/system.slice/gpud.service".to_owned();
+        let reservations = [
+            audited("x", Some(100), "GPU-0", 4),
+            audited("y", Some(100), "GPU-0", 4),
+            audited("z", Some(300), "GPU-1", 1),
+        ];
+        let listed = [
+            (0, vec![process(100, "GPU-0", 8)]),
+            (1, vec![process(500, "GPU-1", 1)]),
+        ];
+        let facts = Facts {
+            processes: HashMap::from([(
+                500,
+                ProcessFacts {
+                    cgroup: Some(gpud.clone()),
+                    ..ProcessFacts::default()
+                },
+            )]),
+            // z's holder runs in gpud's own cgroup (a shared one): that proves nothing.
+            holder_cgroups: HashMap::from([(300, gpud.clone())]),
+            own_cgroup: Some(gpud),
+        };
+        let attribution = attribute(&reservations, &inventory().units(), &listed, &facts);
+        // The holder's process goes to one of its reservations (the last), and is found by
+        // pid alone: nothing else about it is known.
+        assert_eq!(
+            owners(&attribution),
+            [(100, Attributed::Held(1)), (500, Attributed::Unreserved)]
+        );
+        // 8 GiB used of the 4 + 4 GiB the holder reserved on GPU 0: none unaccounted.
+        assert_eq!(attribution.unaccounted, [(0, false), (GIB, true)]);
     }
 
     #[test]
