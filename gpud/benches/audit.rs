@@ -69,6 +69,7 @@ fn bench_audit(c: &mut Criterion) {
     let settings = BrokerSettings {
         admin_gids: vec![],
         config: Config::default(),
+        groups: gpud::broker::GroupLookup::default(),
     };
     let broker = Broker::start(Store::open_in_memory().unwrap(), &inventory, settings).unwrap();
     let caller = Caller {

@@ -1203,6 +1203,7 @@ mod tests {
         let settings = BrokerSettings {
             admin_gids: vec![],
             config: Config::default(),
+            groups: crate::broker::GroupLookup::default(),
         };
         Broker::start(Store::open_in_memory().unwrap(), inventory, settings).unwrap()
     }

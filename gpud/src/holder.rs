@@ -145,6 +145,22 @@ fn innermost_pid(pid: u32) -> Option<u32> {
         .ok()
 }
 
+/// The groups of user `uid` as the user database has them: the primary group and every
+/// group that lists the user (`getgrouplist`, through NSS). Empty for an unknown uid.
+pub fn user_groups(uid: u32) -> Vec<u32> {
+    use nix::unistd::{Uid, User, getgrouplist};
+    let Ok(Some(user)) = User::from_uid(Uid::from_raw(uid)) else {
+        return Vec::new();
+    };
+    let Ok(name) = std::ffi::CString::new(user.name) else {
+        return vec![user.gid.as_raw()];
+    };
+    match getgrouplist(&name, user.gid) {
+        Ok(groups) => groups.into_iter().map(|g| g.as_raw()).collect(),
+        Err(_) => vec![user.gid.as_raw()],
+    }
+}
+
 /// Translates `pid`, as the caller `caller_pid` sees it, into gpud's PID namespace.
 ///
 /// A client in a container with a PID namespace of its own names processes by the pids it

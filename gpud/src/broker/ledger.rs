@@ -62,27 +62,60 @@ pub(super) struct Effects {
     pub served: Vec<Served>,
 }
 
-#[derive(Debug, Default, Clone, Copy)]
+/// What one uid, or the members of one group, hold at once (for quotas).
+#[derive(Debug, Default, Clone)]
 struct Usage {
-    units: u64,
+    /// Reservations per unit held, by UUID: a unit counts once however many hold it.
+    units: HashMap<String, u32>,
     memory: u64,
     reservations: u64,
 }
 
 impl Usage {
     fn add(&mut self, r: &Reservation) {
-        self.units += r.units.len() as u64;
+        for u in &r.units {
+            *self.units.entry(u.uuid.clone()).or_default() += 1;
+        }
         self.memory += r.units.iter().map(|u| u.memory_bytes).sum::<u64>();
         self.reservations += 1;
     }
 
     fn remove(&mut self, r: &Reservation) {
-        self.units = self.units.saturating_sub(r.units.len() as u64);
+        for u in &r.units {
+            if let Some(n) = self.units.get_mut(&u.uuid) {
+                *n = n.saturating_sub(1);
+                if *n == 0 {
+                    self.units.remove(&u.uuid);
+                }
+            }
+        }
         self.memory = self
             .memory
             .saturating_sub(r.units.iter().map(|u| u.memory_bytes).sum::<u64>());
         self.reservations = self.reservations.saturating_sub(1);
     }
+
+    /// Distinct units held.
+    fn gpus(&self) -> u64 {
+        self.units.len() as u64
+    }
+
+    /// How many of `units` are not held already.
+    fn new_units(&self, units: &[ReservedUnit]) -> u64 {
+        let fresh: std::collections::HashSet<&str> = units
+            .iter()
+            .map(|u| u.uuid.as_str())
+            .filter(|uuid| !self.units.contains_key(*uuid))
+            .collect();
+        fresh.len() as u64
+    }
+}
+
+/// What a request adds to a quota's usage: new distinct units, memory, one reservation.
+#[derive(Debug, Clone, Copy)]
+struct Asked {
+    units: u64,
+    memory: u64,
 }
 
 /// What is reserved where: the broker thread's, and only its.
@@ -97,7 +130,10 @@ pub struct Ledger {
     used: Vec<u64>,
     active: HashMap<String, Arc<Reservation>>,
     by_uid: HashMap<u32, Usage>,
+    /// Usage per group: every reservation of the group's members (see [`Ledger::groups`]).
     by_gid: HashMap<u32, Usage>,
+    /// Each user's groups, as the settings' lookup answered (until the next reload).
+    member_of: HashMap<u32, Arc<[u32]>>,
     expiries: BTreeSet<(Millis, String)>,
     queue: WaitQueue,
     pub(super) settings: Arc<BrokerSettings>,
@@ -146,6 +182,7 @@ impl Ledger {
             active: HashMap::new(),
             by_uid: HashMap::new(),
             by_gid: HashMap::new(),
+            member_of: HashMap::new(),
             expiries: BTreeSet::new(),
             queue: WaitQueue::default(),
             settings: Arc::new(settings),
@@ -375,17 +412,21 @@ impl Ledger {
                 "reservation id {id:?} is already taken"
             )));
         }
-        // Waiters come first: a request may go ahead of them (backfill) only while the
-        // oldest has not waited past the starvation guard.
-        let starvation = self.settings.config.wait.starvation_after;
-        let attempt = if self.queue.head_is_starved(now, starvation) {
-            Err(BrokerError::NoCapacity(format!(
-                "capacity is being held for a request that has waited more than {}; \
-                 wait for it to be served",
-                humantime::format_duration(starvation)
-            )))
-        } else {
-            self.try_reserve(txn, &caller, &request, holder.as_ref(), now)
+        // Waiters come first: a request may go ahead of them (backfill) freely until the
+        // oldest one that can be served at all has waited `starvation_after`; from then on
+        // only on units that one could not use.
+        let attempt = match self.guard(now) {
+            Some((_, held)) => self
+                .try_reserve(txn, &caller, &request, holder.as_ref(), now, Some(&held))
+                .map_err(|e| match e {
+                    BrokerError::NoCapacity(_) => BrokerError::NoCapacity(format!(
+                        "capacity is being held for a request that has waited more than {}; \
+                         wait for it to be served",
+                        humantime::format_duration(self.settings.config.wait.starvation_after)
+                    )),
+                    e => e,
+                }),
+            None => self.try_reserve(txn, &caller, &request, holder.as_ref(), now, None),
         };
         match attempt {
             Ok(r) => {
@@ -395,6 +436,9 @@ impl Ledger {
                 Ok(Admitted::Reserved(r))
             }
             Err(BrokerError::NoCapacity(why)) if request.wait.is_some_and(|w| !w.is_zero()) => {
+                // A request its quotas can never let through does not wait (nor hold
+                // anything back for itself once it would be the oldest).
+                self.check_quota_of_request(&caller, &request)?;
                 // The id is known here only when the caller chose it.
                 tracing::debug!(reservation = request.id.as_deref(), %why, "request queued");
                 let (ticket, rx) = self.queue.push(caller, request, holder, now, why);
@@ -402,6 +446,39 @@ impl Ledger {
             }
             Err(e) => Err(e),
         }
+    }
+
+    /// The starvation guard: the oldest waiter that its owner's quotas allow, once it has
+    /// waited `starvation_after`, and the units held back for it (those it could use:
+    /// healthy, and large enough for its ask). `None` while no such waiter has waited that
+    /// long.
+    fn guard(&mut self, now: Millis) -> Option<(usize, Vec<bool>)> {
+        let starvation = super::queue::millis(self.settings.config.wait.starvation_after);
+        for i in 0..self.queue.waiters.len() {
+            let w = &self.queue.waiters[i];
+            if w.reply.is_closed() {
+                continue;
+            }
+            let (caller, request, since) = (w.caller, w.request.clone(), w.since);
+            if self.check_quota_of_request(&caller, &request).is_err() {
+                continue;
+            }
+            if now.saturating_sub(since) < starvation {
+                return None;
+            }
+            let held = self
+                .units
+                .iter()
+                .zip(&self.loads)
+                .map(|(unit, load)| {
+                    load.healthy
+                        && unit.memory_total_bytes
+                            >= request.memory.bytes_on(unit.memory_total_bytes)
+                })
+                .collect();
+            return Some((i, held));
+        }
+        None
     }
 
     /// Places, checks quota, writes and records one reservation. Changes nothing on error.
@@ -412,6 +489,7 @@ impl Ledger {
         request: &ReserveRequest,
         holder: Option<&PinnedProcess>,
         now: Millis,
+        held: Option<&[bool]>,
     ) -> Result<Reservation, BrokerError> {
         let settings = self.settings.clone();
         let placement_request = PlacementRequest {
@@ -421,9 +499,26 @@ impl Ledger {
                 .policy
                 .unwrap_or(settings.config.placement.default_policy),
         };
+        // Units held back by the starvation guard are out of reach, as if unhealthy.
+        let masked: Vec<UnitLoad>;
+        let loads = match held {
+            Some(held) => {
+                masked = self
+                    .loads
+                    .iter()
+                    .zip(held)
+                    .map(|(load, held)| UnitLoad {
+                        healthy: load.healthy && !held,
+                        ..*load
+                    })
+                    .collect();
+                &masked
+            }
+            None => &self.loads,
+        };
         let state = PlacementState {
             units: &self.units,
-            loads: &self.loads,
+            loads,
             topology: &self.topology,
         };
         let placement = placement::place(&placement_request, &state).map_err(|e| match e {
@@ -500,31 +595,105 @@ impl Ledger {
         Ok(r)
     }
 
-    /// Refuses `units` for `caller` when a quota of its uid or group would be exceeded.
+    /// The groups whose quotas count a reservation of `uid` made with effective gid `gid`:
+    /// the user's groups as the user database has them (primary group, and every group
+    /// that lists the user), and `gid`. Only groups with a quota; none without group
+    /// quotas. A user's groups are looked up once, and again after a reload.
+    fn groups(&mut self, uid: u32, gid: u32) -> Vec<u32> {
+        let quota_gids: Vec<u32> = self
+            .settings
+            .config
+            .quotas
+            .iter()
+            .filter_map(|q| q.gid)
+            .collect();
+        if quota_gids.is_empty() {
+            return Vec::new();
+        }
+        let settings = self.settings.clone();
+        let member_of = self
+            .member_of
+            .entry(uid)
+            .or_insert_with(|| settings.groups.of(uid).into())
+            .clone();
+        quota_gids
+            .into_iter()
+            .filter(|g| *g == gid || member_of.contains(g))
+            .collect()
+    }
+
+    /// Refuses `units` for `caller` when a quota of its uid or of one of its groups would
+    /// be exceeded.
     pub(super) fn check_quota(
-        &self,
+        &mut self,
         caller: &Caller,
         units: &[ReservedUnit],
     ) -> Result<(), BrokerError> {
-        let asked_units = units.len() as u64;
-        let asked_memory: u64 = units.iter().map(|u| u.memory_bytes).sum();
+        let memory = units.iter().map(|u| u.memory_bytes).sum();
+        self.check_quotas(caller, |usage| Asked {
+            units: usage.new_units(units),
+            memory,
+        })
+    }
+
+    /// Refuses a request that no placement could fit in `caller`'s quotas, however the
+    /// machine frees up: before it is queued, and when the starvation guard asks whether
+    /// the oldest waiter can be served at all. It counts the least the request can add.
+    fn check_quota_of_request(
+        &mut self,
+        caller: &Caller,
+        request: &ReserveRequest,
+    ) -> Result<(), BrokerError> {
+        let gpus = u64::from(request.gpus);
+        let smallest = self
+            .units
+            .iter()
+            .map(|u| u.memory_total_bytes)
+            .min()
+            .unwrap_or(0);
+        self.check_quotas(caller, |usage| match request.memory {
+            // A unit held exclusively is held by nothing else, so all are new.
+            MemoryAsk::Exclusive => Asked {
+                units: gpus,
+                memory: gpus.saturating_mul(smallest),
+            },
+            ask => Asked {
+                units: gpus.saturating_sub(usage.gpus()),
+                memory: gpus.saturating_mul(ask.bytes_on(smallest)),
+            },
+        })
+    }
+
+    /// Applies every quota of `caller`'s uid and groups to what `asked` says the request
+    /// adds to that quota's usage.
+    fn check_quotas(
+        &mut self,
+        caller: &Caller,
+        asked: impl Fn(&Usage) -> Asked,
+    ) -> Result<(), BrokerError> {
+        let groups = self.groups(caller.uid, caller.gid);
+        let empty = Usage::default();
         for q in &self.settings.config.quotas {
             let (who, usage) = match (q.uid, q.gid) {
                 (Some(uid), _) if uid == caller.uid => {
                     (format!("uid {uid}"), self.by_uid.get(&uid))
                 }
-                (_, Some(gid)) if gid == caller.gid => {
+                (_, Some(gid)) if groups.contains(&gid) => {
                     (format!("group {gid}"), self.by_gid.get(&gid))
                 }
                 _ => continue,
             };
-            let usage = usage.copied().unwrap_or_default();
+            let usage = usage.unwrap_or(&empty);
+            let Asked {
+                units: new_units,
+                memory: asked_memory,
+            } = asked(usage);
             if let Some(max) = q.max_gpus
-                && usage.units + asked_units > u64::from(max)
+                && usage.gpus() + new_units > u64::from(max)
             {
                 return Err(BrokerError::QuotaExceeded(format!(
-                    "quota for {who} allows {max} GPUs at once; {} held, {asked_units} asked",
-                    usage.units
+                    "quota for {who} allows {max} GPUs at once; {} held, {new_units} more asked",
+                    usage.gpus()
                 )));
             }
             if let Some(max) = q.max_memory
@@ -549,6 +718,20 @@ impl Ledger {
         Ok(())
     }
 
+    /// Counts every active reservation again (after a reload: quotas, or group
+    /// membership, may have changed).
+    fn recount_usage(&mut self) {
+        self.by_uid.clear();
+        self.by_gid.clear();
+        let active: Vec<Arc<Reservation>> = self.active.values().cloned().collect();
+        for r in active {
+            self.by_uid.entry(r.owner_uid).or_default().add(&r);
+            for gid in self.groups(r.owner_uid, r.owner_gid) {
+                self.by_gid.entry(gid).or_default().add(&r);
+            }
+        }
+    }
+
     pub(super) fn add_active(&mut self, r: Reservation) {
         for u in &r.units {
             if let Some(&i) = self.unit_by_uuid.get(&u.uuid) {
@@ -559,7 +742,9 @@ impl Ledger {
             }
         }
         self.by_uid.entry(r.owner_uid).or_default().add(&r);
-        self.by_gid.entry(r.owner_gid).or_default().add(&r);
+        for gid in self.groups(r.owner_uid, r.owner_gid).iter() {
+            self.by_gid.entry(*gid).or_default().add(&r);
+        }
         if let Some(at) = r.expires_at {
             self.expiries.insert((at, r.id.clone()));
         }
@@ -595,8 +780,10 @@ impl Ledger {
             if let Some(u) = self.by_uid.get_mut(&r.owner_uid) {
                 u.remove(&r);
             }
-            if let Some(u) = self.by_gid.get_mut(&r.owner_gid) {
-                u.remove(&r);
+            for gid in self.groups(r.owner_uid, r.owner_gid).iter() {
+                if let Some(u) = self.by_gid.get_mut(gid) {
+                    u.remove(&r);
+                }
             }
             if let Some(at) = r.expires_at {
                 self.expiries.remove(&(at, id.clone()));
@@ -763,16 +950,12 @@ impl Ledger {
     /// starved. Waiters whose client went away are dropped. Those served are told once the
     /// transaction is committed ([`Ledger::take_effects`]).
     pub(super) fn serve_waiters(&mut self, txn: &mut Txn<'_>, now: Millis) {
-        let starvation = self.settings.config.wait.starvation_after;
         let mut i = 0;
         while i < self.queue.waiters.len() {
             let waiter = &self.queue.waiters[i];
             if waiter.reply.is_closed() {
                 self.queue.waiters.remove(i);
                 continue;
-            }
-            if i > 0 && self.queue.head_is_starved(now, starvation) {
-                break;
             }
             if waiter
                 .holder
@@ -787,9 +970,23 @@ impl Ledger {
                 }
                 continue;
             }
+            // Behind a starved waiter, only what it cannot use is handed out.
+            let held = match self.guard(now) {
+                Some((head, held)) if i > head => Some(held),
+                _ => None,
+            };
+            let waiter = &self.queue.waiters[i];
             let (caller, request) = (waiter.caller, waiter.request.clone());
             let holder = self.queue.waiters[i].holder.take();
-            match self.try_reserve(txn, &caller, &request, holder.as_ref(), now) {
+            let tried = self.try_reserve(
+                txn,
+                &caller,
+                &request,
+                holder.as_ref(),
+                now,
+                held.as_deref(),
+            );
+            match tried {
                 Ok(reservation) => {
                     let Some(Waiter { reply, .. }) = self.queue.waiters.remove(i) else {
                         break;
@@ -872,6 +1069,8 @@ impl Ledger {
     /// policy may let queued requests through.
     pub fn set_settings(&mut self, txn: &mut Txn<'_>, settings: BrokerSettings, now: Millis) {
         self.settings = Arc::new(settings);
+        self.member_of.clear();
+        self.recount_usage();
         self.serve_waiters(txn, now);
     }
 

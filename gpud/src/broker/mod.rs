@@ -164,6 +164,43 @@ pub struct BrokerSettings {
     pub admin_gids: Vec<u32>,
     /// The config (quotas, wait, env, placement defaults).
     pub config: Config,
+    /// Which groups a user belongs to, for group quotas.
+    pub groups: GroupLookup,
+}
+
+/// Which groups a user belongs to, for group quotas: by default the user database's
+/// answer (the primary group, and every group that lists the user, through NSS), so that
+/// the gid a request happens to run with (`sg`, `newgrp`) changes nothing.
+#[derive(Clone)]
+pub struct GroupLookup(Arc<dyn Fn(u32) -> Vec<u32> + Send + Sync>);
+
+impl GroupLookup {
+    /// The user database's groups of a user.
+    pub fn system() -> GroupLookup {
+        GroupLookup(Arc::new(crate::holder::user_groups))
+    }
+
+    /// Groups from `f` (tests).
+    pub fn from_fn(f: impl Fn(u32) -> Vec<u32> + Send + Sync + 'static) -> GroupLookup {
+        GroupLookup(Arc::new(f))
+    }
+
+    /// The groups of `uid`.
+    pub fn of(&self, uid: u32) -> Vec<u32> {
+        (self.0)(uid)
+    }
+}
+
+impl Default for GroupLookup {
+    fn default() -> GroupLookup {
+        GroupLookup::system()
+    }
+}
+
+impl std::fmt::Debug for GroupLookup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("GroupLookup")
+    }
 }
 
 /// What one audit pass found, applied as one command ([`Broker::apply_audit`]).

@@ -1,7 +1,7 @@
 //! The wait queue: requests that asked to wait, oldest first, each with the time it gives up.
 //!
-//! Order and the starvation guard live here; trying the queue against free capacity is the
-//! ledger's ([`super::Ledger`]), which owns the capacity.
+//! Order and give-up times live here; trying the queue against free capacity, and the
+//! starvation guard, are the ledger's ([`super::Ledger`]), which owns capacity and quotas.
 
 use std::collections::VecDeque;
 use std::time::Duration;
@@ -95,14 +95,6 @@ impl WaitQueue {
             }
             None => false,
         }
-    }
-
-    /// Whether the oldest request has waited `starvation` or more: then nothing may go
-    /// ahead of it.
-    pub fn head_is_starved(&self, now: Millis, starvation: Duration) -> bool {
-        self.waiters
-            .front()
-            .is_some_and(|w| now.saturating_sub(w.since) >= millis(starvation))
     }
 
     /// Whether a queued request chose `id`.

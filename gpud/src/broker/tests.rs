@@ -70,9 +70,16 @@ struct Rules {
 
 impl Rules {
     fn new(gpus: u32, config: Config, admin_gids: Vec<u32>) -> Rules {
+        let settings = BrokerSettings {
+            admin_gids,
+            config,
+            groups: GroupLookup::default(),
+        };
+        Rules::on(GpuInventory::test_machine(gpus, 16), settings)
+    }
+
+    fn on(inventory: GpuInventory, settings: BrokerSettings) -> Rules {
         let store = Store::open_in_memory().unwrap();
-        let inventory = GpuInventory::test_machine(gpus, 16);
-        let settings = BrokerSettings { admin_gids, config };
         let mut rules = Rules {
             ledger: Ledger::new(&inventory, settings),
             store,
@@ -160,6 +167,7 @@ fn a_uid_quota_counts_gpus_memory_and_reservations_and_frees_on_release() {
         uid: Some(ALICE.uid),
         max_gpus: Some(2),
         max_memory: Some(10 * GIB),
+        max_reservations: Some(4),
         ..NO_QUOTA
     });
     let mut rules = Rules::new(4, config, vec![]);
@@ -167,10 +175,24 @@ fn a_uid_quota_counts_gpus_memory_and_reservations_and_frees_on_release() {
     let e = rules.reserve(ALICE, lease(gib(6), 60), 0).unwrap_err();
     assert!(matches!(e, BrokerError::QuotaExceeded(_)), "{e}");
     assert!(e.to_string().contains("10 GiB of GPU memory"), "{e}");
-    rules.reserved(ALICE, lease(gib(4), 60), 0);
+    // Spread puts 1 GiB on the emptiest GPU: a second one, allowed; a third, not.
+    let spread = |memory| ReserveRequest {
+        policy: Some(Policy::Spread),
+        ..lease(memory, 60)
+    };
+    rules.reserved(ALICE, spread(gib(1)), 0);
+    let e = rules.reserve(ALICE, spread(gib(1)), 0).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("allows 2 GPUs at once; 2 held, 1 more asked"),
+        "{e}"
+    );
+    // On a GPU already held, more is fine, up to the reservation count.
+    rules.reserved(ALICE, lease(gib(1), 60), 0);
+    rules.reserved(ALICE, lease(gib(1), 60), 0);
     let e = rules.reserve(ALICE, lease(gib(1), 60), 0).unwrap_err();
     assert!(
-        e.to_string().contains("allows 2 GPUs at once; 2 held"),
+        e.to_string().contains("allows 4 reservations at once"),
         "{e}"
     );
     // Another user is not counted against it.
@@ -488,6 +510,142 @@ fn an_audit_that_frees_unaccounted_memory_serves_the_queue() {
     assert!(rx.try_recv().unwrap().is_ok());
 }
 
+#[test]
+fn max_gpus_counts_distinct_gpus_not_reservations() {
+    let config = quota(Quota {
+        uid: Some(ALICE.uid),
+        max_gpus: Some(2),
+        ..NO_QUOTA
+    });
+    let mut rules = Rules::new(4, config, vec![]);
+    // Best fit keeps them on one GPU: four reservations, one GPU held.
+    for _ in 0..4 {
+        let r = rules.reserved(ALICE, lease(gib(1), 60), 0);
+        assert_eq!(r.units[0].gpu_index, 0);
+    }
+    // One more GPU is allowed, then no more.
+    rules.reserved(ALICE, lease(MemoryAsk::Exclusive, 60), 0);
+    let e = rules
+        .reserve(ALICE, lease(MemoryAsk::Exclusive, 60), 0)
+        .unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("allows 2 GPUs at once; 2 held, 1 more asked"),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_request_over_its_quota_is_refused_instead_of_queued() {
+    let config = quota(Quota {
+        uid: Some(ALICE.uid),
+        max_gpus: Some(1),
+        ..NO_QUOTA
+    });
+    let mut rules = Rules::new(8, config, vec![]);
+    rules.reserved(BOB, lease(gib(1), 600), 0);
+    let everything = ReserveRequest {
+        gpus: 8,
+        ..waiting(MemoryAsk::Exclusive, 600, Duration::from_secs(40))
+    };
+    let e = rules.reserve(ALICE, everything, 0).unwrap_err();
+    assert!(matches!(e, BrokerError::QuotaExceeded(_)), "{e}");
+    assert!(rules.ledger.snapshot((0, 0)).waiters.is_empty());
+}
+
+#[test]
+fn a_waiter_its_quota_no_longer_allows_holds_nothing_back() {
+    let config = Config {
+        quotas: vec![Quota {
+            uid: Some(ALICE.uid),
+            max_gpus: Some(2),
+            ..NO_QUOTA
+        }],
+        ..Config::default()
+    };
+    let mut rules = Rules::new(3, config, vec![]);
+    rules.reserved(BOB, lease(MemoryAsk::Exclusive, 600), 0);
+    rules.reserved(BOB, lease(MemoryAsk::Exclusive, 600), 0);
+    let two = ReserveRequest {
+        gpus: 2,
+        ..waiting(MemoryAsk::Exclusive, 600, Duration::from_secs(3600))
+    };
+    // Its client keeps waiting (a closed one would be skipped anyway).
+    let Admitted::Queued { rx: _waiting, .. } = rules.reserve(ALICE, two, 1_000).unwrap() else {
+        panic!("one GPU is free, two are asked: it waits");
+    };
+    // Alice takes the free GPU meanwhile: her waiting request can no longer fit her quota.
+    rules.reserved(ALICE, lease(gib(1), 600), 2_000);
+    // Long after the guard would hold capacity for it, others still get what is free.
+    rules.reserved(CAROL, lease(gib(1), 600), 100_000);
+}
+
+#[test]
+fn a_starved_waiter_holds_back_only_the_gpus_it_could_use() {
+    let mut inventory = GpuInventory::test_machine(2, 16);
+    inventory.gpus[1].memory_total_bytes = 8 * GIB;
+    let settings = BrokerSettings {
+        admin_gids: vec![],
+        config: Config::default(),
+        groups: GroupLookup::default(),
+    };
+    let mut rules = Rules::on(inventory, settings);
+    rules.reserved(ALICE, lease(gib(10), 600), 0);
+    // 12 GiB fits only GPU 0 (16 GiB), where 10 are taken: it waits.
+    let Admitted::Queued { rx: _waiting, .. } = rules
+        .reserve(BOB, waiting(gib(12), 600, Duration::from_secs(3600)), 1_000)
+        .unwrap()
+    else {
+        panic!("it waits");
+    };
+    // Once it has waited the guard's minute, GPU 0 is kept for it; GPU 1 (8 GiB), which
+    // it could never use, is not.
+    let small = rules.reserved(CAROL, lease(gib(4), 600), 61_000);
+    assert_eq!(
+        small.units[0].gpu_index, 1,
+        "placed where the waiter cannot go"
+    );
+    rules.reserved(CAROL, lease(gib(4), 600), 61_000);
+    let e = rules
+        .reserve(CAROL, lease(gib(4), 600), 61_000)
+        .unwrap_err();
+    assert!(e.to_string().contains("capacity is being held"), "{e}");
+}
+
+#[test]
+fn group_quotas_count_members_whatever_gid_they_run_with() {
+    // Alice is a member of group 300 (say "team") besides her primary group 100.
+    let settings = BrokerSettings {
+        admin_gids: vec![],
+        config: quota(Quota {
+            gid: Some(300),
+            max_reservations: Some(2),
+            ..NO_QUOTA
+        }),
+        groups: GroupLookup::from_fn(|uid| match uid {
+            1000 => vec![100, 300],
+            _ => vec![100],
+        }),
+    };
+    let mut rules = Rules::on(GpuInventory::test_machine(2, 16), settings);
+    rules.reserved(ALICE, lease(gib(1), 60), 0);
+    // `sg other -c 'gpuctl reserve …'`: the same user with another effective gid.
+    let other = Caller { gid: 400, ..ALICE };
+    rules.reserved(other, lease(gib(1), 60), 0);
+    let e = rules.reserve(other, lease(gib(1), 60), 0).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("group 300 allows 2 reservations at once; 2 held"),
+        "{e}"
+    );
+    // Bob, not a member, is not counted nor limited; running with gid 300 makes him count.
+    rules.reserved(BOB, lease(gib(1), 60), 0);
+    let e = rules
+        .reserve(Caller { gid: 300, ..BOB }, lease(gib(1), 60), 0)
+        .unwrap_err();
+    assert!(matches!(e, BrokerError::QuotaExceeded(_)), "{e}");
+}
+
 // The broker thread, with a clock the test moves.
 
 /// A broker on two 16 GiB GPUs and an in-memory database, at time `clock`.
@@ -500,6 +658,7 @@ fn broker() -> (Arc<Broker>, Arc<AtomicU64>) {
         BrokerSettings {
             admin_gids: vec![],
             config: Config::default(),
+            groups: GroupLookup::default(),
         },
         Arc::new(move || time.load(Ordering::SeqCst)),
     )

@@ -156,6 +156,7 @@ async fn serve(config: Config, config_path: Option<PathBuf>) -> anyhow::Result<(
     let settings = BrokerSettings {
         admin_gids,
         config: config.clone(),
+        groups: crate::broker::GroupLookup::default(),
     };
     // Blocks until the broker thread has loaded the database.
     let broker = {

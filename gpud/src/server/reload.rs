@@ -125,6 +125,7 @@ pub fn reload(broker: &Broker, path: &Path, at_start: &Config) -> Result<ReloadP
         .reload(BrokerSettings {
             admin_gids,
             config: plan.config.clone(),
+            groups: crate::broker::GroupLookup::default(),
         })
         .wait()
         .map_err(|source| ReloadError::Broker {

@@ -235,6 +235,7 @@ mod tests {
             let settings = BrokerSettings {
                 admin_gids: vec![],
                 config: Config::default(),
+                groups: crate::broker::GroupLookup::default(),
             };
             let inventory = GpuInventory::test_machine(2, 16);
             Broker::start(Store::open_in_memory().unwrap(), &inventory, settings).unwrap()

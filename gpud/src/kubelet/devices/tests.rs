@@ -62,6 +62,7 @@ fn broker(n: u32, gib: u64) -> TestBroker {
     let settings = BrokerSettings {
         admin_gids: vec![],
         config: Config::default(),
+        groups: crate::broker::GroupLookup::default(),
     };
     let clock = Arc::new(AtomicU64::new(0));
     let time = clock.clone();
