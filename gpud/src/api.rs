@@ -27,10 +27,12 @@ use crate::probe::link_cell;
 
 /// Longest reservation id accepted in a path or request.
 const MAX_ID_LEN: usize = 128;
-/// Most labels on one reservation, and their sizes.
-const MAX_LABELS: usize = 64;
+/// Most labels on one reservation, and their sizes: each, and all together, so that what
+/// one reservation stores (and every listing returns) stays small.
+const MAX_LABELS: usize = 32;
 const MAX_LABEL_KEY: usize = 128;
 const MAX_LABEL_VALUE: usize = 1024;
+const MAX_LABELS_BYTES: usize = 4096;
 
 /// What every request handler shares.
 #[derive(Debug)]
@@ -39,6 +41,8 @@ pub struct Api {
     pub broker: Arc<Broker>,
     /// Largest accepted body.
     pub max_body_bytes: usize,
+    /// How long a body may take to arrive once the headers are in.
+    pub body_timeout: Duration,
     /// Prometheus metrics.
     pub metrics: Arc<Metrics>,
 }
@@ -204,7 +208,20 @@ impl Api {
 
     async fn body(&self, req: Request<Incoming>) -> Result<Bytes, ApiError> {
         let limit = self.max_body_bytes;
-        match Limited::new(req.into_body(), limit).collect().await {
+        let within = self.body_timeout;
+        let Ok(collected) =
+            tokio::time::timeout(within, Limited::new(req.into_body(), limit).collect()).await
+        else {
+            return Err(ApiError::new(
+                StatusCode::REQUEST_TIMEOUT,
+                codes::BODY_TIMEOUT,
+                format!(
+                    "the request body did not arrive within {}; send it whole",
+                    humantime::format_duration(within)
+                ),
+            ));
+        };
+        match collected {
             Ok(collected) => Ok(collected.to_bytes()),
             Err(e)
                 if e.downcast_ref::<http_body_util::LengthLimitError>()
@@ -514,6 +531,12 @@ pub fn to_request(wire: schema::ReservationRequest) -> Result<ReserveRequest, Ap
             )));
         }
     }
+    let bytes: usize = wire.labels.iter().map(|(k, v)| k.len() + v.len()).sum();
+    if bytes > MAX_LABELS_BYTES {
+        return Err(ApiError::invalid(format!(
+            "labels take {bytes} bytes; at most {MAX_LABELS_BYTES} in all (keys and values)"
+        )));
+    }
     if wire.holder_pid == Some(0) {
         return Err(ApiError::invalid("holder_pid must be a process id, not 0"));
     }
@@ -760,6 +783,13 @@ mod tests {
             let e = wire(body).unwrap_err();
             assert!(e.contains(needle), "{body}: {e}");
         }
+        // Five labels of 1000 characters: each is allowed, together they are too much.
+        let labels: serde_json::Map<String, serde_json::Value> = (0..5)
+            .map(|i| (format!("k{i}"), serde_json::Value::from("v".repeat(1000))))
+            .collect();
+        let body = serde_json::json!({"memory": "4G", "labels": labels}).to_string();
+        let e = wire(&body).unwrap_err();
+        assert!(e.contains("at most 4096 in all"), "{e}");
     }
 
     #[test]

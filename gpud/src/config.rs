@@ -125,8 +125,20 @@ pub struct ServerConfig {
     /// How long a client may take to send its request headers.
     #[serde(deserialize_with = "duration")]
     pub header_timeout: Duration,
+    /// How long a client may take to send a request's body, once its headers are in.
+    #[serde(deserialize_with = "duration")]
+    pub body_timeout: Duration,
+    /// How long a connection may stay open with no request in flight.
+    #[serde(deserialize_with = "duration")]
+    pub idle_timeout: Duration,
     /// Connections served at once; more wait in the listen backlog.
     pub max_connections: usize,
+    /// Connections one uid may hold open at once (root and the admin groups excepted);
+    /// one more is answered 429 `too_many_connections` and closed.
+    pub max_connections_per_user: usize,
+    /// Of `max_connections`, how many only root and the admin groups may use, so that an
+    /// admin can always get in.
+    pub admin_connections: usize,
 }
 
 impl Default for ServerConfig {
@@ -134,7 +146,11 @@ impl Default for ServerConfig {
         ServerConfig {
             max_body_bytes: 64 * 1024,
             header_timeout: Duration::from_secs(5),
+            body_timeout: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(60),
             max_connections: 4096,
+            max_connections_per_user: 64,
+            admin_connections: 64,
         }
     }
 }
@@ -384,6 +400,16 @@ impl Config {
         }
         if self.server.max_connections == 0 {
             return Err("server.max_connections must be at least 1".to_owned());
+        }
+        if self.server.max_connections_per_user == 0 {
+            return Err("server.max_connections_per_user must be at least 1".to_owned());
+        }
+        if self.server.admin_connections >= self.server.max_connections {
+            return Err(format!(
+                "server.admin_connections ({}) must be less than server.max_connections ({}): \
+                 other users need connections too",
+                self.server.admin_connections, self.server.max_connections
+            ));
         }
         if self.audit.interval < Duration::from_millis(100) {
             return Err("audit.interval must be at least 100ms".to_owned());

@@ -145,6 +145,25 @@ fn innermost_pid(pid: u32) -> Option<u32> {
         .ok()
 }
 
+/// Whether `caller` may act on every reservation: root, or a member of one of
+/// `admin_gids` (its supplementary groups are read from `/proc`, only when its primary
+/// group is not one).
+pub fn is_admin(caller: &Caller, admin_gids: &[u32]) -> bool {
+    if caller.uid == 0 {
+        return true;
+    }
+    if admin_gids.is_empty() {
+        return false;
+    }
+    if admin_gids.contains(&caller.gid) {
+        return true;
+    }
+    caller
+        .pid
+        .and_then(|pid| process_info(pid).ok())
+        .is_some_and(|info| info.groups.iter().any(|g| admin_gids.contains(g)))
+}
+
 /// The groups of user `uid` as the user database has them: the primary group and every
 /// group that lists the user (`getgrouplist`, through NSS). Empty for an unknown uid.
 pub fn user_groups(uid: u32) -> Vec<u32> {

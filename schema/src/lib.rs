@@ -382,6 +382,11 @@ pub mod codes {
     pub const METHOD_NOT_ALLOWED: &str = "method_not_allowed";
     /// Body larger than the limit (413).
     pub const PAYLOAD_TOO_LARGE: &str = "payload_too_large";
+    /// The request body did not arrive within `server.body_timeout` (408).
+    pub const BODY_TIMEOUT: &str = "body_timeout";
+    /// The caller has `server.max_connections_per_user` connections open already, or
+    /// only root and the admin groups may connect now (429).
+    pub const TOO_MANY_CONNECTIONS: &str = "too_many_connections";
     /// State cannot be written (disk full, read-only) (503).
     pub const STORAGE_UNAVAILABLE: &str = "storage_unavailable";
     /// gpud is stopping (a restart, an upgrade); nothing was done: ask again once it is back

@@ -532,7 +532,8 @@ fn quotas_are_enforced_with_the_limit_in_the_message() {
     );
     let a = reserve(&d, json!({"gpus": 2, "memory": "10GiB", "ttl_seconds": 60}));
     assert_eq!(a.status, 201, "{}", a.text);
-    let too_many_gpus = reserve(&d, json!({"gpus": 3, "memory": "1GiB", "ttl_seconds": 60}));
+    // Three whole GPUs cannot be among the two held: 2 + 3 distinct GPUs.
+    let too_many_gpus = reserve(&d, json!({"gpus": 3, "exclusive": true, "ttl_seconds": 60}));
     assert_eq!(too_many_gpus.status, 403, "{}", too_many_gpus.text);
     assert_eq!(too_many_gpus.body["error"]["code"], "quota_exceeded");
     assert!(

@@ -19,7 +19,7 @@ use gpud_schema::format_bytes;
 
 use super::queue::{WaitQueue, Waiter};
 use super::{AuditFindings, BrokerError, BrokerSettings, Caller, ReserveRequest, Snapshot};
-use crate::holder::{PinnedProcess, process_info};
+use crate::holder::PinnedProcess;
 use crate::model::{
     Event, Gpu, GpuInventory, Holder, MemoryAsk, Millis, Reservation, ReservationState,
     ReservedUnit, Topology, Unit,
@@ -318,23 +318,9 @@ impl Ledger {
         self.unit_by_uuid.get(uuid).copied()
     }
 
-    /// Whether `caller` may act on every reservation: root, or a member of an admin group
-    /// (the supplementary groups are read from `/proc`, only when the primary one is not).
+    /// Whether `caller` may act on every reservation: root, or a member of an admin group.
     pub fn is_admin(&self, caller: &Caller) -> bool {
-        if caller.uid == 0 {
-            return true;
-        }
-        let admin_gids = &self.settings.admin_gids;
-        if admin_gids.is_empty() {
-            return false;
-        }
-        if admin_gids.contains(&caller.gid) {
-            return true;
-        }
-        caller
-            .pid
-            .and_then(|pid| process_info(pid).ok())
-            .is_some_and(|info| info.groups.iter().any(|g| admin_gids.contains(g)))
+        crate::holder::is_admin(caller, &self.settings.admin_gids)
     }
 
     /// Whether `caller` may release or renew `r`: its owner, root, or an admin.

@@ -172,6 +172,7 @@ async fn serve(config: Config, config_path: Option<PathBuf>) -> anyhow::Result<(
     let api = Arc::new(Api {
         broker: broker.clone(),
         max_body_bytes: config.server.max_body_bytes,
+        body_timeout: config.server.body_timeout,
         metrics: metrics.clone(),
     });
 

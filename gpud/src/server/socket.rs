@@ -6,18 +6,20 @@
 //! the kernel before the first byte is parsed, headers must arrive within a timeout, and a
 //! semaphore caps the connections served at once.
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::os::fd::{BorrowedFd, FromRawFd, RawFd};
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::Context;
+use gpud_schema::codes;
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
-use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::Semaphore;
 
@@ -27,23 +29,139 @@ use crate::config::{Config, ServerConfig};
 
 /// Connections still being served after [`serve_on`] stopped accepting.
 #[derive(Debug)]
-pub struct InFlight(GracefulShutdown);
+pub struct InFlight {
+    /// Every connection holds one permit until it ends.
+    permits: Arc<Semaphore>,
+    total: u32,
+}
 
 impl InFlight {
     /// Lets the connections in flight finish their requests, for at most `within`.
     /// `false` when some were still open then.
     pub async fn finish(self, within: Duration) -> bool {
-        tokio::select! {
-            () = self.0.shutdown() => true,
-            () = tokio::time::sleep(within) => false,
+        let all = self.permits.acquire_many(self.total);
+        matches!(tokio::time::timeout(within, all).await, Ok(Ok(_)))
+    }
+}
+
+/// Open connections per uid, for `server.max_connections_per_user` and
+/// `server.admin_connections`.
+#[derive(Debug, Default)]
+struct Connections {
+    by_uid: HashMap<u32, usize>,
+    /// Those of users who are neither root nor in an admin group.
+    unprivileged: usize,
+}
+
+/// One connection's place in [`Connections`], given back when the connection ends.
+struct Slot {
+    table: Arc<Mutex<Connections>>,
+    uid: u32,
+    privileged: bool,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        let mut table = self
+            .table
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(n) = table.by_uid.get_mut(&self.uid) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                table.by_uid.remove(&self.uid);
+            }
         }
+        if !self.privileged {
+            table.unprivileged = table.unprivileged.saturating_sub(1);
+        }
+    }
+}
+
+impl Connections {
+    /// A slot for a connection of `caller`, or why there is none.
+    fn admit(
+        table: &Arc<Mutex<Connections>>,
+        caller: Caller,
+        privileged: bool,
+        limits: &ServerConfig,
+    ) -> Result<Slot, String> {
+        let mut t = table
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mine = t.by_uid.get(&caller.uid).copied().unwrap_or(0);
+        if !privileged {
+            if mine >= limits.max_connections_per_user {
+                return Err(format!(
+                    "uid {} has {mine} connections to gpud open, the most one user may \
+                     (server.max_connections_per_user); close some and try again",
+                    caller.uid
+                ));
+            }
+            let open_to_all = limits.max_connections - limits.admin_connections;
+            if t.unprivileged >= open_to_all {
+                return Err(format!(
+                    "gpud serves {open_to_all} connections of users at once and all are in use \
+                     (the rest are kept for root and the admin groups); try again shortly"
+                ));
+            }
+            t.unprivileged += 1;
+        }
+        *t.by_uid.entry(caller.uid).or_default() += 1;
+        Ok(Slot {
+            table: table.clone(),
+            uid: caller.uid,
+            privileged,
+        })
+    }
+}
+
+/// When the last request of a connection ended, and how many are in flight on it.
+#[derive(Debug)]
+struct Activity {
+    in_flight: AtomicUsize,
+    since: Mutex<tokio::time::Instant>,
+}
+
+impl Activity {
+    /// Counts a request in flight until the returned guard drops.
+    fn begin(self: &Arc<Self>) -> impl Drop + Send + use<> {
+        struct Busy(Arc<Activity>);
+        impl Drop for Busy {
+            fn drop(&mut self) {
+                *self
+                    .0
+                    .since
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner) =
+                    tokio::time::Instant::now();
+                self.0.in_flight.fetch_sub(1, Ordering::SeqCst);
+            }
+        }
+        self.in_flight.fetch_add(1, Ordering::SeqCst);
+        Busy(self.clone())
+    }
+
+    /// When the connection becomes idle for `idle`: `None` while a request is in flight.
+    fn idle_deadline(&self, idle: Duration) -> Option<tokio::time::Instant> {
+        if self.in_flight.load(Ordering::SeqCst) > 0 {
+            return None;
+        }
+        let since = *self
+            .since
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        Some(since + idle)
     }
 }
 
 /// Serves `api` on `listener` until `shutdown` resolves; returns the connections still in
 /// flight then. Each connection is served on its own task, with the peer's credentials
-/// read from the kernel first; at most `limits.max_connections` at once (more wait in the
-/// listen backlog).
+/// read from the kernel first. At most `limits.max_connections` at once (more wait in the
+/// listen backlog), of which `admin_connections` are kept for root and the admin groups,
+/// and `max_connections_per_user` for any one other uid; headers must arrive within
+/// `header_timeout`, a body within `body_timeout` (the API's), and a connection with no
+/// request in flight for `idle_timeout` is closed.
 pub async fn serve_on(
     listener: &UnixListener,
     api: Arc<Api>,
@@ -51,8 +169,10 @@ pub async fn serve_on(
     shutdown: impl Future<Output = ()>,
 ) -> anyhow::Result<InFlight> {
     tokio::pin!(shutdown);
-    let graceful = GracefulShutdown::new();
-    let permits = Arc::new(Semaphore::new(limits.max_connections));
+    let total = u32::try_from(limits.max_connections).unwrap_or(u32::MAX);
+    let permits = Arc::new(Semaphore::new(total as usize));
+    let table = Arc::new(Mutex::new(Connections::default()));
+    let (stop, stopping) = tokio::sync::watch::channel(false);
     loop {
         let permit = tokio::select! {
             p = permits.clone().acquire_owned() => p.context("connection limiter closed")?,
@@ -72,21 +192,122 @@ pub async fn serve_on(
         let Some(caller) = peer(&stream) else {
             continue;
         };
-        let api = api.clone();
-        let conn = http1::Builder::new()
-            .timer(TokioTimer::new())
-            .header_read_timeout(limits.header_timeout)
-            .serve_connection(
-                TokioIo::new(stream),
-                service_fn(move |req| api.clone().handle(caller, req)),
-            );
-        let conn = graceful.watch(conn);
+        let privileged = is_admin(&caller, &api.broker.settings().admin_gids);
+        let slot = match Connections::admit(&table, caller, privileged, limits) {
+            Ok(slot) => slot,
+            Err(why) => {
+                tokio::spawn(refuse(stream, why, permit));
+                continue;
+            }
+        };
+        let connection = Connection {
+            api: api.clone(),
+            caller,
+            header_timeout: limits.header_timeout,
+            idle_timeout: limits.idle_timeout,
+            stopping: stopping.clone(),
+        };
         tokio::spawn(async move {
-            let _ = conn.await;
-            drop(permit);
+            connection.serve(stream).await;
+            drop((slot, permit));
         });
     }
-    Ok(InFlight(graceful))
+    let _ = stop.send(true);
+    Ok(InFlight { permits, total })
+}
+
+/// Answers a connection gpud will not serve with 429 and why, then closes it.
+async fn refuse(mut stream: UnixStream, why: String, permit: tokio::sync::OwnedSemaphorePermit) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    tracing::debug!(%why, "connection refused");
+    let body = serde_json::json!({"error": {"code": codes::TOO_MANY_CONNECTIONS, "message": why}})
+        .to_string();
+    let reply = format!(
+        "HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let answer = async {
+        stream.write_all(reply.as_bytes()).await?;
+        stream.shutdown().await?;
+        // Read what the client sends meanwhile (its request) before closing, so that its
+        // write does not meet a reset and it reads the answer.
+        let mut sink = [0u8; 4096];
+        while stream.read(&mut sink).await? > 0 {}
+        Ok::<(), std::io::Error>(())
+    };
+    let _ = tokio::time::timeout(Duration::from_secs(1), answer).await;
+    drop(permit);
+}
+
+/// One accepted connection.
+struct Connection {
+    api: Arc<Api>,
+    caller: Caller,
+    header_timeout: Duration,
+    idle_timeout: Duration,
+    stopping: tokio::sync::watch::Receiver<bool>,
+}
+
+impl Connection {
+    /// Serves requests until the client closes, the connection has been idle for
+    /// `idle_timeout`, or gpud stops (then the request in flight is finished first).
+    async fn serve(mut self, stream: UnixStream) {
+        let activity = Arc::new(Activity {
+            in_flight: AtomicUsize::new(0),
+            since: Mutex::new(tokio::time::Instant::now()),
+        });
+        let (api, caller, busy) = (self.api.clone(), self.caller, activity.clone());
+        let service = service_fn(move |req| {
+            let guard = busy.begin();
+            let api = api.clone();
+            async move {
+                let reply = api.handle(caller, req).await;
+                drop(guard);
+                reply
+            }
+        });
+        let conn = http1::Builder::new()
+            .timer(TokioTimer::new())
+            .header_read_timeout(self.header_timeout)
+            .serve_connection(TokioIo::new(stream), service);
+        tokio::pin!(conn);
+        let mut closing = false;
+        loop {
+            let idle_at = activity.idle_deadline(self.idle_timeout);
+            let idle = async {
+                match idle_at {
+                    Some(at) => tokio::time::sleep_until(at).await,
+                    // A request in flight: look again once the idle time went by.
+                    None => tokio::time::sleep(self.idle_timeout).await,
+                }
+            };
+            tokio::select! {
+                _ = conn.as_mut() => return,
+                changed = self.stopping.changed(), if !closing => {
+                    if changed.is_err() || *self.stopping.borrow() {
+                        closing = true;
+                        conn.as_mut().graceful_shutdown();
+                    }
+                }
+                () = idle, if !closing => {
+                    if activity
+                        .idle_deadline(self.idle_timeout)
+                        .is_some_and(|at| at <= tokio::time::Instant::now())
+                    {
+                        closing = true;
+                        conn.as_mut().graceful_shutdown();
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Whether `caller` is root or in one of `admin_gids` (its supplementary groups are read
+/// from `/proc` only when its primary group is not one).
+fn is_admin(caller: &Caller, admin_gids: &[u32]) -> bool {
+    crate::holder::is_admin(caller, admin_gids)
 }
 
 fn peer(stream: &UnixStream) -> Option<Caller> {
@@ -227,10 +448,16 @@ mod tests {
         reply
     }
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
-    async fn serve_on_answers_with_the_peer_s_identity_until_told_to_stop() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("gpud.sock");
+    /// gpud's API on a fresh socket in `dir`, served with `limits` until `stop` is sent.
+    async fn serve(
+        dir: &Path,
+        limits: ServerConfig,
+    ) -> (
+        std::path::PathBuf,
+        tokio::sync::oneshot::Sender<()>,
+        tokio::task::JoinHandle<anyhow::Result<InFlight>>,
+    ) {
+        let path = dir.join("gpud.sock");
         let broker = tokio::task::spawn_blocking(|| {
             let settings = BrokerSettings {
                 admin_gids: vec![],
@@ -245,17 +472,24 @@ mod tests {
         let api = Arc::new(Api {
             broker,
             max_body_bytes: 1024,
+            body_timeout: limits.body_timeout,
             metrics: Arc::new(Metrics::new()),
         });
         let listener = bind(&path, 0o600).unwrap();
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let limits = ServerConfig::default();
         let served = tokio::spawn(async move {
             let stopped = async move {
                 let _ = stopped.await;
             };
             serve_on(&listener, api, &limits, stopped).await
         });
+        (path, stop, served)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+    async fn serve_on_answers_with_the_peer_s_identity_until_told_to_stop() {
+        let dir = tempfile::tempdir().unwrap();
+        let (path, stop, served) = serve(dir.path(), ServerConfig::default()).await;
         let health = get(&path, "/v1/health").await;
         assert!(health.starts_with("HTTP/1.1 200"), "{health}");
         assert!(health.contains(r#""gpus":2"#), "{health}");
@@ -285,5 +519,82 @@ mod tests {
             UnixStream::connect(&path).await.is_err() || get(&path, "/v1/health").await.is_empty(),
             "nothing is served once stopped"
         );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+    async fn a_stalled_body_is_answered_408_and_an_idle_connection_closed() {
+        let dir = tempfile::tempdir().unwrap();
+        // The header timeout is longer than the test waits, so only the body and idle
+        // timeouts can end these connections in time.
+        let limits = ServerConfig {
+            header_timeout: Duration::from_secs(60),
+            body_timeout: Duration::from_millis(300),
+            idle_timeout: Duration::from_millis(500),
+            ..ServerConfig::default()
+        };
+        let (path, _stop, _served) = serve(dir.path(), limits).await;
+        // Headers, then one byte of a 100-byte body, then nothing.
+        let mut stalled = UnixStream::connect(&path).await.unwrap();
+        stalled
+            .write_all(b"POST /v1/reservations HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+            .await
+            .unwrap();
+        let mut reply = String::new();
+        let read =
+            tokio::time::timeout(Duration::from_secs(30), stalled.read_to_string(&mut reply));
+        read.await.expect("the connection was closed").unwrap();
+        assert!(reply.starts_with("HTTP/1.1 408"), "{reply}");
+        assert!(reply.contains(codes::BODY_TIMEOUT), "{reply}");
+        // A keep-alive connection that asks nothing more is closed after the idle time.
+        let mut idle = UnixStream::connect(&path).await.unwrap();
+        idle.write_all(b"GET /v1/health HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .unwrap();
+        let mut all = Vec::new();
+        let read = tokio::time::timeout(Duration::from_secs(30), idle.read_to_end(&mut all));
+        read.await.expect("the idle connection was closed").unwrap();
+        let text = String::from_utf8_lossy(&all);
+        assert!(text.starts_with("HTTP/1.1 200"), "answered first: {text}");
+    }
+
+    fn admit(
+        table: &Arc<Mutex<Connections>>,
+        uid: u32,
+        privileged: bool,
+        limits: &ServerConfig,
+    ) -> Result<Slot, String> {
+        let caller = Caller {
+            uid,
+            gid: uid,
+            pid: None,
+        };
+        Connections::admit(table, caller, privileged, limits)
+    }
+
+    #[test]
+    fn each_user_gets_a_share_of_the_connections_and_admins_keep_theirs() {
+        let limits = ServerConfig {
+            max_connections: 4,
+            max_connections_per_user: 2,
+            admin_connections: 1,
+            ..ServerConfig::default()
+        };
+        let table = Arc::new(Mutex::new(Connections::default()));
+        let mallory: Vec<Slot> = (0..2)
+            .map(|_| admit(&table, 1000, false, &limits).unwrap())
+            .collect();
+        let e = admit(&table, 1000, false, &limits).err().unwrap();
+        assert!(e.contains("max_connections_per_user"), "{e}");
+        let alice = admit(&table, 1001, false, &limits).unwrap();
+        // Three of four are open to users; the fourth is kept for root and admins.
+        let e = admit(&table, 1002, false, &limits).err().unwrap();
+        assert!(e.contains("kept for root and the admin groups"), "{e}");
+        let root = admit(&table, 0, true, &limits).unwrap();
+        drop(mallory);
+        let _later = admit(&table, 1002, false, &limits).unwrap();
+        drop((alice, root));
+        let t = table.lock().unwrap();
+        assert_eq!(t.by_uid.get(&1000), None, "given back");
+        assert_eq!(t.unprivileged, 1);
     }
 }

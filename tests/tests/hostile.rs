@@ -1,0 +1,142 @@
+//! Hostile neighbours: what one local user can do to the others through the socket. Run as
+//! several real uids (the test switches uid for each client, so it needs root), with the
+//! clients in `tests/scripts/hostile_clients.py`.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::io::{BufRead, BufReader};
+use std::os::unix::process::CommandExt;
+use std::process::{Child, Command, Stdio};
+
+use serde_json::Value;
+
+use gpud_tests::{Daemon, is_root, missing_prerequisite, repo_root};
+
+const MALLORY: u32 = 65534;
+const EVE: u32 = 65532;
+const ALICE: u32 = 65533;
+
+fn script() -> std::path::PathBuf {
+    repo_root().join("tests/scripts/hostile_clients.py")
+}
+
+/// A client process, killed when dropped (also when a test fails half-way), so that none
+/// outlives its test.
+struct Client(Child);
+
+impl Drop for Client {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Starts `hostile_clients.py stall` as `uid` with `n` connections held `seconds`, and
+/// returns it once it has said how many gpud kept and refused.
+fn stall(uid: u32, d: &Daemon, n: u32, seconds: u32) -> (Client, Value) {
+    let mut child = Command::new("python3")
+        .arg(script())
+        .args(["stall"])
+        .arg(&d.socket)
+        .args([n.to_string(), seconds.to_string()])
+        .uid(uid)
+        .gid(uid)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("python3");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    (
+        Client(child),
+        serde_json::from_str(&line).unwrap_or(Value::Null),
+    )
+}
+
+/// `count` health checks as `uid`, one connection each.
+fn health(uid: u32, d: &Daemon, count: u32) -> Value {
+    let out = Command::new("python3")
+        .arg(script())
+        .arg("health")
+        .arg(&d.socket)
+        .arg(count.to_string())
+        .uid(uid)
+        .gid(uid)
+        .output()
+        .expect("python3");
+    serde_json::from_slice(&out.stdout).unwrap_or(Value::Null)
+}
+
+#[test]
+fn one_user_holding_every_connection_it_may_leaves_the_others_served() {
+    if !is_root() {
+        missing_prerequisite("root (to act as several uids)");
+        return;
+    }
+    // 64 connections: 16 kept for root and the admin groups, 24 at most for any one user.
+    let d = Daemon::start(
+        "t4-pair",
+        "[server]\nmax_connections = 64\nadmin_connections = 16\nmax_connections_per_user = 24\nbody_timeout = \"60s\"\n",
+    );
+    let (mallory, said) = stall(MALLORY, &d, 40, 60);
+    assert_eq!(said["held"], 24, "{said}");
+    assert_eq!(said["refused"], 16, "{said}");
+    assert_eq!(said["codes"]["429"], 16, "{said}");
+    // Another user is served all the while.
+    let alice = health(ALICE, &d, 200);
+    assert_eq!(alice["statuses"]["200"], 200, "{alice}");
+    println!(
+        "GET /v1/health as another user while one holds 24 stalled connections: p50 {} ms, p99 {} ms, max {} ms",
+        alice["p50_ms"], alice["p99_ms"], alice["max_ms"]
+    );
+    // A second such user fills what users may hold (48); root still gets in.
+    let (eve, said) = stall(EVE, &d, 40, 60);
+    assert_eq!(said["held"], 24, "{said}");
+    let refused = health(ALICE, &d, 1);
+    assert_eq!(refused["statuses"]["429"], 1, "{refused}");
+    let root = d.get("/v1/health");
+    assert_eq!(root.status, 200, "kept for root: {}", root.text);
+    // Their connections end with them, and the others are served again.
+    drop(mallory);
+    let again = gpud_tests::wait_for(gpud_tests::PATIENCE, || {
+        let h = health(ALICE, &d, 1);
+        (h["statuses"]["200"] == 1).then_some(h)
+    });
+    assert!(
+        again.is_some(),
+        "served again once mallory's connections closed"
+    );
+    drop(eve);
+}
+
+#[test]
+fn a_stalled_body_is_cut_off_instead_of_holding_a_connection() {
+    if !is_root() {
+        missing_prerequisite("root (to act as another uid)");
+        return;
+    }
+    let d = Daemon::start(
+        "t4-pair",
+        "[server]\nmax_connections_per_user = 4\nbody_timeout = \"2s\"\n",
+    );
+    // Four stalled bodies, kept open far longer than the test waits.
+    let (mallory, said) = stall(MALLORY, &d, 4, 120);
+    assert_eq!(said["held"], 4, "{said}");
+    let h = health(MALLORY, &d, 1);
+    assert_eq!(
+        h["statuses"]["429"], 1,
+        "all four of mallory's are in use: {h}"
+    );
+    // gpud answers each 408 after the body timeout and closes it, so they stop counting.
+    let served = gpud_tests::wait_for(gpud_tests::PATIENCE, || {
+        let h = health(MALLORY, &d, 1);
+        (h["statuses"]["200"] == 1).then_some(h)
+    });
+    assert!(
+        served.is_some(),
+        "the stalled connections were never cut off"
+    );
+    drop(mallory);
+}
