@@ -173,6 +173,8 @@ pub struct WaitConfig {
     /// of it (backfill stops) until it is served.
     #[serde(deserialize_with = "duration")]
     pub starvation_after: Duration,
+    /// Requests one uid may have waiting at once (root excepted).
+    pub max_waiting_per_user: usize,
 }
 
 impl Default for WaitConfig {
@@ -180,6 +182,7 @@ impl Default for WaitConfig {
         WaitConfig {
             max_wait_seconds: 24 * 3600,
             starvation_after: Duration::from_secs(60),
+            max_waiting_per_user: 16,
         }
     }
 }

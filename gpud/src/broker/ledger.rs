@@ -425,6 +425,15 @@ impl Ledger {
                 // A request its quotas can never let through does not wait (nor hold
                 // anything back for itself once it would be the oldest).
                 self.check_quota_of_request(&caller, &request)?;
+                let max = self.settings.config.wait.max_waiting_per_user;
+                let mine = self.queue.waiting_of(caller.uid);
+                if caller.uid != 0 && mine >= max {
+                    return Err(BrokerError::QuotaExceeded(format!(
+                        "uid {} has {mine} requests waiting, the most one user may \
+                         (wait.max_waiting_per_user); wait for one, or cancel one",
+                        caller.uid
+                    )));
+                }
                 // The id is known here only when the caller chose it.
                 tracing::debug!(reservation = request.id.as_deref(), %why, "request queued");
                 let (ticket, rx) = self.queue.push(caller, request, holder, now, why);

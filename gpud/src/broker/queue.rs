@@ -97,6 +97,14 @@ impl WaitQueue {
         }
     }
 
+    /// How many requests of `uid` wait (those whose client is still there).
+    pub fn waiting_of(&self, uid: u32) -> usize {
+        self.waiters
+            .iter()
+            .filter(|w| w.caller.uid == uid && !w.reply.is_closed())
+            .count()
+    }
+
     /// Whether a queued request chose `id`.
     pub fn asked_for(&self, id: &str) -> bool {
         self.waiters

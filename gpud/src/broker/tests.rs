@@ -646,6 +646,47 @@ fn group_quotas_count_members_whatever_gid_they_run_with() {
     assert!(matches!(e, BrokerError::QuotaExceeded(_)), "{e}");
 }
 
+#[test]
+fn one_user_may_have_only_so_many_requests_waiting() {
+    let config = Config {
+        wait: crate::config::WaitConfig {
+            max_waiting_per_user: 2,
+            ..Default::default()
+        },
+        ..Config::default()
+    };
+    let mut rules = Rules::new(1, config, vec![]);
+    rules.reserved(ROOT, lease(MemoryAsk::Exclusive, 600), 0);
+    let mut queued = Vec::new();
+    for _ in 0..2 {
+        match rules
+            .reserve(ALICE, waiting(gib(1), 60, Duration::from_secs(60)), 1)
+            .unwrap()
+        {
+            Admitted::Queued { rx, .. } => queued.push(rx),
+            Admitted::Reserved(r) => panic!("nothing is free, yet {r:?}"),
+        }
+    }
+    let e = rules
+        .reserve(ALICE, waiting(gib(1), 60, Duration::from_secs(60)), 2)
+        .unwrap_err();
+    assert!(e.to_string().contains("max_waiting_per_user"), "{e}");
+    // Others, and root, still queue; a waiter whose client left no longer counts.
+    assert!(matches!(
+        rules
+            .reserve(BOB, waiting(gib(1), 60, Duration::from_secs(60)), 3)
+            .unwrap(),
+        Admitted::Queued { .. }
+    ));
+    drop(queued.pop());
+    assert!(matches!(
+        rules
+            .reserve(ALICE, waiting(gib(1), 60, Duration::from_secs(60)), 4)
+            .unwrap(),
+        Admitted::Queued { .. }
+    ));
+}
+
 // The broker thread, with a clock the test moves.
 
 /// A broker on two 16 GiB GPUs and an in-memory database, at time `clock`.
