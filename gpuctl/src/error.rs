@@ -150,10 +150,15 @@ pub fn api_exit_code(status: u16, code: &str) -> u8 {
         codes::INVALID_REQUEST | codes::PAYLOAD_TOO_LARGE => exit::USAGE,
         // Stopping is gone, as far as the caller can tell: the connection is next.
         codes::SHUTTING_DOWN => exit::UNREACHABLE,
+        // gpud's own limits (its resources, or connections while others hold them all): a
+        // failure of the service, not of the command line.
         codes::NOT_FOUND
         | codes::NOT_ACTIVE
         | codes::METHOD_NOT_ALLOWED
         | codes::STORAGE_UNAVAILABLE
+        | codes::OUT_OF_RESOURCES
+        | codes::TOO_MANY_CONNECTIONS
+        | codes::BODY_TIMEOUT
         | codes::INTERNAL => exit::FAILURE,
         // A code newer than this gpuctl: fall back on the status class.
         _ => match status {

@@ -77,6 +77,9 @@ pub fn status_for(e: &BrokerError) -> (StatusCode, &'static str) {
         BrokerError::NoCapacity(_) => (StatusCode::CONFLICT, codes::NO_CAPACITY),
         BrokerError::WaitTimeout(_) => (StatusCode::REQUEST_TIMEOUT, codes::WAIT_TIMEOUT),
         BrokerError::Forbidden(_) => (StatusCode::FORBIDDEN, codes::FORBIDDEN),
+        BrokerError::Holder(e) if e.is_gpud_s_fault() => {
+            (StatusCode::SERVICE_UNAVAILABLE, codes::OUT_OF_RESOURCES)
+        }
         BrokerError::Holder(e) if e.is_forbidden() => (StatusCode::FORBIDDEN, codes::FORBIDDEN),
         BrokerError::Holder(_) => (StatusCode::BAD_REQUEST, codes::INVALID_REQUEST),
         BrokerError::QuotaExceeded(_) => (StatusCode::FORBIDDEN, codes::QUOTA_EXCEEDED),
@@ -98,7 +101,15 @@ impl From<BrokerError> for ApiError {
         if status.is_server_error() {
             tracing::error!(error = %e, "request failed");
         }
-        ApiError::new(status, code, e.to_string())
+        let message = if code == codes::OUT_OF_RESOURCES {
+            format!(
+                "{e}; gpud is out of open files or memory, which is not your request's fault: \
+                 nothing was done, try again shortly (an admin can raise gpud's LimitNOFILE)"
+            )
+        } else {
+            e.to_string()
+        };
+        ApiError::new(status, code, message)
     }
 }
 
@@ -698,6 +709,17 @@ mod tests {
                 BrokerError::from(crate::holder::PinError::Invisible { seen_as: 1 }),
                 400,
                 codes::INVALID_REQUEST,
+            ),
+            (
+                BrokerError::from(crate::holder::PinError::Unpinnable {
+                    pid: 1,
+                    source: crate::holder::HolderError::Resources {
+                        pid: 1,
+                        source: std::io::Error::from_raw_os_error(libc::EMFILE),
+                    },
+                }),
+                503,
+                codes::OUT_OF_RESOURCES,
             ),
             (
                 BrokerError::QuotaExceeded("x".into()),

@@ -32,6 +32,16 @@ pub enum HolderError {
         /// What failed.
         detail: String,
     },
+    /// gpud itself ran out of a resource (open files, memory) while looking: its fault,
+    /// not the process's or the caller's.
+    #[error("gpud could not look at process {pid}: {source}")]
+    Resources {
+        /// The pid.
+        pid: u32,
+        /// The OS error (EMFILE, ENFILE, ENOMEM).
+        #[source]
+        source: std::io::Error,
+    },
     /// pidfd_open failed for another reason than the process being gone.
     #[error("cannot watch process {pid}: {source}")]
     Pidfd {
@@ -91,11 +101,31 @@ pub fn process_info(pid: u32) -> Result<ProcessInfo, HolderError> {
 fn read_proc(pid: u32, file: &str) -> Result<String, HolderError> {
     fs::read_to_string(format!("/proc/{pid}/{file}")).map_err(|e| match e.kind() {
         std::io::ErrorKind::NotFound => HolderError::NoSuchProcess { pid },
+        _ if out_of_resources(&e) => HolderError::Resources { pid, source: e },
         _ => HolderError::Proc {
             pid,
             detail: e.to_string(),
         },
     })
+}
+
+/// Whether `e` says this process ran out of open files or memory.
+pub fn out_of_resources(e: &std::io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(libc::EMFILE | libc::ENFILE | libc::ENOMEM)
+    )
+}
+
+impl HolderError {
+    /// Whether gpud, not the process named, is at fault (out of open files or memory).
+    pub fn is_gpud_s_fault(&self) -> bool {
+        match self {
+            HolderError::Resources { .. } => true,
+            HolderError::Pidfd { source, .. } => out_of_resources(source),
+            _ => false,
+        }
+    }
 }
 
 /// Start time (field 22), parent pid (field 4) and state letter (field 3: `R`, `S`, `Z` for
@@ -281,6 +311,17 @@ impl PinError {
     /// Whether the caller is refused another's process (rather than naming a bad one).
     pub fn is_forbidden(&self) -> bool {
         matches!(self, PinError::NotYours { .. })
+    }
+
+    /// Whether gpud failed for lack of resources (open files, memory): a server fault,
+    /// however the request looked.
+    pub fn is_gpud_s_fault(&self) -> bool {
+        match self {
+            PinError::NotInNamespace { source, .. } | PinError::Unpinnable { source, .. } => {
+                source.is_gpud_s_fault()
+            }
+            _ => false,
+        }
     }
 }
 

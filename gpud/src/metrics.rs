@@ -69,6 +69,8 @@ pub struct Metrics {
     audit_pass: Histogram,
     groups_committed: Counter,
     grouped_calls: Counter,
+    open_files: Gauge,
+    open_files_limit: Gauge,
     render_lock: Mutex<()>,
 }
 
@@ -171,6 +173,18 @@ impl Metrics {
             "Broker calls carried by group commits (divided by commit_groups: the mean group)",
             grouped_calls.clone(),
         );
+        let open_files = Gauge::default();
+        registry.register(
+            "open_files",
+            "File descriptors gpud holds (sockets, pidfds, the database)",
+            open_files.clone(),
+        );
+        let open_files_limit = Gauge::default();
+        registry.register(
+            "open_files_limit",
+            "Most file descriptors gpud may hold (its soft RLIMIT_NOFILE)",
+            open_files_limit.clone(),
+        );
         Metrics {
             registry,
             requests,
@@ -187,6 +201,8 @@ impl Metrics {
             audit_pass,
             groups_committed,
             grouped_calls,
+            open_files,
+            open_files_limit,
             render_lock: Mutex::new(()),
         }
     }
@@ -280,6 +296,9 @@ impl Metrics {
             })
             .set(gauge(snap.active() as u64));
         self.waiting.set(gauge(snap.waiting() as u64));
+        let (open, limit) = open_files();
+        self.open_files.set(gauge(open));
+        self.open_files_limit.set(gauge(limit));
         // Counters only go up: add what the broker counted since the last scrape.
         for (counter, total) in [
             (&self.groups_committed, snap.groups_committed),
@@ -293,4 +312,20 @@ impl Metrics {
         }
         out
     }
+}
+
+/// File descriptors this process holds, and the most it may (its soft limit).
+fn open_files() -> (u64, u64) {
+    let open = std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count() as u64);
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes one rlimit through a valid pointer.
+    let limit = if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } == 0 {
+        limit.rlim_cur
+    } else {
+        0
+    };
+    (open, limit)
 }

@@ -392,6 +392,9 @@ pub mod codes {
     /// gpud is stopping (a restart, an upgrade); nothing was done: ask again once it is back
     /// (503).
     pub const SHUTTING_DOWN: &str = "shutting_down";
+    /// gpud ran out of a resource of its own (open files, memory): not the request's fault;
+    /// try again later (503).
+    pub const OUT_OF_RESOURCES: &str = "out_of_resources";
     /// A bug or an unexpected failure (500).
     pub const INTERNAL: &str = "internal";
 }

@@ -140,3 +140,53 @@ fn a_stalled_body_is_cut_off_instead_of_holding_a_connection() {
     );
     drop(mallory);
 }
+
+#[test]
+fn running_out_of_open_files_is_gpud_s_fault_not_the_caller_s() {
+    if !is_root() {
+        missing_prerequisite("root (to lower gpud's open file limit with prlimit)");
+        return;
+    }
+    let d = Daemon::start("t4-pair", "");
+    // Room for a few more descriptors than gpud holds now, then none.
+    let open = std::fs::read_dir(format!("/proc/{}/fd", d.pid()))
+        .unwrap()
+        .count();
+    let limit = open + 6;
+    let lowered = Command::new("prlimit")
+        .arg(format!("--pid={}", d.pid()))
+        .arg(format!("--nofile={limit}:{limit}"))
+        .status()
+        .expect("prlimit");
+    assert!(lowered.success());
+    // Each reservation held by a process keeps a pidfd open.
+    let mut holders = Vec::new();
+    let mut refused = None;
+    for _ in 0..limit {
+        let holder = Client(Command::new("sleep").arg("600").spawn().unwrap());
+        let body = serde_json::json!({"memory": "1MiB", "holder_pid": holder.0.id()});
+        let r = d.post("/v1/reservations", &body.to_string());
+        holders.push(holder);
+        if r.status != 201 {
+            refused = Some(r);
+            break;
+        }
+    }
+    let r = refused.expect("gpud never ran out of open files");
+    assert_eq!(r.status, 503, "{}", r.text);
+    assert_eq!(r.body["error"]["code"], "out_of_resources", "{}", r.text);
+    assert!(
+        r.body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("not your request's fault"),
+        "{}",
+        r.text
+    );
+    // The metrics say how close gpud is to its limit.
+    let metrics = d.get("/metrics").text;
+    assert!(
+        metrics.contains(&format!("gpud_open_files_limit {limit}")),
+        "{metrics}"
+    );
+}

@@ -68,6 +68,7 @@ fn status(e: &BrokerError) -> Status {
         BrokerError::QuotaExceeded(_) | BrokerError::Forbidden(_) => {
             Status::permission_denied(message)
         }
+        BrokerError::Holder(e) if e.is_gpud_s_fault() => Status::unavailable(message),
         BrokerError::Holder(_) => Status::invalid_argument(message),
         BrokerError::NotFound(_) | BrokerError::NotActive { .. } => {
             Status::failed_precondition(message)

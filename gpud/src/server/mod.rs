@@ -37,8 +37,36 @@ pub use reload::{ReloadError, ReloadPlan, plan_reload, reload};
 pub use socket::{InFlight, bind, serve_on};
 use socket::{Listening, listen};
 
+/// Raises this process's soft limit on open files to its hard limit: gpud holds a socket
+/// per connection and a pidfd per holder, and a foreground gpud inherits the shell's soft
+/// limit (often 1024), far below what the unit allows. Returns the limit now in force.
+pub fn raise_open_file_limit() -> Option<u64> {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes one rlimit through a valid pointer.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0 {
+        return None;
+    }
+    if limit.rlim_cur < limit.rlim_max {
+        let raised = libc::rlimit {
+            rlim_cur: limit.rlim_max,
+            rlim_max: limit.rlim_max,
+        };
+        // SAFETY: setrlimit reads one rlimit through a valid pointer.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } == 0 {
+            limit = raised;
+        }
+    }
+    Some(limit.rlim_cur)
+}
+
 /// Runs the daemon until SIGTERM or SIGINT.
 pub fn run(config: Config, config_path: Option<PathBuf>) -> anyhow::Result<()> {
+    if let Some(limit) = raise_open_file_limit() {
+        tracing::info!(limit, "open files allowed");
+    }
     let mut builder = tokio::runtime::Builder::new_multi_thread();
     if std::env::var_os("TOKIO_WORKER_THREADS").is_none() {
         builder.worker_threads(runtime_threads(
@@ -329,6 +357,30 @@ async fn serve_metrics_tcp(addr: std::net::SocketAddr, api: Arc<Api>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_open_file_limit_is_raised_to_the_hard_limit() {
+        let mut limit = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        assert_eq!(
+            unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) },
+            0
+        );
+        // As a shell would start it: a soft limit below the hard one.
+        let lowered = libc::rlimit {
+            rlim_cur: limit.rlim_max.min(1024),
+            rlim_max: limit.rlim_max,
+        };
+        assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lowered) }, 0);
+        assert_eq!(raise_open_file_limit(), Some(limit.rlim_max));
+        assert_eq!(
+            unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) },
+            0
+        );
+        assert_eq!(limit.rlim_cur, limit.rlim_max);
+    }
 
     #[test]
     fn the_runtime_leaves_a_cpu_to_the_broker_thread() {
