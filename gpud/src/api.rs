@@ -53,6 +53,8 @@ pub struct ApiError {
     status: StatusCode,
     code: &'static str,
     message: String,
+    /// The methods the route takes, for the `Allow` header of a 405.
+    allow: Option<&'static str>,
 }
 
 impl ApiError {
@@ -61,6 +63,7 @@ impl ApiError {
             status,
             code,
             message: message.into(),
+            allow: None,
         }
     }
 
@@ -125,7 +128,7 @@ fn json<T: Serialize>(status: StatusCode, body: &T) -> Reply {
 }
 
 fn error_reply(e: &ApiError) -> Reply {
-    json(
+    let mut reply = json(
         e.status,
         &schema::ErrorBody {
             error: schema::ErrorDetail {
@@ -133,7 +136,34 @@ fn error_reply(e: &ApiError) -> Reply {
                 message: e.message.clone(),
             },
         },
-    )
+    );
+    if let Some(allow) = e.allow {
+        reply
+            .headers_mut()
+            .insert(hyper::header::ALLOW, HeaderValue::from_static(allow));
+    }
+    reply
+}
+
+/// The methods a route takes, `None` for no route.
+fn allowed(segments: &[&str]) -> Option<&'static str> {
+    match segments {
+        ["v1", "health" | "gpus" | "events" | "waiters"] | ["metrics"] => Some("GET"),
+        ["v1", "reservations"] => Some("GET, POST"),
+        ["v1", "reservations", _] => Some("GET, DELETE"),
+        ["v1", "reservations", _, "renew"] => Some("POST"),
+        _ => None,
+    }
+}
+
+/// Refuses query parameters on a route that takes none.
+fn no_query(query: &str, path: &str) -> Result<(), ApiError> {
+    if query.is_empty() {
+        return Ok(());
+    }
+    Err(ApiError::invalid(format!(
+        "{path} takes no query parameters; got ?{query}"
+    )))
 }
 
 impl Api {
@@ -160,6 +190,14 @@ impl Api {
         let query = req.uri().query().unwrap_or("").to_owned();
         let segments: Vec<&str> = path.trim_end_matches('/').split('/').skip(1).collect();
         let method = req.method().clone();
+        // Only listings and events take query parameters; a mistyped one anywhere else
+        // would otherwise be ignored without a word.
+        if !matches!(
+            (segments.as_slice(), &method),
+            (["v1", "reservations"] | ["v1", "events"], &Method::GET)
+        ) {
+            no_query(&query, &path)?;
+        }
         match (segments.as_slice(), &method) {
             (["v1", "health"], &Method::GET) => Ok(self.health()),
             (["v1", "gpus"], &Method::GET) => Ok(self.gpus()),
@@ -192,21 +230,14 @@ impl Api {
             (["metrics"], &Method::GET) => Ok(self.metrics_reply()),
             (["v1", "events"], &Method::GET) => self.events(&query).await,
             (["v1", "waiters"], &Method::GET) => Ok(self.waiters()),
-            (
-                ["v1", "health"]
-                | ["v1", "gpus"]
-                | ["v1", "events"]
-                | ["v1", "waiters"]
-                | ["metrics"],
-                _,
-            )
-            | (["v1", "reservations"], _)
-            | (["v1", "reservations", _], _)
-            | (["v1", "reservations", _, "renew"], _) => Err(ApiError::new(
-                StatusCode::METHOD_NOT_ALLOWED,
-                codes::METHOD_NOT_ALLOWED,
-                format!("{method} is not allowed on {path}"),
-            )),
+            (segments, _) if let Some(allow) = allowed(segments) => Err(ApiError {
+                allow: Some(allow),
+                ..ApiError::new(
+                    StatusCode::METHOD_NOT_ALLOWED,
+                    codes::METHOD_NOT_ALLOWED,
+                    format!("{method} is not allowed on {path}; it takes {allow}"),
+                )
+            }),
             _ => Err(ApiError::new(
                 StatusCode::NOT_FOUND,
                 codes::NOT_FOUND,
@@ -473,7 +504,14 @@ fn route_name(path: &str) -> &'static str {
     }
 }
 
+/// A JSON object body. Only an object: serde would also take the fields of a struct from
+/// an array in order, which skips every name check (`deny_unknown_fields` included).
 fn parse_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+        return Err(ApiError::invalid(
+            "the body must be a JSON object ({\"memory\": \"4GiB\", …}), not an array or a value",
+        ));
+    }
     serde_json::from_slice(body).map_err(|e| ApiError::invalid(format!("invalid JSON body: {e}")))
 }
 

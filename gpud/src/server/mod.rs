@@ -65,7 +65,7 @@ pub fn raise_open_file_limit() -> Option<u64> {
 /// Runs the daemon until SIGTERM or SIGINT.
 pub fn run(config: Config, config_path: Option<PathBuf>) -> anyhow::Result<()> {
     if let Some(limit) = raise_open_file_limit() {
-        tracing::info!(limit, "open files allowed");
+        tracing::debug!(limit, "open files allowed");
     }
     let mut builder = tokio::runtime::Builder::new_multi_thread();
     if std::env::var_os("TOKIO_WORKER_THREADS").is_none() {

@@ -557,6 +557,53 @@ mod tests {
         assert!(text.starts_with("HTTP/1.1 200"), "answered first: {text}");
     }
 
+    /// One request with `body`, answered and closed.
+    async fn send(path: &Path, method: &str, route: &str, body: &str) -> String {
+        let mut stream = UnixStream::connect(path).await.unwrap();
+        let request = format!(
+            "{method} {route} HTTP/1.1\r\nHost: gpud\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        stream.write_all(request.as_bytes()).await.unwrap();
+        let mut reply = String::new();
+        stream.read_to_string(&mut reply).await.unwrap();
+        reply
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+    async fn objects_only_allow_on_405_and_no_stray_query_parameters() {
+        let dir = tempfile::tempdir().unwrap();
+        let (path, _stop, _served) = serve(dir.path(), ServerConfig::default()).await;
+        // An array would fill the request's fields in order, past every name check.
+        let array = r#"[2,"1GiB",false,null,600,null,{},"spread"]"#;
+        let reply = send(&path, "POST", "/v1/reservations", array).await;
+        assert!(reply.starts_with("HTTP/1.1 400"), "{reply}");
+        assert!(reply.contains("must be a JSON object"), "{reply}");
+        let reply = send(&path, "POST", "/v1/reservations/abc/renew", "[315360000]").await;
+        assert!(reply.starts_with("HTTP/1.1 400"), "{reply}");
+        // 405 says what the route takes.
+        let reply = send(&path, "PUT", "/v1/reservations", "").await;
+        assert!(reply.starts_with("HTTP/1.1 405"), "{reply}");
+        assert!(
+            reply.to_ascii_lowercase().contains("allow: get, post"),
+            "{reply}"
+        );
+        let reply = send(&path, "POST", "/v1/gpus", "").await;
+        assert!(
+            reply.to_ascii_lowercase().contains("allow: get\r\n"),
+            "{reply}"
+        );
+        // A query parameter where none is taken is refused, not ignored.
+        let reply = send(&path, "DELETE", "/v1/reservations/abc?force=1", "").await;
+        assert!(reply.starts_with("HTTP/1.1 400"), "{reply}");
+        assert!(reply.contains("takes no query parameters"), "{reply}");
+        let reply = get(&path, "/v1/gpus?verbose=1").await;
+        assert!(reply.starts_with("HTTP/1.1 400"), "{reply}");
+        // Where they are taken, they still work.
+        let reply = get(&path, "/v1/reservations?state=all").await;
+        assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
+    }
+
     fn admit(
         table: &Arc<Mutex<Connections>>,
         uid: u32,
