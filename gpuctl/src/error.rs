@@ -158,6 +158,7 @@ pub fn api_exit_code(status: u16, code: &str) -> u8 {
         | codes::STORAGE_UNAVAILABLE
         | codes::OUT_OF_RESOURCES
         | codes::TOO_MANY_CONNECTIONS
+        | codes::RATE_LIMITED
         | codes::BODY_TIMEOUT
         | codes::INTERNAL => exit::FAILURE,
         // A code newer than this gpuctl: fall back on the status class.

@@ -86,6 +86,7 @@ pub fn status_for(e: &BrokerError) -> (StatusCode, &'static str) {
         BrokerError::Holder(e) if e.is_forbidden() => (StatusCode::FORBIDDEN, codes::FORBIDDEN),
         BrokerError::Holder(_) => (StatusCode::BAD_REQUEST, codes::INVALID_REQUEST),
         BrokerError::QuotaExceeded(_) => (StatusCode::FORBIDDEN, codes::QUOTA_EXCEEDED),
+        BrokerError::RateLimited(_) => (StatusCode::TOO_MANY_REQUESTS, codes::RATE_LIMITED),
         BrokerError::NotFound(_) => (StatusCode::NOT_FOUND, codes::NOT_FOUND),
         BrokerError::NotActive { .. } => (StatusCode::CONFLICT, codes::NOT_ACTIVE),
         BrokerError::Storage(s) if s.is_storage_unavailable() => {
@@ -765,6 +766,11 @@ mod tests {
                 codes::QUOTA_EXCEEDED,
             ),
             (BrokerError::NotFound("x".into()), 404, codes::NOT_FOUND),
+            (
+                BrokerError::RateLimited("x".into()),
+                429,
+                codes::RATE_LIMITED,
+            ),
             (
                 BrokerError::NotActive {
                     id: "x".into(),

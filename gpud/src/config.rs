@@ -74,6 +74,8 @@ pub struct Config {
     pub kubelet: KubeletConfig,
     /// How long ended reservations and audit events are kept.
     pub history: HistoryConfig,
+    /// How fast one user may change state.
+    pub limits: LimitsConfig,
 }
 
 impl Default for Config {
@@ -93,6 +95,7 @@ impl Default for Config {
             quotas: Vec::new(),
             kubelet: KubeletConfig::default(),
             history: HistoryConfig::default(),
+            limits: LimitsConfig::default(),
         }
     }
 }
@@ -112,6 +115,27 @@ impl Default for HistoryConfig {
     fn default() -> HistoryConfig {
         HistoryConfig {
             keep: Duration::from_secs(30 * 24 * 3600),
+        }
+    }
+}
+
+/// How fast one user may change state: reserve, release and renew, counted per uid (root
+/// and the admin groups are not limited). A token bucket: `changes_burst` at once, refilled
+/// at `changes_per_second`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LimitsConfig {
+    /// Changes per second one uid may make, sustained.
+    pub changes_per_second: u32,
+    /// Changes one uid may make at once, after a pause.
+    pub changes_burst: u32,
+}
+
+impl Default for LimitsConfig {
+    fn default() -> LimitsConfig {
+        LimitsConfig {
+            changes_per_second: 50,
+            changes_burst: 200,
         }
     }
 }
@@ -403,6 +427,11 @@ impl Config {
         }
         if self.server.max_connections == 0 {
             return Err("server.max_connections must be at least 1".to_owned());
+        }
+        if self.limits.changes_per_second == 0 || self.limits.changes_burst == 0 {
+            return Err(
+                "limits.changes_per_second and limits.changes_burst must be at least 1".to_owned(),
+            );
         }
         if self.server.max_connections_per_user == 0 {
             return Err("server.max_connections_per_user must be at least 1".to_owned());

@@ -392,6 +392,8 @@ pub mod codes {
     /// gpud is stopping (a restart, an upgrade); nothing was done: ask again once it is back
     /// (503).
     pub const SHUTTING_DOWN: &str = "shutting_down";
+    /// The caller changes state faster than `[limits]` allows; slow down (429).
+    pub const RATE_LIMITED: &str = "rate_limited";
     /// gpud ran out of a resource of its own (open files, memory): not the request's fault;
     /// try again later (503).
     pub const OUT_OF_RESOURCES: &str = "out_of_resources";

@@ -135,6 +135,8 @@ pub struct Ledger {
     /// Each user's groups, as the settings' lookup answered (until the next reload).
     member_of: HashMap<u32, Arc<[u32]>>,
     expiries: BTreeSet<(Millis, String)>,
+    /// Per uid: changes it may still make now, in thousandths, and when that was counted.
+    buckets: HashMap<u32, (u64, Millis)>,
     queue: WaitQueue,
     pub(super) settings: Arc<BrokerSettings>,
     pub(super) shutting_down: bool,
@@ -184,6 +186,7 @@ impl Ledger {
             by_gid: HashMap::new(),
             member_of: HashMap::new(),
             expiries: BTreeSet::new(),
+            buckets: HashMap::new(),
             queue: WaitQueue::default(),
             settings: Arc::new(settings),
             shutting_down: false,
@@ -323,6 +326,32 @@ impl Ledger {
         crate::holder::is_admin(caller, &self.settings.admin_gids)
     }
 
+    /// Counts one change of `caller` at `now` against `[limits]`: a token bucket per uid
+    /// (root and the admin groups are not limited).
+    fn take_change(&mut self, caller: &Caller, now: Millis) -> Result<(), BrokerError> {
+        const ONE: u64 = 1000;
+        if caller.uid == 0 || self.is_admin(caller) {
+            return Ok(());
+        }
+        let limits = &self.settings.config.limits;
+        let full = u64::from(limits.changes_burst).saturating_mul(ONE);
+        let per_ms = u64::from(limits.changes_per_second);
+        let (tokens, at) = self.buckets.entry(caller.uid).or_insert((full, now));
+        *tokens = tokens
+            .saturating_add(now.saturating_sub(*at).saturating_mul(per_ms))
+            .min(full);
+        *at = now;
+        if *tokens < ONE {
+            return Err(BrokerError::RateLimited(format!(
+                "uid {} changes reservations faster than this gpud allows ({} a second, {} \
+                 at once: [limits]); slow down and try again",
+                caller.uid, limits.changes_per_second, limits.changes_burst
+            )));
+        }
+        *tokens -= ONE;
+        Ok(())
+    }
+
     /// Whether `caller` may release or renew `r`: its owner, root, or an admin.
     fn authorize(&self, caller: &Caller, r: &Reservation, verb: &str) -> Result<(), BrokerError> {
         if caller.uid == r.owner_uid || self.is_admin(caller) {
@@ -389,6 +418,7 @@ impl Ledger {
         if self.shutting_down {
             return Err(BrokerError::ShuttingDown);
         }
+        self.take_change(&caller, now)?;
         // A chosen id must be new: not active, not in the history, not asked for by a
         // request already waiting.
         if let Some(id) = &request.id
@@ -820,6 +850,7 @@ impl Ledger {
     ) -> Result<Reservation, BrokerError> {
         let r = self.find_active(txn, id)?;
         self.authorize(caller, &r, "release")?;
+        self.take_change(caller, now)?;
         let reason = if caller.uid == r.owner_uid {
             "released by its owner".to_owned()
         } else {
@@ -881,6 +912,7 @@ impl Ledger {
     ) -> Result<Reservation, BrokerError> {
         let r = self.find_active(txn, id)?;
         self.authorize(caller, &r, "renew")?;
+        self.take_change(caller, now)?;
         let ttl = match (ttl_seconds, r.ttl_seconds) {
             (Some(t), _) => check_ttl(t)?,
             (None, Some(t)) => t,

@@ -109,6 +109,9 @@ pub enum BrokerError {
     /// A quota would be exceeded.
     #[error("{0}")]
     QuotaExceeded(String),
+    /// The caller changes state faster than `[limits]` allows.
+    #[error("{0}")]
+    RateLimited(String),
     /// No such reservation.
     #[error("no reservation with id {0:?}")]
     NotFound(String),

@@ -687,6 +687,32 @@ fn one_user_may_have_only_so_many_requests_waiting() {
     ));
 }
 
+#[test]
+fn a_user_changing_state_too_fast_is_slowed_down_and_root_is_not() {
+    let config = Config {
+        limits: crate::config::LimitsConfig {
+            changes_per_second: 2,
+            changes_burst: 3,
+        },
+        ..Config::default()
+    };
+    let mut rules = Rules::new(2, config, vec![]);
+    for _ in 0..3 {
+        rules.reserved(ALICE, lease(gib(1), 60), 0);
+    }
+    let e = rules.reserve(ALICE, lease(gib(1), 60), 0).unwrap_err();
+    assert!(matches!(e, BrokerError::RateLimited(_)), "{e}");
+    assert!(e.to_string().contains("2 a second, 3 at once"), "{e}");
+    // Half a second later one more change is allowed (2 a second), then none again.
+    rules.reserved(ALICE, lease(gib(1), 60), 500);
+    assert!(rules.reserve(ALICE, lease(gib(1), 60), 500).is_err());
+    // Others have their own bucket; root has none.
+    rules.reserved(BOB, lease(gib(1), 60), 500);
+    for _ in 0..5 {
+        rules.reserved(ROOT, lease(gib(1), 60), 500);
+    }
+}
+
 // The broker thread, with a clock the test moves.
 
 /// A broker on two 16 GiB GPUs and an in-memory database, at time `clock`.

@@ -65,6 +65,7 @@ fn status(e: &BrokerError) -> Status {
         BrokerError::NoCapacity(_)
         | BrokerError::Unsatisfiable(_)
         | BrokerError::WaitTimeout(_) => Status::resource_exhausted(message),
+        BrokerError::RateLimited(_) => Status::resource_exhausted(message),
         BrokerError::QuotaExceeded(_) | BrokerError::Forbidden(_) => {
             Status::permission_denied(message)
         }

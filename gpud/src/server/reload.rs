@@ -44,6 +44,7 @@ pub fn plan_reload(running: &Config, at_start: &Config, file: &Config) -> Reload
     take!(audit, "audit");
     take!(env, "env");
     take!(history, "history");
+    take!(limits, "limits");
 
     let mut needs_restart = Vec::new();
     // The file as it is now, with everything named here set back to the start: whatever
@@ -72,6 +73,7 @@ pub fn plan_reload(running: &Config, at_start: &Config, file: &Config) -> Reload
     rest.audit = at_start.audit.clone();
     rest.env = at_start.env.clone();
     rest.history = at_start.history.clone();
+    rest.limits = at_start.limits.clone();
     if rest != *at_start {
         needs_restart.push("other sections");
     }
