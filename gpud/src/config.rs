@@ -109,12 +109,16 @@ pub struct HistoryConfig {
     /// every hour). Active reservations are never deleted, however old.
     #[serde(deserialize_with = "duration")]
     pub keep: Duration,
+    /// At most this many ended reservations, and this many events, are kept (the oldest go
+    /// first, checked every minute), however young: churn cannot fill the disk.
+    pub max_rows: u64,
 }
 
 impl Default for HistoryConfig {
     fn default() -> HistoryConfig {
         HistoryConfig {
             keep: Duration::from_secs(30 * 24 * 3600),
+            max_rows: 100_000,
         }
     }
 }

@@ -71,6 +71,7 @@ pub struct Metrics {
     grouped_calls: Counter,
     open_files: Gauge,
     open_files_limit: Gauge,
+    history_deleted: Family<KindLabels, Counter>,
     render_lock: Mutex<()>,
 }
 
@@ -185,6 +186,12 @@ impl Metrics {
             "Most file descriptors gpud may hold (its soft RLIMIT_NOFILE)",
             open_files_limit.clone(),
         );
+        let history_deleted = Family::<KindLabels, Counter>::default();
+        registry.register(
+            "history_deleted",
+            "Ended reservations and events deleted for [history] keep or max_rows",
+            history_deleted.clone(),
+        );
         Metrics {
             registry,
             requests,
@@ -203,6 +210,7 @@ impl Metrics {
             grouped_calls,
             open_files,
             open_files_limit,
+            history_deleted,
             render_lock: Mutex::new(()),
         }
     }
@@ -254,6 +262,17 @@ impl Metrics {
     /// Records one audit pass's duration.
     pub fn observe_audit_pass(&self, elapsed: Duration) {
         self.audit_pass.observe(elapsed.as_secs_f64());
+    }
+
+    /// Counts history rows deleted by one cleanup.
+    pub fn count_history_deleted(&self, reservations: u64, events: u64) {
+        for (kind, n) in [("reservations", reservations), ("events", events)] {
+            self.history_deleted
+                .get_or_create(&KindLabels {
+                    kind: kind.to_owned(),
+                })
+                .inc_by(n);
+        }
     }
 
     /// Renders everything, with the gauges set from `snap`.

@@ -892,6 +892,34 @@ impl Txn<'_> {
             Ok((reservations, events))
         })
     }
+
+    /// Deletes the oldest ended reservations beyond the newest `max_rows`, and the oldest
+    /// events beyond the newest `max_rows`, at most `limit` of each. Active reservations
+    /// are never deleted nor counted. Returns how many reservations and events went.
+    pub fn prune_to_rows(
+        &mut self,
+        max_rows: u64,
+        limit: u32,
+    ) -> Result<(usize, usize), StoreError> {
+        let max_rows = to_sql_int(max_rows);
+        self.write("delete history beyond its row limit", |c| {
+            let reservations = c.execute(
+                "DELETE FROM reservations WHERE seq IN (
+                     SELECT seq FROM reservations WHERE state IN ('released', 'expired')
+                     ORDER BY seq
+                     LIMIT min(?2, max(0, (SELECT count(*) FROM reservations
+                                           WHERE state IN ('released', 'expired')) - ?1)))",
+                params![max_rows, limit],
+            )?;
+            let events = c.execute(
+                "DELETE FROM events WHERE id IN (
+                     SELECT id FROM events ORDER BY id
+                     LIMIT min(?2, max(0, (SELECT count(*) FROM events) - ?1)))",
+                params![max_rows, limit],
+            )?;
+            Ok((reservations, events))
+        })
+    }
 }
 
 /// The `units` column: `[[unit_uuid, gpu_index, memory_bytes], ...]` (migration 0003).
@@ -1316,6 +1344,35 @@ mod tests {
                  BEGIN SELECT RAISE(ABORT, 'refused'); END;"
             ))
             .unwrap();
+    }
+
+    #[test]
+    fn history_beyond_its_row_limit_goes_oldest_first_and_active_rows_stay() {
+        let mut store = Store::open_in_memory().unwrap();
+        let end = |id: &str| (id.to_owned(), ReservationState::Released, "r".to_owned());
+        for i in 0..5u64 {
+            let id = format!("r{i}");
+            store.insert(&sample(&id, i)).unwrap();
+            store.finish(&[end(&id)], 100 + i).unwrap();
+        }
+        store.insert(&sample("live", 0)).unwrap();
+        for i in 0..4 {
+            store
+                .insert_events(&[event(i, EventKind::Unreserved, None)])
+                .unwrap();
+        }
+        let mut txn = store.transaction().unwrap();
+        assert_eq!(txn.prune_to_rows(2, 1000).unwrap(), (3, 2));
+        assert_eq!(txn.prune_to_rows(2, 1000).unwrap(), (0, 0), "nothing more");
+        txn.commit().unwrap();
+        let ids: Vec<String> = store
+            .list(None, None)
+            .unwrap()
+            .into_iter()
+            .map(|r| r.id)
+            .collect();
+        assert_eq!(ids, ["r3", "r4", "live"]);
+        assert_eq!(store.events(&EventFilter::default()).unwrap().len(), 2);
     }
 
     #[test]

@@ -112,6 +112,8 @@ pub enum Command {
     PruneHistory {
         /// Ended before this.
         before: Millis,
+        /// Keep at most this many ended reservations, and events.
+        max_rows: u64,
         /// At most this many of each.
         limit: u32,
         /// The answer: reservations and events deleted.

@@ -404,9 +404,16 @@ fn execute(
         }
         Command::PruneHistory {
             before,
+            max_rows,
             limit,
             reply,
-        } => answer(reply, txn.prune(before, limit).map_err(BrokerError::from)),
+        } => {
+            let pruned = txn.prune(before, limit).and_then(|(r, e)| {
+                let (more_r, more_e) = txn.prune_to_rows(max_rows, limit)?;
+                Ok((r + more_r, e + more_e))
+            });
+            answer(reply, pruned.map_err(BrokerError::from))
+        }
         Command::ShutDown { reply } => {
             ledger.shut_down();
             answer(reply, Ok(()))

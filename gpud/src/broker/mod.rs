@@ -428,10 +428,17 @@ impl Broker {
     }
 
     /// Deletes up to `limit` reservations that ended before `before` (never an active one)
-    /// and up to `limit` events recorded before it. Returns how many of each.
-    pub fn prune_history(&self, before: Millis, limit: u32) -> Pending<(usize, usize)> {
+    /// and up to `limit` events recorded before it, then, oldest first, those beyond the
+    /// newest `max_rows`. Returns how many of each.
+    pub fn prune_history(
+        &self,
+        before: Millis,
+        max_rows: u64,
+        limit: u32,
+    ) -> Pending<(usize, usize)> {
         self.send(|reply| Command::PruneHistory {
             before,
+            max_rows,
             limit,
             reply,
         })

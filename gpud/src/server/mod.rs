@@ -204,7 +204,7 @@ async fn serve(config: Config, config_path: Option<PathBuf>) -> anyhow::Result<(
         metrics: metrics.clone(),
     });
 
-    tokio::spawn(history_loop(broker.clone()));
+    tokio::spawn(history_loop(broker.clone(), metrics.clone()));
     let xids = {
         let nvml = nvml.clone();
         let after = config.audit.xid_reregister_after;
@@ -289,20 +289,21 @@ async fn watchdog(broker: Arc<Broker>, every: Duration) {
     }
 }
 
-/// Deletes the history older than `[history] keep`: at start, then every hour, a thousand
-/// rows at a time so that requests go on in between.
-async fn history_loop(broker: Arc<Broker>) {
+/// Deletes the history older than `[history] keep`, and beyond the newest
+/// `[history] max_rows`: at start, then every minute, a thousand rows at a time so that
+/// requests go on in between. Counts what it deleted in `metrics`.
+async fn history_loop(broker: Arc<Broker>, metrics: Arc<Metrics>) {
     const BATCH: u32 = 1000;
-    let mut tick = tokio::time::interval(Duration::from_secs(3600));
+    let mut tick = tokio::time::interval(Duration::from_secs(60));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        let keep = broker.settings().config.history.keep;
-        let keep = u64::try_from(keep.as_millis()).unwrap_or(u64::MAX);
+        let history = broker.settings().config.history.clone();
+        let keep = u64::try_from(history.keep.as_millis()).unwrap_or(u64::MAX);
         let before = now_millis().saturating_sub(keep);
         let (mut reservations, mut events) = (0, 0);
         loop {
-            match broker.prune_history(before, BATCH).await {
+            match broker.prune_history(before, history.max_rows, BATCH).await {
                 Ok((r, e)) => {
                     reservations += r;
                     events += e;
@@ -311,17 +312,19 @@ async fn history_loop(broker: Arc<Broker>) {
                     }
                 }
                 Err(e) => {
-                    tracing::warn!(error = %e, "could not delete old history; will try again in an hour");
+                    tracing::warn!(error = %e, "could not delete old history; will try again in a minute");
                     break;
                 }
             }
         }
+        metrics.count_history_deleted(reservations as u64, events as u64);
         if reservations + events > 0 {
             tracing::info!(
                 reservations,
                 events,
-                keep = %humantime::format_duration(Duration::from_millis(keep)),
-                "deleted history older than [history] keep"
+                keep = %humantime::format_duration(history.keep),
+                max_rows = history.max_rows,
+                "deleted history older than [history] keep or beyond [history] max_rows"
             );
         }
     }
