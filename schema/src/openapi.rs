@@ -139,7 +139,7 @@ pub fn document() -> Value {
             }},
             "/metrics": {"get": {
                 "summary": "Prometheus text exposition",
-                "responses": {"200": {"description": "Metrics", "content": {"text/plain": {"schema": {"type": "string"}}}}}
+                "responses": {"200": {"description": "Metrics (OpenMetrics text exposition)", "content": {"application/openmetrics-text; version=1.0.0; charset=utf-8": {"schema": {"type": "string"}}}}}
             }}
         },
         "components": {"schemas": components}
