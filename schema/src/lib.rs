@@ -76,6 +76,7 @@ pub enum PolicyName {
 pub struct ReservationRequest {
     /// Number of GPUs (default 1).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
     pub gpus: Option<u32>,
     /// Memory per GPU. Required unless `exclusive`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -88,9 +89,11 @@ pub struct ReservationRequest {
     pub wait_seconds: Option<u64>,
     /// Lease: released unless renewed within this many seconds.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 315_360_000))]
     pub ttl_seconds: Option<u64>,
     /// Process that holds the reservation: released when it exits. Must belong to the caller.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
     pub holder_pid: Option<u32>,
     /// Free-form `key=value` labels (pod, container, job names).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
@@ -106,6 +109,7 @@ pub struct ReservationRequest {
 pub struct RenewRequest {
     /// New lease length from now; default: the reservation's own TTL.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 315_360_000))]
     pub ttl_seconds: Option<u64>,
 }
 

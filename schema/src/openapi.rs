@@ -77,11 +77,12 @@ pub fn document() -> Value {
                         "201": reply("Reserved", &reservation),
                         "400": error_reply("Malformed request"),
                         "403": error_reply("Forbidden or over quota"),
-                        "408": error_reply("Waited wait_seconds without capacity"),
+                        "408": error_reply("Waited wait_seconds without capacity (wait_timeout), or the body did not arrive in time (body_timeout)"),
                         "409": error_reply("No capacity now"),
                         "413": error_reply("Body too large"),
                         "422": error_reply("Can never fit on this machine"),
-                        "503": error_reply("State cannot be written (storage_unavailable), or gpud is stopping (shutting_down)")
+                        "429": error_reply("Changes faster than [limits] allows (rate_limited), or too many connections (too_many_connections)"),
+                        "503": error_reply("State cannot be written (storage_unavailable), gpud is stopping (shutting_down), or gpud is out of open files or memory (out_of_resources)")
                     }
                 }
             },
@@ -89,14 +90,20 @@ pub fn document() -> Value {
                 "get": {
                     "summary": "One reservation with its assignment and environment",
                     "parameters": [id_param],
-                    "responses": {"200": reply("Reservation", &reservation), "404": error_reply("No such reservation")}
+                    "responses": {
+                        "200": reply("Reservation", &reservation),
+                        "400": error_reply("Not a valid id, or a query parameter"),
+                        "404": error_reply("No such reservation")
+                    }
                 },
                 "delete": {
                     "summary": "Release (owner, root or admin group only)",
                     "parameters": [id_param],
                     "responses": {
                         "200": reply("Released", &reservation),
+                        "400": error_reply("Not a valid id, or a query parameter"),
                         "403": error_reply("Not yours"),
+                        "429": error_reply("Changes faster than [limits] allows (rate_limited)"),
                         "404": error_reply("No such reservation"),
                         "409": error_reply("Already released"),
                         "503": error_reply("State cannot be written (storage_unavailable), or gpud is stopping (shutting_down)")
@@ -109,8 +116,9 @@ pub fn document() -> Value {
                 "requestBody": {"required": false, "content": body(&renew_request)["content"]},
                 "responses": {
                     "200": reply("Renewed", &reservation),
-                    "400": error_reply("Not a lease, or bad TTL"),
+                    "400": error_reply("Not a lease, bad TTL, not a valid id, or a body that is not an object"),
                     "403": error_reply("Not yours"),
+                    "429": error_reply("Changes faster than [limits] allows (rate_limited)"),
                     "404": error_reply("No such reservation"),
                     "409": error_reply("No longer active"),
                     "503": error_reply("State cannot be written (storage_unavailable), or gpud is stopping (shutting_down)")
