@@ -123,8 +123,8 @@ impl Default for HistoryConfig {
     }
 }
 
-/// How fast one user may change state: reserve, release and renew, counted per uid (root
-/// and the admin groups are not limited). A token bucket: `changes_burst` at once, refilled
+/// How fast one user may change state: reserve and renew, counted per uid (root and the
+/// admin groups are not limited; releases are not counted). A token bucket: `changes_burst` at once, refilled
 /// at `changes_per_second`.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields, default)]

@@ -5,6 +5,9 @@
       opens N connections, each sending a POST's headers and one byte of its body, holds
       them SECONDS, and prints {"held": h, "refused": r, "codes": {...}}: a connection
       counts as refused when gpud answered it at once (429) and closed it.
+  hostile_clients.py churn SOCKET SECONDS
+      reserves 1 MiB with a lease and releases it, over and over for SECONDS on one
+      connection, and prints {"statuses": {...}} of every reply.
   hostile_clients.py health SOCKET COUNT
       sends COUNT `GET /v1/health` one after another, each on a new connection, and prints
       {"statuses": {...}, "p50_ms": x, "p99_ms": y, "max_ms": z}.
@@ -37,6 +40,39 @@ def stall(path, n, seconds):
             held.append(s)
     print(json.dumps({"held": len(held), "refused": len(refused), "codes": codes}), flush=True)
     time.sleep(seconds)
+
+
+def request(s, method, route, body=b""):
+    """One request on a keep-alive connection; returns (status, body)."""
+    head = f"{method} {route} HTTP/1.1\r\nHost: gpud\r\nContent-Length: {len(body)}\r\n\r\n"
+    s.sendall(head.encode() + body)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += s.recv(65536)
+    header, rest = data.split(b"\r\n\r\n", 1)
+    length = 0
+    for line in header.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value)
+    while len(rest) < length:
+        rest += s.recv(65536)
+    return header.split(b" ", 2)[1].decode(), rest
+
+
+def churn(path, seconds):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(path)
+    statuses = {}
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        code, body = request(s, "POST", "/v1/reservations", b'{"memory": "1MiB", "ttl_seconds": 600}')
+        statuses[code] = statuses.get(code, 0) + 1
+        if code == "201":
+            rid = json.loads(body)["id"]
+            code, _ = request(s, "DELETE", f"/v1/reservations/{rid}")
+            statuses[code] = statuses.get(code, 0) + 1
+    print(json.dumps({"statuses": statuses}), flush=True)
 
 
 def health(path, count):
@@ -72,6 +108,8 @@ if __name__ == "__main__":
     mode, path = sys.argv[1], sys.argv[2]
     if mode == "stall":
         stall(path, int(sys.argv[3]), float(sys.argv[4]))
+    elif mode == "churn":
+        churn(path, float(sys.argv[3]))
     elif mode == "health":
         health(path, int(sys.argv[3]))
     else:

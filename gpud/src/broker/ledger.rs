@@ -327,7 +327,8 @@ impl Ledger {
     }
 
     /// Counts one change of `caller` at `now` against `[limits]`: a token bucket per uid
-    /// (root and the admin groups are not limited).
+    /// (root and the admin groups are not limited). Reserve and renew count; a release
+    /// does not (it only ever frees, and follows a reserve that counted).
     fn take_change(&mut self, caller: &Caller, now: Millis) -> Result<(), BrokerError> {
         const ONE: u64 = 1000;
         if caller.uid == 0 || self.is_admin(caller) {
@@ -343,7 +344,7 @@ impl Ledger {
         *at = now;
         if *tokens < ONE {
             return Err(BrokerError::RateLimited(format!(
-                "uid {} changes reservations faster than this gpud allows ({} a second, {} \
+                "uid {} reserves or renews faster than this gpud allows ({} a second, {} \
                  at once: [limits]); slow down and try again",
                 caller.uid, limits.changes_per_second, limits.changes_burst
             )));
@@ -850,7 +851,6 @@ impl Ledger {
     ) -> Result<Reservation, BrokerError> {
         let r = self.find_active(txn, id)?;
         self.authorize(caller, &r, "release")?;
-        self.take_change(caller, now)?;
         let reason = if caller.uid == r.owner_uid {
             "released by its owner".to_owned()
         } else {

@@ -706,8 +706,15 @@ fn a_user_changing_state_too_fast_is_slowed_down_and_root_is_not() {
     // Half a second later one more change is allowed (2 a second), then none again.
     rules.reserved(ALICE, lease(gib(1), 60), 500);
     assert!(rules.reserve(ALICE, lease(gib(1), 60), 500).is_err());
+    // A release is never slowed down.
+    let mine = rules.reserved(BOB, lease(gib(1), 60), 500);
+    for _ in 0..2 {
+        rules.reserved(BOB, lease(gib(1), 60), 500);
+    }
+    assert!(rules.reserve(BOB, lease(gib(1), 60), 500).is_err());
+    rules.release(BOB, &mine.id, 500).unwrap();
     // Others have their own bucket; root has none.
-    rules.reserved(BOB, lease(gib(1), 60), 500);
+    rules.reserved(CAROL, lease(gib(1), 60), 500);
     for _ in 0..5 {
         rules.reserved(ROOT, lease(gib(1), 60), 500);
     }
