@@ -85,6 +85,12 @@ pub fn list(
                 &user_names(),
                 &migs,
             ))?;
+            if list.more {
+                eprintln!(
+                    "gpuctl: more reservations match; these are the newest {} (GET /v1/reservations pages with limit and after)",
+                    list.reservations.len()
+                );
+            }
         }
     }
     Ok(ExitCode::SUCCESS)

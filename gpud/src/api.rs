@@ -21,7 +21,7 @@ use crate::broker::{Broker, BrokerError, Caller, ReserveOutcome, ReserveRequest}
 use crate::clock::rfc3339;
 use crate::metrics::Metrics;
 use crate::model::{
-    self, EventFilter, EventKind, MemoryAsk, Millis, Policy, ReservationState, Topology,
+    self, EventFilter, EventKind, MemoryAsk, Millis, Page, Policy, ReservationState, Topology,
 };
 use crate::probe::link_cell;
 
@@ -404,6 +404,7 @@ impl Api {
     async fn list(&self, query: &str) -> Result<Reply, ApiError> {
         let mut state = Some(ReservationState::Active);
         let mut owner = None;
+        let mut page = Page::default();
         for pair in query.split('&').filter(|p| !p.is_empty()) {
             let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
             match key {
@@ -420,18 +421,35 @@ impl Api {
                         ApiError::invalid(format!("owner must be a numeric uid; got {value:?}"))
                     })?);
                 }
+                "limit" => {
+                    page.limit = value
+                        .parse()
+                        .ok()
+                        .filter(|l| (1..=10_000).contains(l))
+                        .ok_or_else(|| {
+                            ApiError::invalid(format!("limit must be 1 to 10000; got {value:?}"))
+                        })?;
+                }
+                "after" => page.after = Some(parse_cursor(value)?),
                 _ => {
                     return Err(ApiError::invalid(format!(
-                        "unknown query parameter {key:?}; use state or owner"
+                        "unknown query parameter {key:?}; use state, owner, limit or after"
                     )));
                 }
             }
         }
-        let rows = self.broker.list(state, owner).await?;
+        let forward = page.after.is_some();
+        let (rows, more) = self.broker.list(state, owner, page).await?;
+        let next = rows
+            .last()
+            .filter(|_| more && forward)
+            .map(|r| format!("{}.{}", r.created_at, r.id));
         Ok(json(
             StatusCode::OK,
             &schema::ReservationList {
                 reservations: rows.into_iter().map(to_wire).collect(),
+                more,
+                next,
             },
         ))
     }
@@ -457,6 +475,23 @@ impl Api {
         };
         Ok(json(StatusCode::CREATED, &to_wire(r)))
     }
+}
+
+/// A listing cursor, `CREATED_MS.ID` as `next` gives it (`0` for the beginning).
+fn parse_cursor(value: &str) -> Result<(Millis, String), ApiError> {
+    let bad = || {
+        ApiError::invalid(format!(
+            "after must be a cursor from a listing's next (or 0 for the start); got {value:?}"
+        ))
+    };
+    let (at, id) = value.split_once('.').unwrap_or((value, ""));
+    let at = at.parse().map_err(|_| bad())?;
+    let id = if id.is_empty() {
+        String::new()
+    } else {
+        valid_id(id).map_err(|_| bad())?
+    };
+    Ok((at, id))
 }
 
 /// `2026-11-21T05:00:00Z` (RFC 3339, with `%3A` for `:` as URLs may encode it) or Unix seconds.

@@ -492,6 +492,26 @@ pub struct Event {
     /// For people.
     pub message: String,
 }
+/// Which part of a listing to return: the newest `limit` (`after` unset), or the first
+/// `limit` created after a reservation (`after`: its creation time and id), in creation
+/// order either way.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Page {
+    /// Start after this `(created_at, id)`.
+    pub after: Option<(Millis, String)>,
+    /// At most this many.
+    pub limit: u32,
+}
+
+impl Default for Page {
+    fn default() -> Page {
+        Page {
+            after: None,
+            limit: 1000,
+        }
+    }
+}
+
 /// Which events to return.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EventFilter {

@@ -17,7 +17,7 @@ use gpud_schema::Env;
 use rusqlite::{Connection, OpenFlags, Row, params};
 
 use crate::model::{
-    Event, EventFilter, EventKind, EventPhase, Holder, Millis, Reservation, ReservationState,
+    Event, EventFilter, EventKind, EventPhase, Holder, Millis, Page, Reservation, ReservationState,
     ReservedUnit,
 };
 
@@ -47,9 +47,6 @@ fn first_seq_at(ms: i64) -> i64 {
 
 /// File name of the database inside the state directory.
 pub const DB_FILE: &str = "gpud.db";
-
-/// Most rows a history query returns (newest kept).
-const HISTORY_LIMIT: u32 = 1000;
 
 /// What went wrong with the database.
 #[derive(Debug, thiserror::Error)]
@@ -450,18 +447,54 @@ impl Store {
         state: Option<ReservationState>,
         owner: Option<u32>,
     ) -> Result<Vec<Reservation>, StoreError> {
+        Ok(self.list_page(state, owner, &Page::default())?.0)
+    }
+
+    /// Reservations in `state` (all states when `None`), optionally of one owner, the part
+    /// `page` says, oldest first; and whether more match than were returned.
+    pub fn list_page(
+        &self,
+        state: Option<ReservationState>,
+        owner: Option<u32>,
+        page: &Page,
+    ) -> Result<(Vec<Reservation>, bool), StoreError> {
         // The state is spelled out for active ones so that SQLite reads them through their
         // partial index instead of walking back through the whole history.
         let clause = match state {
             Some(ReservationState::Active) => "WHERE r.state = 'active'",
             _ => "WHERE (?1 IS NULL OR r.state = ?1)",
         };
-        let mut rows = self.query(
-            &format!("{clause} AND (?2 IS NULL OR r.owner_uid = ?2) ORDER BY r.seq DESC LIMIT ?3"),
-            params![state.map(ReservationState::as_str), owner, HISTORY_LIMIT],
-        )?;
-        rows.reverse();
-        Ok(rows)
+        let state = state.map(ReservationState::as_str);
+        let one_more = page.limit.saturating_add(1);
+        let mut rows = match &page.after {
+            None => {
+                let mut rows = self.query(
+                    &format!(
+                        "{clause} AND (?2 IS NULL OR r.owner_uid = ?2) ORDER BY r.seq DESC LIMIT ?3"
+                    ),
+                    params![state, owner, one_more],
+                )?;
+                rows.reverse();
+                rows
+            }
+            Some((created_at, id)) => self.query(
+                &format!(
+                    "{clause} AND (?2 IS NULL OR r.owner_uid = ?2)
+                     AND (r.created_at > ?4 OR (r.created_at = ?4 AND r.id > ?5))
+                     ORDER BY r.created_at, r.id LIMIT ?3"
+                ),
+                params![state, owner, one_more, to_sql_int(*created_at), id],
+            )?,
+        };
+        let more = rows.len() > page.limit as usize;
+        if more {
+            // The newest page drops its oldest row; a page after a cursor, its last.
+            match page.after {
+                None => drop(rows.remove(0)),
+                Some(_) => drop(rows.pop()),
+            }
+        }
+        Ok((rows, more))
     }
 
     fn query(
@@ -1373,6 +1406,44 @@ mod tests {
             .collect();
         assert_eq!(ids, ["r3", "r4", "live"]);
         assert_eq!(store.events(&EventFilter::default()).unwrap().len(), 2);
+    }
+
+    #[test]
+    fn listings_come_in_pages_that_say_when_more_match() {
+        let mut store = Store::open_in_memory().unwrap();
+        for i in 0..5u64 {
+            store.insert(&sample(&format!("r{i}"), 10 * i)).unwrap();
+        }
+        let page = |after: Option<(u64, &str)>, limit| Page {
+            after: after.map(|(at, id)| (at, id.to_owned())),
+            limit,
+        };
+        let ids = |rows: Vec<Reservation>| rows.into_iter().map(|r| r.id).collect::<Vec<_>>();
+        let (newest, more) = store.list_page(None, None, &page(None, 2)).unwrap();
+        assert_eq!(
+            (ids(newest), more),
+            (vec!["r3".to_owned(), "r4".to_owned()], true)
+        );
+        let (first, more) = store
+            .list_page(None, None, &page(Some((0, "")), 2))
+            .unwrap();
+        assert_eq!(
+            (ids(first), more),
+            (vec!["r0".to_owned(), "r1".to_owned()], true)
+        );
+        let (next, more) = store
+            .list_page(None, None, &page(Some((10, "r1")), 2))
+            .unwrap();
+        assert_eq!(
+            (ids(next), more),
+            (vec!["r2".to_owned(), "r3".to_owned()], true)
+        );
+        let (last, more) = store
+            .list_page(None, None, &page(Some((30, "r3")), 2))
+            .unwrap();
+        assert_eq!((ids(last), more), (vec!["r4".to_owned()], false));
+        let (all, more) = store.list_page(None, None, &page(None, 5)).unwrap();
+        assert_eq!((all.len(), more), (5, false));
     }
 
     #[test]

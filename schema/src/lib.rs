@@ -197,6 +197,13 @@ pub struct Reservation {
 pub struct ReservationList {
     /// Matching reservations, oldest first.
     pub reservations: Vec<Reservation>,
+    /// More reservations match than are listed (the newest `limit` are, or the first
+    /// `limit` after the cursor).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub more: bool,
+    /// Pass as `after` for the next page, when one follows this one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next: Option<String>,
 }
 
 /// One MIG instance in `GET /v1/gpus`.

@@ -63,7 +63,13 @@ pub fn document() -> Value {
                          "description": "active (default), released, expired or all",
                          "schema": {"type": "string", "enum": ["active", "released", "expired", "all"]}},
                         {"name": "owner", "in": "query", "required": false,
-                         "description": "Owner uid", "schema": {"type": "integer", "format": "uint32", "minimum": 0}}
+                         "description": "Owner uid", "schema": {"type": "integer", "format": "uint32", "minimum": 0}},
+                        {"name": "limit", "in": "query", "required": false,
+                         "description": "At most this many (default 1000)",
+                         "schema": {"type": "integer", "minimum": 1, "maximum": 10000}},
+                        {"name": "after", "in": "query", "required": false,
+                         "description": "A listing's next cursor, or 0: the first reservations created after it, oldest first (default: the newest)",
+                         "schema": {"type": "string"}}
                     ],
                     "responses": {
                         "200": reply("Reservations", &reservation_list),

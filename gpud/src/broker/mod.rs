@@ -34,7 +34,7 @@ use crate::config::Config;
 use crate::holder::{PinError, PinnedProcess};
 use crate::model::{
     AuditView, AuditedReservation, Event, EventFilter, Gpu, GpuInventory, Holder, MemoryAsk,
-    Millis, Policy, Reservation, ReservationState, Topology, Unit,
+    Millis, Page, Policy, Reservation, ReservationState, Topology, Unit,
 };
 use crate::placement::UnitLoad;
 use crate::store::{Store, StoreError};
@@ -499,23 +499,44 @@ impl Broker {
             .ok_or(BrokerError::NotFound(id))
     }
 
-    /// Reservations in `state` (`None`: all states), optionally of one owner, oldest first.
-    /// Active ones come from the snapshot; the others from the history (the newest 1000).
+    /// Reservations in `state` (`None`: all states), optionally of one owner, the part
+    /// `page` says, oldest first; and whether more match. Active ones come from the
+    /// snapshot; the others from the history.
     pub async fn list(
         self: &Arc<Self>,
         state: Option<ReservationState>,
         owner: Option<u32>,
-    ) -> Result<Vec<Reservation>, BrokerError> {
+        page: Page,
+    ) -> Result<(Vec<Reservation>, bool), BrokerError> {
         if state == Some(ReservationState::Active) {
-            return Ok(self
-                .snapshot()
+            let snapshot = self.snapshot();
+            let matching = snapshot
                 .reservations
                 .iter()
-                .filter(|r| owner.is_none_or(|o| r.owner_uid == o))
-                .map(|r| Reservation::clone(r))
-                .collect());
+                .filter(|r| owner.is_none_or(|o| r.owner_uid == o));
+            let limit = page.limit as usize;
+            let rows: Vec<&Arc<Reservation>> = match &page.after {
+                // Sorted by creation, as the cursor is.
+                Some((at, id)) => matching
+                    .filter(|r| (r.created_at, r.id.as_str()) > (*at, id.as_str()))
+                    .take(limit.saturating_add(1))
+                    .collect(),
+                None => {
+                    let all: Vec<&Arc<Reservation>> = matching.collect();
+                    let from = all.len().saturating_sub(limit.saturating_add(1));
+                    all[from..].to_vec()
+                }
+            };
+            let more = rows.len() > limit;
+            let rows = match (&page.after, more) {
+                (None, true) => &rows[1..],
+                (Some(_), true) => &rows[..limit],
+                (_, false) => &rows[..],
+            };
+            return Ok((rows.iter().map(|r| Reservation::clone(r)).collect(), more));
         }
-        self.history(move |store| store.list(state, owner)).await
+        self.history(move |store| store.list_page(state, owner, &page))
+            .await
     }
 
     /// Stored events matching `filter`.

@@ -604,6 +604,49 @@ mod tests {
         assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
     }
 
+    #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+    async fn listings_page_with_limit_and_after_and_say_when_more_match() {
+        let dir = tempfile::tempdir().unwrap();
+        let (path, _stop, _served) = serve(dir.path(), ServerConfig::default()).await;
+        let body = r#"{"memory": "1MiB", "ttl_seconds": 60}"#;
+        for _ in 0..5 {
+            let reply = send(&path, "POST", "/v1/reservations", body).await;
+            assert!(reply.starts_with("HTTP/1.1 201"), "{reply}");
+        }
+        let list = |reply: String| -> serde_json::Value {
+            assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
+            serde_json::from_str(reply.split_once("\r\n\r\n").unwrap().1).unwrap()
+        };
+        let all = list(get(&path, "/v1/reservations").await);
+        let ids: Vec<&str> = all["reservations"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r["id"].as_str().unwrap())
+            .collect();
+        assert_eq!(ids.len(), 5);
+        assert!(all.get("more").is_none(), "{all}");
+        let newest = list(get(&path, "/v1/reservations?limit=2").await);
+        assert_eq!(newest["more"], true, "{newest}");
+        assert_eq!(newest["reservations"][0]["id"], ids[3]);
+        // From the start, page by page, following next.
+        let mut seen = Vec::new();
+        let mut after = "0".to_owned();
+        loop {
+            let page = list(get(&path, &format!("/v1/reservations?limit=2&after={after}")).await);
+            for r in page["reservations"].as_array().unwrap() {
+                seen.push(r["id"].as_str().unwrap().to_owned());
+            }
+            match page["next"].as_str() {
+                Some(next) => after = next.to_owned(),
+                None => break,
+            }
+        }
+        assert_eq!(seen, ids);
+        let reply = get(&path, "/v1/reservations?after=yesterday").await;
+        assert!(reply.starts_with("HTTP/1.1 400"), "{reply}");
+    }
+
     fn admit(
         table: &Arc<Mutex<Connections>>,
         uid: u32,
