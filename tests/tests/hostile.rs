@@ -227,3 +227,85 @@ fn churn_is_slowed_down_to_the_rate_limit() {
         assert_eq!(r.status, 201, "{}", r.text);
     }
 }
+
+/// Runs `command` as root, and fails the test if it fails.
+fn as_root(command: &str) {
+    let ok = Command::new("sh")
+        .args(["-c", command])
+        .status()
+        .expect("sh")
+        .success();
+    assert!(ok, "{command}");
+}
+
+/// The uid or gid `getent` gives for `name` in `database` (`passwd` or `group`).
+fn id_of(database: &str, name: &str) -> u32 {
+    let out = Command::new("getent")
+        .args([database, name])
+        .output()
+        .expect("getent");
+    let line = String::from_utf8(out.stdout).unwrap();
+    line.split(':').nth(2).unwrap().trim().parse().unwrap()
+}
+
+#[test]
+fn switching_groups_does_not_escape_a_group_quota() {
+    if !is_root() {
+        missing_prerequisite("root (to create users and groups)");
+        return;
+    }
+    // A user whose primary group is the quota's, and who may also run as another group,
+    // as `sg other -c …` or `newgrp other` would make it.
+    as_root("getent group gpudt-team >/dev/null || groupadd gpudt-team");
+    as_root("getent group gpudt-other >/dev/null || groupadd gpudt-other");
+    as_root(
+        "id -u gpudt-mallory >/dev/null 2>&1 || useradd -M -N -g gpudt-team -G gpudt-other -s /usr/sbin/nologin gpudt-mallory",
+    );
+    let (team, other) = (id_of("group", "gpudt-team"), id_of("group", "gpudt-other"));
+    let mallory = id_of("passwd", "gpudt-mallory");
+    let d = Daemon::start(
+        "t4-pair",
+        &format!("[[quotas]]\ngid = {team}\nmax_reservations = 2\n"),
+    );
+    // `setpriv --init-groups` takes the user's groups from the user database, as a login
+    // would, then runs with the gid given.
+    let reserve_as = |gid: u32| -> u16 {
+        let out = Command::new("setpriv")
+            .arg(format!("--reuid={mallory}"))
+            .arg(format!("--regid={gid}"))
+            .arg("--init-groups")
+            .args([
+                "curl",
+                "-s",
+                "-o",
+                "/dev/null",
+                "-w",
+                "%{http_code}",
+                "--unix-socket",
+            ])
+            .arg(&d.socket)
+            .args([
+                "-X",
+                "POST",
+                "-d",
+                r#"{"memory": "1GiB", "ttl_seconds": 600}"#,
+                "http://gpud/v1/reservations",
+            ])
+            .output()
+            .expect("setpriv");
+        String::from_utf8(out.stdout)
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap_or(0)
+    };
+    assert_eq!(reserve_as(team), 201);
+    assert_eq!(reserve_as(other), 201, "the quota counts both");
+    assert_eq!(
+        reserve_as(other),
+        403,
+        "a third, with either gid, is over the quota"
+    );
+    assert_eq!(reserve_as(team), 403);
+    assert_eq!(d.active().len(), 2);
+}
