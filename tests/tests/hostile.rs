@@ -309,3 +309,91 @@ fn switching_groups_does_not_escape_a_group_quota() {
     assert_eq!(reserve_as(team), 403);
     assert_eq!(d.active().len(), 2);
 }
+
+/// `curl` as `uid` on gpud's socket: the status and the JSON body.
+fn curl_as(uid: u32, d: &Daemon, args: &[&str]) -> (u16, Value) {
+    let out = Command::new("curl")
+        .args(["-s", "-w", "\n%{http_code}", "--unix-socket"])
+        .arg(&d.socket)
+        .args(args)
+        .uid(uid)
+        .gid(uid)
+        .output()
+        .expect("curl");
+    let text = String::from_utf8(out.stdout).unwrap();
+    let (body, code) = text.rsplit_once('\n').unwrap();
+    (
+        code.parse().unwrap(),
+        serde_json::from_str(body).unwrap_or(Value::Null),
+    )
+}
+
+#[test]
+fn a_request_over_quota_cannot_hold_the_machine_through_the_starvation_guard() {
+    if !is_root() {
+        missing_prerequisite("root (to act as another uid)");
+        return;
+    }
+    // Mallory may hold one GPU; the guard would start holding capacity after 1 s.
+    let d = Daemon::start(
+        "dgx1-v100",
+        &format!(
+            "[wait]\nstarvation_after = \"1s\"\n\n[[quotas]]\nuid = {MALLORY}\nmax_gpus = 1\n"
+        ),
+    );
+    let taken = d.post(
+        "/v1/reservations",
+        r#"{"memory": "1GiB", "ttl_seconds": 600}"#,
+    );
+    assert_eq!(taken.status, 201, "{}", taken.text);
+    let everything = r#"{"gpus": 8, "exclusive": true, "ttl_seconds": 600, "wait_seconds": 40}"#;
+    let (status, e) = curl_as(
+        MALLORY,
+        &d,
+        &[
+            "-X",
+            "POST",
+            "-d",
+            everything,
+            "http://gpud/v1/reservations",
+        ],
+    );
+    assert_eq!(status, 403, "refused at once, not queued: {e}");
+    assert_eq!(e["error"]["code"], "quota_exceeded", "{e}");
+    assert_eq!(d.get("/v1/waiters").body["waiters"], serde_json::json!([]));
+    // Others are served as before.
+    let (status, r) = curl_as(
+        ALICE,
+        &d,
+        &[
+            "-X",
+            "POST",
+            "-d",
+            r#"{"gpus": 7, "exclusive": true, "ttl_seconds": 60}"#,
+            "http://gpud/v1/reservations",
+        ],
+    );
+    assert_eq!(status, 201, "{r}");
+}
+
+#[test]
+fn labels_cannot_be_used_to_fill_gpud_s_memory() {
+    if !is_root() {
+        missing_prerequisite("root (to act as another uid)");
+        return;
+    }
+    let d = Daemon::start("t4-pair", "");
+    // 56 labels of 1000 characters fitted the body limit and were stored with every
+    // reservation; 4 KiB of labels in all is the most now.
+    let labels: serde_json::Map<String, Value> = (0..56)
+        .map(|i| (format!("k{i}"), Value::from("x".repeat(1000))))
+        .collect();
+    let body = serde_json::json!({"memory": 1, "ttl_seconds": 60, "labels": labels}).to_string();
+    let (status, e) = curl_as(
+        MALLORY,
+        &d,
+        &["-X", "POST", "-d", &body, "http://gpud/v1/reservations"],
+    );
+    assert_eq!(status, 400, "{e}");
+    assert!(d.active().is_empty());
+}
