@@ -402,6 +402,7 @@ impl PinnedProcess {
                 pid,
                 start_time: info.start_time,
                 boot_id: boot_id(),
+                pidfs_inode: pidfd.as_ref().and_then(pidfs_inode),
             },
             info,
             pidfd,
@@ -409,7 +410,8 @@ impl PinnedProcess {
     }
 
     /// Re-pins a holder recorded before a restart: `None` when that process is gone (a
-    /// different boot, no such pid, or the pid now belongs to a process started later).
+    /// different boot, no such pid, or the pid now belongs to another process: another
+    /// pidfs inode, or where there is none, a later start time).
     pub fn repin(holder: &Holder) -> Option<PinnedProcess> {
         let current_boot = boot_id();
         if !holder.boot_id.is_empty() && !current_boot.is_empty() && holder.boot_id != current_boot
@@ -417,7 +419,7 @@ impl PinnedProcess {
             return None;
         }
         let pinned = PinnedProcess::pin(holder.pid).ok()?;
-        (pinned.holder.start_time == holder.start_time).then_some(pinned)
+        same_process(holder, &pinned.holder).then_some(pinned)
     }
 
     /// Resolves when the process exits (immediately if it already has).
@@ -467,6 +469,28 @@ fn is_gone(holder: &Holder) -> bool {
     }
 }
 
+/// Whether `now` is the process `recorded` was: the same pidfs inode where both have one
+/// (exact), and the same start time.
+fn same_process(recorded: &Holder, now: &Holder) -> bool {
+    let inodes_agree = match (recorded.pidfs_inode, now.pidfs_inode) {
+        (Some(a), Some(b)) => a == b,
+        _ => true,
+    };
+    inodes_agree && recorded.start_time == now.start_time
+}
+
+/// The pidfs inode of `pidfd`: unique to its process for the whole boot. `None` where
+/// pidfds are anonymous inodes (before Linux 6.9), which every pidfd shares.
+fn pidfs_inode(pidfd: &OwnedFd) -> Option<u64> {
+    /// `PID_FS_MAGIC` from `linux/magic.h`.
+    const PIDFS_MAGIC: i64 = 0x5049_4446;
+    let fs = nix::sys::statfs::fstatfs(pidfd).ok()?;
+    if i64::from(fs.filesystem_type().0) != PIDFS_MAGIC {
+        return None;
+    }
+    nix::sys::stat::fstat(pidfd).ok().map(|st| st.st_ino)
+}
+
 fn pidfd_open(pid: u32) -> Result<OwnedFd, HolderError> {
     let raw_pid = libc::pid_t::try_from(pid).map_err(|_| HolderError::NoSuchProcess { pid })?;
     // SAFETY: pidfd_open takes a pid and flags and returns a new fd or -1.
@@ -499,6 +523,36 @@ mod tests {
         assert_eq!(info.uid, unsafe { libc::getuid() });
         assert!(info.start_time > 0);
         assert_eq!(info.ppid, std::os::unix::process::parent_id());
+    }
+
+    #[test]
+    fn a_pid_reused_in_the_same_tick_is_not_the_holder() {
+        let mut child = Command::new("sleep").arg("30").spawn().unwrap();
+        let pinned = PinnedProcess::pin(child.id()).unwrap();
+        // This kernel (Linux 6.9 or later, as CI's) gives every process its pidfs inode.
+        let inode = pinned
+            .holder
+            .pidfs_inode
+            .expect("pidfds on pidfs (Linux 6.9 or later)");
+        assert!(
+            PinnedProcess::repin(&pinned.holder).is_some(),
+            "the same process"
+        );
+        // Another process with the same pid and start time (reused within one clock tick)
+        // has another pidfs inode.
+        let reused = Holder {
+            pidfs_inode: Some(inode + 1),
+            ..pinned.holder.clone()
+        };
+        assert!(PinnedProcess::repin(&reused).is_none());
+        // A row written before inodes were recorded is checked by start time, as before.
+        let old_row = Holder {
+            pidfs_inode: None,
+            ..pinned.holder.clone()
+        };
+        assert!(PinnedProcess::repin(&old_row).is_some());
+        child.kill().unwrap();
+        child.wait().unwrap();
     }
 
     #[test]

@@ -336,9 +336,11 @@ pub struct Caller {
 /// Lifecycle state of a reservation: the wire type itself, so the two cannot drift.
 pub use gpud_schema::ReservationState;
 
-/// The process whose life holds a reservation. The start time (field 22 of
-/// `/proc/<pid>/stat`, in clock ticks since boot) tells a reused pid from the original, and
-/// the boot id tells a reboot apart.
+/// The process whose life holds a reservation. The boot id tells a reboot apart; within a
+/// boot, the pidfs inode of the process (Linux 6.9 and later: a number the kernel never
+/// gives another process in the same boot) tells a reused pid from the original exactly,
+/// and where there is none the start time (field 22 of `/proc/<pid>/stat`, in clock ticks
+/// since boot) does, except for a pid reused within the same tick.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Holder {
     /// Process id in gpud's pid namespace.
@@ -347,6 +349,9 @@ pub struct Holder {
     pub start_time: u64,
     /// `/proc/sys/kernel/random/boot_id` when the holder was recorded.
     pub boot_id: String,
+    /// The inode of the process's pidfd on pidfs, unique within a boot; `None` on kernels
+    /// before pidfs (their pidfds share one anonymous inode).
+    pub pidfs_inode: Option<u64>,
 }
 
 /// One unit of a reservation.

@@ -35,6 +35,10 @@ const MIGRATIONS: &[(&str, &str)] = &[
         "0003_one_row_per_reservation",
         include_str!("../../schema/migrations/0003_one_row_per_reservation.sql"),
     ),
+    (
+        "0004_holder_pidfs_inode",
+        include_str!("../../schema/migrations/0004_holder_pidfs_inode.sql"),
+    ),
 ];
 
 /// Bits of a row's `seq` below its creation millisecond (see migration 0003).
@@ -505,7 +509,7 @@ impl Store {
         let sql = format!(
             "SELECT r.id, r.state, r.owner_uid, r.owner_gid, r.holder_pid, r.holder_start_time,
                     r.holder_boot_id, r.exclusive, r.ttl_seconds, r.expires_at, r.created_at,
-                    r.ended_at, r.end_reason, r.labels, r.env, r.units
+                    r.ended_at, r.end_reason, r.labels, r.env, r.units, r.holder_pidfs_inode
              FROM reservations r {clause}"
         );
         let mut stmt = self
@@ -537,6 +541,10 @@ impl Store {
         let holder_boot: Option<String> = row.get(6).map_err(get)?;
         let holder = match (holder_pid, holder_start, holder_boot) {
             (Some(pid), Some(start), Some(boot_id)) => Some(Holder {
+                pidfs_inode: row
+                    .get::<_, Option<i64>>(16)
+                    .map_err(get)?
+                    .map(from_sql_int),
                 pid,
                 start_time: from_sql_int(start),
                 boot_id,
@@ -805,8 +813,9 @@ impl Txn<'_> {
             c.prepare_cached(
                 "INSERT INTO reservations (seq, id, state, owner_uid, owner_gid, holder_pid,
                  holder_start_time, holder_boot_id, exclusive, ttl_seconds, expires_at,
-                 created_at, ended_at, end_reason, labels, env, units)
-             VALUES (?16, ?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?17)
+                 created_at, ended_at, end_reason, labels, env, units, holder_pidfs_inode)
+             VALUES (?16, ?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?17,
+                     ?18)
              ON CONFLICT (id) DO NOTHING",
             )?
             .execute(params![
@@ -827,6 +836,10 @@ impl Txn<'_> {
                 env,
                 seq,
                 units,
+                r.holder
+                    .as_ref()
+                    .and_then(|h| h.pidfs_inode)
+                    .map(to_sql_int),
             ])
         })?;
         Ok(inserted == 1)
@@ -1045,6 +1058,7 @@ mod tests {
                 pid: 42,
                 start_time: 123_456,
                 boot_id: "boot".to_owned(),
+                pidfs_inode: Some(77),
             }),
             exclusive: false,
             units: vec![
@@ -1199,7 +1213,7 @@ mod tests {
             .unwrap();
         }
         let mut store = Store::open(dir.path()).unwrap();
-        assert_eq!(store.version().unwrap(), 3);
+        assert_eq!(store.version().unwrap(), 4);
         let active = store.active().unwrap();
         assert_eq!(active.len(), 1);
         let two = &active[0];
@@ -1209,7 +1223,8 @@ mod tests {
             Some(Holder {
                 pid: 42,
                 start_time: 123_456,
-                boot_id: "boot".to_owned()
+                boot_id: "boot".to_owned(),
+                pidfs_inode: None,
             })
         );
         assert_eq!(

@@ -444,6 +444,7 @@ fn the_exit_of_another_process_does_not_release_a_reservation() {
         pid: 4242,
         start_time: 7,
         boot_id: String::new(),
+        pidfs_inode: None,
     };
     rules
         .run(|l, t| l.holder_exited(t, &r.id, &stranger, 1))
