@@ -485,7 +485,7 @@ fn pidfs_inode(pidfd: &OwnedFd) -> Option<u64> {
     /// `PID_FS_MAGIC` from `linux/magic.h`.
     const PIDFS_MAGIC: i64 = 0x5049_4446;
     let fs = nix::sys::statfs::fstatfs(pidfd).ok()?;
-    if i64::from(fs.filesystem_type().0) != PIDFS_MAGIC {
+    if fs.filesystem_type().0 != PIDFS_MAGIC {
         return None;
     }
     nix::sys::stat::fstat(pidfd).ok().map(|st| st.st_ino)
