@@ -1429,35 +1429,25 @@ mod tests {
         for i in 0..5u64 {
             store.insert(&sample(&format!("r{i}"), 10 * i)).unwrap();
         }
-        let page = |after: Option<(u64, &str)>, limit| Page {
-            after: after.map(|(at, id)| (at, id.to_owned())),
-            limit,
+        let listed = |after: Option<(u64, &str)>, limit| {
+            let page = Page {
+                after: after.map(|(at, id)| (at, id.to_owned())),
+                limit,
+            };
+            let (rows, more) = store.list_page(None, None, &page).unwrap();
+            (rows.into_iter().map(|r| r.id).collect::<Vec<_>>(), more)
         };
-        let ids = |rows: Vec<Reservation>| rows.into_iter().map(|r| r.id).collect::<Vec<_>>();
-        let (newest, more) = store.list_page(None, None, &page(None, 2)).unwrap();
+        assert_eq!(listed(None, 2), (vec!["r3".into(), "r4".into()], true));
         assert_eq!(
-            (ids(newest), more),
-            (vec!["r3".to_owned(), "r4".to_owned()], true)
+            listed(Some((0, "")), 2),
+            (vec!["r0".into(), "r1".into()], true)
         );
-        let (first, more) = store
-            .list_page(None, None, &page(Some((0, "")), 2))
-            .unwrap();
         assert_eq!(
-            (ids(first), more),
-            (vec!["r0".to_owned(), "r1".to_owned()], true)
+            listed(Some((10, "r1")), 2),
+            (vec!["r2".into(), "r3".into()], true)
         );
-        let (next, more) = store
-            .list_page(None, None, &page(Some((10, "r1")), 2))
-            .unwrap();
-        assert_eq!(
-            (ids(next), more),
-            (vec!["r2".to_owned(), "r3".to_owned()], true)
-        );
-        let (last, more) = store
-            .list_page(None, None, &page(Some((30, "r3")), 2))
-            .unwrap();
-        assert_eq!((ids(last), more), (vec!["r4".to_owned()], false));
-        let (all, more) = store.list_page(None, None, &page(None, 5)).unwrap();
+        assert_eq!(listed(Some((30, "r3")), 2), (vec!["r4".into()], false));
+        let (all, more) = listed(None, 5);
         assert_eq!((all.len(), more), (5, false));
     }
 

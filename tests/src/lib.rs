@@ -476,6 +476,26 @@ pub fn is_root() -> bool {
 /// GiB in bytes.
 pub const GIB: u64 = 1 << 30;
 
+/// `curl` on `socket` run as `uid` (and gid `uid`): the HTTP status and the JSON body
+/// (`Null` when it is not JSON). For tests that act as several users.
+pub fn curl_as(uid: u32, socket: &Path, args: &[&str]) -> (u16, Value) {
+    use std::os::unix::process::CommandExt;
+    let out = Command::new("curl")
+        .args(["-s", "-w", "\n%{http_code}", "--unix-socket"])
+        .arg(socket)
+        .args(args)
+        .uid(uid)
+        .gid(uid)
+        .output()
+        .expect("curl");
+    let text = String::from_utf8(out.stdout).unwrap();
+    let (body, code) = text.rsplit_once('\n').unwrap();
+    (
+        code.parse().unwrap(),
+        serde_json::from_str(body).unwrap_or(Value::Null),
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::audit_pass_count;

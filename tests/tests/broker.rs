@@ -5,11 +5,10 @@
 
 use std::io::Write;
 use std::os::unix::net::UnixStream;
-use std::os::unix::process::CommandExt;
 use std::process::Command;
 use std::time::Duration;
 
-use gpud_tests::{Daemon, GIB, PATIENCE, Reply, is_root, missing_prerequisite, wait_for};
+use gpud_tests::{Daemon, GIB, PATIENCE, Reply, curl_as, is_root, missing_prerequisite, wait_for};
 use serde_json::{Value, json};
 
 fn reserve(d: &Daemon, body: Value) -> Reply {
@@ -460,23 +459,6 @@ fn the_starvation_guard_stops_backfill() {
         200
     );
     assert_eq!(big.join().unwrap().status, 201);
-}
-
-fn curl_as(uid: u32, socket: &std::path::Path, args: &[&str]) -> (u16, Value) {
-    let out = Command::new("curl")
-        .args(["-s", "-w", "\n%{http_code}", "--unix-socket"])
-        .arg(socket)
-        .args(args)
-        .uid(uid)
-        .gid(uid)
-        .output()
-        .expect("curl");
-    let text = String::from_utf8(out.stdout).unwrap();
-    let (body, code) = text.rsplit_once('\n').unwrap();
-    (
-        code.parse().unwrap(),
-        serde_json::from_str(body).unwrap_or(Value::Null),
-    )
 }
 
 #[test]

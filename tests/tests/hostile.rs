@@ -10,7 +10,7 @@ use std::process::{Child, Command, Stdio};
 
 use serde_json::Value;
 
-use gpud_tests::{Daemon, is_root, missing_prerequisite, repo_root};
+use gpud_tests::{Daemon, curl_as, is_root, missing_prerequisite, repo_root};
 
 const MALLORY: u32 = 65534;
 const EVE: u32 = 65532;
@@ -31,16 +31,22 @@ impl Drop for Client {
     }
 }
 
+/// `hostile_clients.py MODE SOCKET ARGS…` as `uid` (and gid `uid`).
+fn client(uid: u32, d: &Daemon, mode: &str, args: &[String]) -> Command {
+    let mut cmd = Command::new("python3");
+    cmd.arg(script())
+        .arg(mode)
+        .arg(&d.socket)
+        .args(args)
+        .uid(uid)
+        .gid(uid);
+    cmd
+}
+
 /// Starts `hostile_clients.py stall` as `uid` with `n` connections held `seconds`, and
 /// returns it once it has said how many gpud kept and refused.
 fn stall(uid: u32, d: &Daemon, n: u32, seconds: u32) -> (Client, Value) {
-    let mut child = Command::new("python3")
-        .arg(script())
-        .args(["stall"])
-        .arg(&d.socket)
-        .args([n.to_string(), seconds.to_string()])
-        .uid(uid)
-        .gid(uid)
+    let mut child = client(uid, d, "stall", &[n.to_string(), seconds.to_string()])
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
@@ -55,18 +61,15 @@ fn stall(uid: u32, d: &Daemon, n: u32, seconds: u32) -> (Client, Value) {
     )
 }
 
+/// What `hostile_clients.py MODE` as `uid` printed, as JSON.
+fn run(uid: u32, d: &Daemon, mode: &str, args: &[String]) -> Value {
+    let out = client(uid, d, mode, args).output().expect("python3");
+    serde_json::from_slice(&out.stdout).unwrap_or(Value::Null)
+}
+
 /// `count` health checks as `uid`, one connection each.
 fn health(uid: u32, d: &Daemon, count: u32) -> Value {
-    let out = Command::new("python3")
-        .arg(script())
-        .arg("health")
-        .arg(&d.socket)
-        .arg(count.to_string())
-        .uid(uid)
-        .gid(uid)
-        .output()
-        .expect("python3");
-    serde_json::from_slice(&out.stdout).unwrap_or(Value::Null)
+    run(uid, d, "health", &[count.to_string()])
 }
 
 #[test]
@@ -201,16 +204,7 @@ fn churn_is_slowed_down_to_the_rate_limit() {
         "t4-pair",
         "[limits]\nchanges_per_second = 20\nchanges_burst = 40\n",
     );
-    let out = Command::new("python3")
-        .arg(script())
-        .arg("churn")
-        .arg(&d.socket)
-        .arg("3")
-        .uid(MALLORY)
-        .gid(MALLORY)
-        .output()
-        .expect("python3");
-    let said: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
+    let said = run(MALLORY, &d, "churn", &["3".to_owned()]);
     let ok = said["statuses"]["201"].as_u64().unwrap_or(0)
         + said["statuses"]["200"].as_u64().unwrap_or(0);
     // 40 reserves at once and 20 a second for 3 s: at most about 100 got through (each
@@ -310,24 +304,6 @@ fn switching_groups_does_not_escape_a_group_quota() {
     assert_eq!(d.active().len(), 2);
 }
 
-/// `curl` as `uid` on gpud's socket: the status and the JSON body.
-fn curl_as(uid: u32, d: &Daemon, args: &[&str]) -> (u16, Value) {
-    let out = Command::new("curl")
-        .args(["-s", "-w", "\n%{http_code}", "--unix-socket"])
-        .arg(&d.socket)
-        .args(args)
-        .uid(uid)
-        .gid(uid)
-        .output()
-        .expect("curl");
-    let text = String::from_utf8(out.stdout).unwrap();
-    let (body, code) = text.rsplit_once('\n').unwrap();
-    (
-        code.parse().unwrap(),
-        serde_json::from_str(body).unwrap_or(Value::Null),
-    )
-}
-
 #[test]
 fn a_request_over_quota_cannot_hold_the_machine_through_the_starvation_guard() {
     if !is_root() {
@@ -349,7 +325,7 @@ fn a_request_over_quota_cannot_hold_the_machine_through_the_starvation_guard() {
     let everything = r#"{"gpus": 8, "exclusive": true, "ttl_seconds": 600, "wait_seconds": 40}"#;
     let (status, e) = curl_as(
         MALLORY,
-        &d,
+        &d.socket,
         &[
             "-X",
             "POST",
@@ -364,7 +340,7 @@ fn a_request_over_quota_cannot_hold_the_machine_through_the_starvation_guard() {
     // Others are served as before.
     let (status, r) = curl_as(
         ALICE,
-        &d,
+        &d.socket,
         &[
             "-X",
             "POST",
@@ -391,7 +367,7 @@ fn labels_cannot_be_used_to_fill_gpud_s_memory() {
     let body = serde_json::json!({"memory": 1, "ttl_seconds": 60, "labels": labels}).to_string();
     let (status, e) = curl_as(
         MALLORY,
-        &d,
+        &d.socket,
         &["-X", "POST", "-d", &body, "http://gpud/v1/reservations"],
     );
     assert_eq!(status, 400, "{e}");

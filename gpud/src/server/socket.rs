@@ -440,12 +440,7 @@ mod tests {
     use crate::store::Store;
 
     async fn get(path: &Path, route: &str) -> String {
-        let mut stream = UnixStream::connect(path).await.unwrap();
-        let request = format!("GET {route} HTTP/1.1\r\nHost: gpud\r\nConnection: close\r\n\r\n");
-        stream.write_all(request.as_bytes()).await.unwrap();
-        let mut reply = String::new();
-        stream.read_to_string(&mut reply).await.unwrap();
-        reply
+        send(path, "GET", route, "").await
     }
 
     /// gpud's API on a fresh socket in `dir`, served with `limits` until `stop` is sent.
@@ -494,18 +489,8 @@ mod tests {
         assert!(health.starts_with("HTTP/1.1 200"), "{health}");
         assert!(health.contains(r#""gpus":2"#), "{health}");
         // The owner is the caller the kernel names, not anything the request says.
-        let created = {
-            let mut stream = UnixStream::connect(&path).await.unwrap();
-            let body = r#"{"memory": "1GiB", "ttl_seconds": 60}"#;
-            let request = format!(
-                "POST /v1/reservations HTTP/1.1\r\nHost: gpud\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{body}",
-                body.len()
-            );
-            stream.write_all(request.as_bytes()).await.unwrap();
-            let mut reply = String::new();
-            stream.read_to_string(&mut reply).await.unwrap();
-            reply
-        };
+        let body = r#"{"memory": "1GiB", "ttl_seconds": 60}"#;
+        let created = send(&path, "POST", "/v1/reservations", body).await;
         let uid = nix::unistd::geteuid().as_raw();
         assert!(created.starts_with("HTTP/1.1 201"), "{created}");
         assert!(
