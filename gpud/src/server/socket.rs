@@ -192,7 +192,7 @@ pub async fn serve_on(
         let Some(caller) = peer(&stream) else {
             continue;
         };
-        let privileged = is_admin(&caller, &api.broker.settings().admin_gids);
+        let privileged = crate::holder::is_admin(&caller, &api.broker.settings().admin_gids);
         let slot = match Connections::admit(&table, caller, privileged, limits) {
             Ok(slot) => slot,
             Err(why) => {
@@ -302,12 +302,6 @@ impl Connection {
             }
         }
     }
-}
-
-/// Whether `caller` is root or in one of `admin_gids` (its supplementary groups are read
-/// from `/proc` only when its primary group is not one).
-fn is_admin(caller: &Caller, admin_gids: &[u32]) -> bool {
-    crate::holder::is_admin(caller, admin_gids)
 }
 
 fn peer(stream: &UnixStream) -> Option<Caller> {
