@@ -37,7 +37,7 @@ pub fn document() -> Value {
         "description": "Reservation id.", "schema": {"type": "string"}
     });
 
-    json!({
+    let mut doc = json!({
         "openapi": "3.0.3",
         "info": {
             "title": "gpud",
@@ -109,7 +109,7 @@ pub fn document() -> Value {
                         "200": reply("Released", &reservation),
                         "400": error_reply("Not a valid id, or a query parameter"),
                         "403": error_reply("Not yours"),
-                        "429": error_reply("Changes faster than [limits] allows (rate_limited)"),
+                        "429": error_reply("Changes faster than [limits] allows (rate_limited), or too many connections (too_many_connections)"),
                         "404": error_reply("No such reservation"),
                         "409": error_reply("Already released"),
                         "503": error_reply("State cannot be written (storage_unavailable), or gpud is stopping (shutting_down)")
@@ -124,7 +124,9 @@ pub fn document() -> Value {
                     "200": reply("Renewed", &reservation),
                     "400": error_reply("Not a lease, bad TTL, not a valid id, or a body that is not an object"),
                     "403": error_reply("Not yours"),
-                    "429": error_reply("Changes faster than [limits] allows (rate_limited)"),
+                    "408": error_reply("The body did not arrive in time (body_timeout)"),
+                    "413": error_reply("Body too large"),
+                    "429": error_reply("Changes faster than [limits] allows (rate_limited), or too many connections (too_many_connections)"),
                     "404": error_reply("No such reservation"),
                     "409": error_reply("No longer active"),
                     "503": error_reply("State cannot be written (storage_unavailable), or gpud is stopping (shutting_down)")
@@ -157,7 +159,34 @@ pub fn document() -> Value {
             }}
         },
         "components": {"schemas": components}
-    })
+    });
+    add_refusals_of_every_route(&mut doc, &error_reply);
+    doc
+}
+
+/// Refusals any route can give, added where an operation does not document its own: a
+/// query parameter on a route that takes none (400), and a connection over the caller's
+/// cap, answered before the request is read (429).
+fn add_refusals_of_every_route(doc: &mut Value, error_reply: &dyn Fn(&str) -> Value) {
+    let Some(paths) = doc["paths"].as_object_mut() else {
+        return;
+    };
+    for operation in paths.values_mut().filter_map(Value::as_object_mut) {
+        for op in operation.values_mut() {
+            let responses = &mut op["responses"];
+            for (status, why) in [
+                ("400", "A query parameter: this route takes none"),
+                (
+                    "429",
+                    "Too many connections from this user (too_many_connections)",
+                ),
+            ] {
+                if responses.get(status).is_none() {
+                    responses[status] = error_reply(why);
+                }
+            }
+        }
+    }
 }
 
 /// Serialises [`document`] the way the checked-in file is written.

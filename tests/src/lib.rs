@@ -14,6 +14,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
+pub mod openapi;
+
 /// How long a test waits for something that must happen before it calls the test hung.
 /// Only a guard against hangs, never a performance bound: a loaded machine may be slow, and
 /// how fast things happen is for the benchmarks to measure.
@@ -112,9 +114,19 @@ pub struct Reply {
     pub status: u16,
     pub body: Value,
     pub text: String,
+    /// Header names in lower case, with their values.
+    pub headers: Vec<(String, String)>,
 }
 
 impl Reply {
+    /// The value of header `name` (lower case), if the reply has it.
+    pub fn header(&self, name: &str) -> Option<String> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.clone())
+    }
+
     /// The indices of the GPUs a reservation reply names.
     pub fn gpu_indices(&self) -> Vec<u64> {
         self.body["gpus"]
@@ -131,7 +143,8 @@ pub fn http(socket: &Path, method: &str, path: &str, body: Option<&str>) -> Repl
     try_http(socket, method, path, body).unwrap_or_else(|e| panic!("{method} {path}: {e}"))
 }
 
-/// Like [`http`], but returns connection errors instead of panicking.
+/// Like [`http`], but returns connection errors instead of panicking. Every exchange is
+/// checked against `schema/openapi.json` ([`openapi::check`]).
 pub fn try_http(
     socket: &Path,
     method: &str,
@@ -148,7 +161,9 @@ pub fn try_http(
     stream.write_all(request.as_bytes())?;
     let mut raw = Vec::new();
     stream.read_to_end(&mut raw)?;
-    parse_response(&raw)
+    let reply = parse_response(&raw)?;
+    openapi::check(method, path, body, &reply);
+    Ok(reply)
 }
 
 /// Parses a whole HTTP/1.1 response (as read until the server closed).
@@ -162,9 +177,15 @@ pub fn parse_response(raw: &[u8]) -> std::io::Result<Reply> {
         .nth(1)
         .and_then(|s| s.parse().ok())
         .ok_or_else(|| std::io::Error::other(format!("no status in {head:?}")))?;
-    let chunked = head
-        .to_ascii_lowercase()
-        .contains("transfer-encoding: chunked");
+    let headers: Vec<(String, String)> = head
+        .lines()
+        .skip(1)
+        .filter_map(|line| line.split_once(':'))
+        .map(|(n, v)| (n.trim().to_ascii_lowercase(), v.trim().to_owned()))
+        .collect();
+    let chunked = headers
+        .iter()
+        .any(|(n, v)| n == "transfer-encoding" && v.eq_ignore_ascii_case("chunked"));
     let body = if chunked {
         dechunk(body)
     } else {
@@ -174,6 +195,7 @@ pub fn parse_response(raw: &[u8]) -> std::io::Result<Reply> {
         status,
         body: serde_json::from_str(&body).unwrap_or(Value::Null),
         text: body,
+        headers,
     })
 }
 
