@@ -78,8 +78,10 @@ pub trait ProcessTable {
     fn info(&self, pid: u32) -> Option<(u32, u32, u64)>;
     /// The cgroup `pid` belongs to, as one comparable string.
     fn cgroup(&self, pid: u32) -> Option<String>;
-    /// The `GPUD_RESERVATION_ID` in `pid`'s environment (as it was started), if any.
-    fn reservation_env(&self, pid: u32) -> Option<String>;
+    /// The `GPUD_RESERVATION_ID` in `pid`'s environment (as it was started), if any; `Err`
+    /// with the reason when the environment exists but cannot be read (another user's
+    /// process, and gpud lacks `CAP_SYS_PTRACE`).
+    fn reservation_env(&self, pid: u32) -> Result<Option<String>, String>;
     /// Sends `signal` to `pid` if it still has `start_time`; false when it is gone.
     fn signal(&self, pid: u32, start_time: u64, signal: nix::sys::signal::Signal) -> bool;
 }
@@ -101,12 +103,16 @@ impl ProcessTable for ProcFs {
             .and_then(|text| cgroup_key(&text))
     }
 
-    fn reservation_env(&self, pid: u32) -> Option<String> {
-        let environ = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
-        environ
+    fn reservation_env(&self, pid: u32) -> Result<Option<String>, String> {
+        let environ = match std::fs::read(format!("/proc/{pid}/environ")) {
+            Ok(environ) => environ,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(format!("cannot read /proc/{pid}/environ: {e}")),
+        };
+        Ok(environ
             .split(|&b| b == 0)
             .find_map(|kv| kv.strip_prefix(b"GPUD_RESERVATION_ID="))
-            .map(|id| String::from_utf8_lossy(id).into_owned())
+            .map(|id| String::from_utf8_lossy(id).into_owned()))
     }
 
     fn signal(&self, pid: u32, start_time: u64, signal: nix::sys::signal::Signal) -> bool {
@@ -163,6 +169,8 @@ struct Target {
     pid: u32,
     start_time: Option<u64>,
     uid: Option<u32>,
+    /// Its environment could not be read, so it may name a reservation: never signalled.
+    unverified: bool,
 }
 
 /// Processes of one finding, keyed by the finding.
@@ -251,6 +259,8 @@ struct Seen<'a> {
     uid: Option<u32>,
     start_time: Option<u64>,
     owner: Attributed,
+    /// Its environment could not be read.
+    env_unreadable: bool,
 }
 
 impl Seen<'_> {
@@ -260,6 +270,7 @@ impl Seen<'_> {
             pid: self.process.pid,
             start_time: self.start_time,
             uid: self.uid,
+            unverified: self.env_unreadable,
         }
     }
 }
@@ -276,6 +287,8 @@ struct ProcessFacts {
     ancestry: Vec<u32>,
     /// The `GPUD_RESERVATION_ID` it was started with.
     reservation_env: Option<String>,
+    /// Its environment exists but could not be read.
+    env_unreadable: bool,
     /// Its cgroup ([`cgroup_key`]).
     cgroup: Option<String>,
 }
@@ -648,8 +661,15 @@ impl<S: ProcessSource, T: ProcessTable> Auditor<S, T> {
             pid,
             start_time,
             uid,
+            unverified,
         } in targets
         {
+            if unverified {
+                done.push(format!(
+                    "{pid}: spared (its environment could not be read: it may be reserved)"
+                ));
+                continue;
+            }
             let Some(start_time) = start_time else {
                 done.push(format!("{pid}: gone"));
                 continue;
@@ -815,15 +835,23 @@ fn read_facts<T: ProcessTable>(
             }
         }
         let holder_known = holders.contains(&ancestor);
+        let (reservation_env, env_unreadable) = if holder_known {
+            (None, false)
+        } else {
+            match procs.reservation_env(p.pid) {
+                Ok(id) => (id, false),
+                Err(why) => {
+                    tracing::debug!(pid = p.pid, %why, "environment unreadable");
+                    (None, true)
+                }
+            }
+        };
         let process = ProcessFacts {
             uid: info.map(|(_, uid, _)| uid),
             start_time: info.map(|(_, _, st)| st),
             ancestry,
-            reservation_env: if holder_known {
-                None
-            } else {
-                procs.reservation_env(p.pid)
-            },
+            reservation_env,
+            env_unreadable,
             cgroup: if holder_known {
                 None
             } else {
@@ -893,6 +921,7 @@ fn attribute<'a>(
                 uid: known.uid,
                 start_time: known.start_time,
                 owner,
+                env_unreadable: known.env_unreadable,
             };
             let bytes = p.used_bytes.unwrap_or(0);
             let slot = unit_index.get(p.unit_uuid.as_str()).copied();
@@ -984,12 +1013,24 @@ fn findings(
             Attributed::Unreserved => (
                 EventKind::Unreserved,
                 None,
-                format!(
-                    "process {} uses {} on GPU {} without a reservation",
-                    s.process.pid,
-                    format_bytes(bytes),
-                    s.gpu_index
-                ),
+                if s.env_unreadable {
+                    format!(
+                        "process {} uses {} on GPU {} and no reservation is known to be its: \
+                         it may name one in GPUD_RESERVATION_ID, but gpud cannot read its \
+                         environment (reading another user's needs CAP_SYS_PTRACE), so it is \
+                         never terminated",
+                        s.process.pid,
+                        format_bytes(bytes),
+                        s.gpu_index
+                    )
+                } else {
+                    format!(
+                        "process {} uses {} on GPU {} without a reservation",
+                        s.process.pid,
+                        format_bytes(bytes),
+                        s.gpu_index
+                    )
+                },
             ),
             Attributed::WrongGpu(o) => {
                 let r = &reservations[o];
@@ -1169,6 +1210,8 @@ mod tests {
         table: Mutex<HashMap<u32, (u32, u32, u64)>>,
         cgroups: Mutex<HashMap<u32, String>>,
         environ: Mutex<HashMap<u32, String>>,
+        /// Processes whose environment cannot be read (as without CAP_SYS_PTRACE).
+        hidden_environ: Mutex<std::collections::HashSet<u32>>,
         signals: Mutex<Vec<(u32, Signal)>>,
     }
 
@@ -1179,8 +1222,13 @@ mod tests {
         fn cgroup(&self, pid: u32) -> Option<String> {
             self.cgroups.lock().unwrap().get(&pid).cloned()
         }
-        fn reservation_env(&self, pid: u32) -> Option<String> {
-            self.environ.lock().unwrap().get(&pid).cloned()
+        fn reservation_env(&self, pid: u32) -> Result<Option<String>, String> {
+            if self.hidden_environ.lock().unwrap().contains(&pid) {
+                return Err(format!(
+                    "cannot read /proc/{pid}/environ: Permission denied"
+                ));
+            }
+            Ok(self.environ.lock().unwrap().get(&pid).cloned())
         }
         fn signal(&self, pid: u32, start_time: u64, signal: Signal) -> bool {
             if self.info(pid).map(|i| i.2) != Some(start_time) {
@@ -1509,6 +1557,35 @@ mod tests {
         // accounted; 8000 (uid 1000) claims someone else's reservation and is not.
         assert_eq!(kinds(&report), [(EventKind::Unreserved, EventPhase::Start)]);
         assert_eq!(report.events[0].pid, Some(8000));
+    }
+
+    #[test]
+    fn a_process_whose_environment_cannot_be_read_is_reported_but_never_terminated() {
+        let b = broker();
+        let (nvml, procs) = (FakeNvml::default(), FakeProcs::default());
+        procs.table.lock().unwrap().insert(6100, (1, ME, 5));
+        procs.hidden_environ.lock().unwrap().insert(6100);
+        nvml.0
+            .lock()
+            .unwrap()
+            .insert(0, Ok(vec![process(6100, "GPU-0", 1)]));
+        let mut a = Auditor::new(b, &nvml, &procs, Arc::new(Metrics::new()));
+        let config = AuditConfig {
+            enforcement: Enforcement::Terminate,
+            grace: Duration::from_millis(500),
+            ..AuditConfig::default()
+        };
+        let report = a.pass(&config, 1_000);
+        assert_eq!(kinds(&report), [(EventKind::Unreserved, EventPhase::Start)]);
+        let event = &report.events[0];
+        assert!(
+            event.message.contains("CAP_SYS_PTRACE"),
+            "{}",
+            event.message
+        );
+        assert!(event.action.contains("6100: spared"), "{}", event.action);
+        assert!(a.pass(&config, 2_000).events.is_empty());
+        assert!(procs.signals.lock().unwrap().is_empty());
     }
 
     #[test]

@@ -42,6 +42,17 @@ pub enum HolderError {
         #[source]
         source: std::io::Error,
     },
+    /// Whether the process is in the caller's PID namespace could not be read: comparing
+    /// `/proc/<pid>/ns/pid` links of another user's processes needs `CAP_SYS_PTRACE`.
+    #[error(
+        "gpud cannot tell whether process {pid} is in your PID namespace: reading \
+         /proc/{pid}/ns/pid needs CAP_SYS_PTRACE, which gpud lacks; name your own process \
+         instead (gpuctl reserve -- CMD, or its parent shell), or use ttl_seconds"
+    )]
+    Unverifiable {
+        /// The candidate's pid in gpud's namespace.
+        pid: u32,
+    },
     /// pidfd_open failed for another reason than the process being gone.
     #[error("cannot watch process {pid}: {source}")]
     Pidfd {
@@ -163,16 +174,16 @@ fn pid_namespace(pid: &str) -> Option<std::path::PathBuf> {
     fs::read_link(format!("/proc/{pid}/ns/pid")).ok()
 }
 
-/// The pid `pid` has in its own, innermost PID namespace (the last `NSpid:` field).
-fn innermost_pid(pid: u32) -> Option<u32> {
+/// The pids `pid` (a number, or `self`) has in each PID namespace from gpud's down to its
+/// own, innermost one (the `NSpid:` line of `/proc/<pid>/status`, which any user may read).
+fn namespace_pids(pid: &str) -> Option<Vec<u32>> {
     let status = fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     status
         .lines()
         .find_map(|l| l.strip_prefix("NSpid:"))?
         .split_whitespace()
-        .last()?
-        .parse()
-        .ok()
+        .map(|p| p.parse().ok())
+        .collect()
 }
 
 /// Whether `caller` may act on every reservation: root, or a member of one of
@@ -215,25 +226,37 @@ pub fn user_groups(uid: u32) -> Vec<u32> {
 /// A client in a container with a PID namespace of its own names processes by the pids it
 /// sees (often 1 for itself), while the kernel hands gpud the caller's pid in gpud's
 /// namespace. When the two namespaces differ, the process meant is the one in the
-/// caller's namespace whose innermost pid is `pid`: the caller itself or one of its
-/// ancestors is checked first (the exec and eval forms of `gpuctl reserve`), then all of
-/// `/proc`. When they are the same (or cannot be read), `pid` is returned as it is.
+/// caller's namespace whose innermost pid is `pid`.
+///
+/// Which namespace a process is in is read so that no privilege is needed where it can
+/// be: `NSpid:` in `/proc/<pid>/status` says how deep a process's namespace is, and a
+/// caller as deep as gpud shares gpud's namespace (any other namespace of that depth
+/// would hide it from gpud). The caller and its ancestors as deep as it are in its
+/// namespace, so the exec and eval forms of `gpuctl reserve` (the holder is the caller or
+/// its parent) need nothing more. Any other process of the caller's namespace is found by
+/// comparing `/proc/<pid>/ns/pid` links, which for another user's process needs
+/// `CAP_SYS_PTRACE`; without it the request is refused ([`HolderError::Unverifiable`]),
+/// never guessed.
 pub fn translate_pid(caller_pid: u32, pid: u32) -> Result<u32, HolderError> {
-    let theirs = pid_namespace(&caller_pid.to_string());
-    let same = match (pid_namespace("self"), &theirs) {
-        (Some(mine), Some(theirs)) => mine == *theirs,
-        _ => true,
+    let unreadable = |p: u32| HolderError::Proc {
+        pid: p,
+        detail: "no NSpid line in its status, so its PID namespace is unknown (Linux 4.1 \
+                 or later has it)"
+            .to_owned(),
     };
-    if same {
+    let depth = |p: u32| namespace_pids(&p.to_string()).map(|pids| pids.len());
+    let mine = namespace_pids("self").ok_or_else(|| unreadable(std::process::id()))?;
+    let theirs = depth(caller_pid).ok_or_else(|| unreadable(caller_pid))?;
+    if theirs == mine.len() {
         return Ok(pid);
     }
-    let in_their_namespace = |p: u32| pid_namespace(&p.to_string()) == theirs;
+    let innermost = |p: u32| namespace_pids(&p.to_string()).and_then(|pids| pids.last().copied());
     let mut candidate = caller_pid;
     for _ in 0..64 {
-        if !in_their_namespace(candidate) {
+        if depth(candidate) != Some(theirs) {
             break;
         }
-        if innermost_pid(candidate) == Some(pid) {
+        if innermost(candidate) == Some(pid) {
             return Ok(candidate);
         }
         match stat_fields(candidate) {
@@ -245,6 +268,8 @@ pub fn translate_pid(caller_pid: u32, pid: u32) -> Result<u32, HolderError> {
         pid,
         detail: e.to_string(),
     })?;
+    let their_namespace = pid_namespace(&caller_pid.to_string());
+    let mut unverifiable = None;
     for entry in entries.flatten() {
         let Some(host_pid) = entry
             .file_name()
@@ -253,11 +278,22 @@ pub fn translate_pid(caller_pid: u32, pid: u32) -> Result<u32, HolderError> {
         else {
             continue;
         };
-        if innermost_pid(host_pid) == Some(pid) && in_their_namespace(host_pid) {
-            return Ok(host_pid);
+        let Some(pids) = namespace_pids(&host_pid.to_string()) else {
+            continue;
+        };
+        if pids.len() != theirs || pids.last() != Some(&pid) {
+            continue;
+        }
+        match (&their_namespace, pid_namespace(&host_pid.to_string())) {
+            (Some(theirs), Some(its)) if *theirs == its => return Ok(host_pid),
+            (Some(_), Some(_)) => {}
+            _ => unverifiable = Some(host_pid),
         }
     }
-    Err(HolderError::NoSuchProcess { pid })
+    Err(match unverifiable {
+        Some(host_pid) => HolderError::Unverifiable { pid: host_pid },
+        None => HolderError::NoSuchProcess { pid },
+    })
 }
 
 /// Why a caller cannot name a process as the holder of a reservation.
@@ -347,6 +383,44 @@ pub fn pin_holder(caller: &Caller, pid: u32) -> Result<PinnedProcess, PinError> 
         });
     }
     Ok(pinned)
+}
+
+/// What gpud cannot do for lack of a capability, one line each (empty when it has every
+/// capability it uses). Only root's missing capabilities are reported: a gpud run as a
+/// plain user sees its own processes only, by design.
+pub fn degraded_features(terminate: bool) -> Vec<String> {
+    const CAP_KILL: u32 = 5;
+    const CAP_SYS_PTRACE: u32 = 19;
+    if !nix::unistd::Uid::effective().is_root() {
+        return Vec::new();
+    }
+    let effective = fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|status| {
+            let hex = status.lines().find_map(|l| l.strip_prefix("CapEff:"))?;
+            u64::from_str_radix(hex.trim(), 16).ok()
+        })
+        .unwrap_or(u64::MAX);
+    let has = |cap: u32| effective & (1 << cap) != 0;
+    let mut degraded = Vec::new();
+    if !has(CAP_SYS_PTRACE) {
+        degraded.push(
+            "without CAP_SYS_PTRACE gpud cannot read other users' /proc/<pid>/environ and \
+             /proc/<pid>/ns/pid: a GPU process tied to its reservation only by \
+             GPUD_RESERVATION_ID is reported as unreserved (and never terminated), and a \
+             holder named from inside a PID namespace is refused unless it is the caller or \
+             its parent"
+                .to_owned(),
+        );
+    }
+    if terminate && !has(CAP_KILL) {
+        degraded.push(
+            "without CAP_KILL, audit.enforcement = \"terminate\" cannot signal other users' \
+             processes"
+                .to_owned(),
+        );
+    }
+    degraded
 }
 
 /// This boot's id; empty when unreadable (then every restart check compares start times only).
@@ -560,10 +634,64 @@ mod tests {
         let me = std::process::id();
         assert_eq!(translate_pid(me, 12345).unwrap(), 12345);
         assert_eq!(
-            innermost_pid(me),
-            Some(me),
-            "tests run in gpud's own namespace"
+            namespace_pids("self").map(|pids| pids.len()),
+            Some(1),
+            "tests run in the namespace /proc is mounted for"
         );
+    }
+
+    /// The host pids of `parent`'s children.
+    fn children(parent: u32) -> Vec<u32> {
+        std::fs::read_to_string(format!("/proc/{parent}/task/{parent}/children"))
+            .unwrap_or_default()
+            .split_whitespace()
+            .filter_map(|p| p.parse().ok())
+            .collect()
+    }
+
+    #[test]
+    fn pids_in_a_child_namespace_are_translated_and_never_guessed() {
+        if !nix::unistd::Uid::effective().is_root() {
+            assert!(
+                std::env::var_os("CI").is_none(),
+                "CI runs the tests as root"
+            );
+            eprintln!("SKIPPED: needs root (unshare --pid); under CI this fails instead");
+            return;
+        }
+        // In the new namespace: sh is pid 1 and starts a sleep (pid 2), then execs sleep.
+        let mut unshare = Command::new("unshare")
+            .args(["--pid", "--fork", "--mount-proc", "sh", "-c"])
+            .arg("sleep 60 & exec sleep 61")
+            .spawn()
+            .unwrap();
+        let started = std::time::Instant::now();
+        let (init, second) = loop {
+            let init = children(unshare.id()).first().copied();
+            if let Some(init) = init
+                && let [second] = children(init)[..]
+                && namespace_pids(&second.to_string()).is_some_and(|p| p.len() == 2)
+            {
+                break (init, second);
+            }
+            assert!(started.elapsed() < PATIENCE, "namespace not set up");
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        // The caller itself (what `gpuctl reserve -- CMD` names), by its ancestor walk.
+        assert_eq!(translate_pid(init, 1).unwrap(), init);
+        // Another process of the caller's namespace, found by its namespace link.
+        assert_eq!(translate_pid(init, 2).unwrap(), second);
+        // Not gpud's pid 1, and not anything else.
+        assert!(matches!(
+            translate_pid(init, 4242),
+            Err(HolderError::NoSuchProcess { pid: 4242 })
+        ));
+        unshare.kill().unwrap();
+        let _ = Command::new("kill")
+            .arg("-9")
+            .arg(init.to_string())
+            .status();
+        unshare.wait().unwrap();
     }
 
     #[test]

@@ -67,6 +67,10 @@ pub fn run(config: Config, config_path: Option<PathBuf>) -> anyhow::Result<()> {
     if let Some(limit) = raise_open_file_limit() {
         tracing::debug!(limit, "open files allowed");
     }
+    let terminate = config.audit.enforcement == crate::config::Enforcement::Terminate;
+    for degraded in crate::holder::degraded_features(terminate) {
+        tracing::warn!("degraded: {degraded}");
+    }
     let mut builder = tokio::runtime::Builder::new_multi_thread();
     if std::env::var_os("TOKIO_WORKER_THREADS").is_none() {
         builder.worker_threads(runtime_threads(
