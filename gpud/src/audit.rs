@@ -1017,8 +1017,8 @@ fn findings(
                     format!(
                         "process {} uses {} on GPU {} and no reservation is known to be its: \
                          it may name one in GPUD_RESERVATION_ID, but gpud cannot read its \
-                         environment (reading another user's needs CAP_SYS_PTRACE), so it is \
-                         never terminated",
+                         environment (reading another user's needs CAP_DAC_READ_SEARCH and \
+                         CAP_SYS_PTRACE), so it is never terminated",
                         s.process.pid,
                         format_bytes(bytes),
                         s.gpu_index

@@ -389,6 +389,7 @@ pub fn pin_holder(caller: &Caller, pid: u32) -> Result<PinnedProcess, PinError> 
 /// capability it uses). Only root's missing capabilities are reported: a gpud run as a
 /// plain user sees its own processes only, by design.
 pub fn degraded_features(terminate: bool) -> Vec<String> {
+    const CAP_DAC_READ_SEARCH: u32 = 2;
     const CAP_KILL: u32 = 5;
     const CAP_SYS_PTRACE: u32 = 19;
     if !nix::unistd::Uid::effective().is_root() {
@@ -403,11 +404,17 @@ pub fn degraded_features(terminate: bool) -> Vec<String> {
         .unwrap_or(u64::MAX);
     let has = |cap: u32| effective & (1 << cap) != 0;
     let mut degraded = Vec::new();
+    if !has(CAP_SYS_PTRACE) || !has(CAP_DAC_READ_SEARCH) {
+        degraded.push(
+            "without CAP_DAC_READ_SEARCH and CAP_SYS_PTRACE gpud cannot read other users' \
+             /proc/<pid>/environ: a GPU process tied to its reservation only by \
+             GPUD_RESERVATION_ID is reported as unreserved (and never terminated)"
+                .to_owned(),
+        );
+    }
     if !has(CAP_SYS_PTRACE) {
         degraded.push(
-            "without CAP_SYS_PTRACE gpud cannot read other users' /proc/<pid>/environ and \
-             /proc/<pid>/ns/pid: a GPU process tied to its reservation only by \
-             GPUD_RESERVATION_ID is reported as unreserved (and never terminated), and a \
+            "without CAP_SYS_PTRACE gpud cannot read other users' /proc/<pid>/ns/pid: a \
              holder named from inside a PID namespace is refused unless it is the caller or \
              its parent"
                 .to_owned(),
