@@ -123,6 +123,14 @@ pub enum Command {
         /// A subcommand's own page (gpuctl-reserve(1) and so on) instead of gpuctl(1).
         subcommand: Option<String>,
     },
+    /// Write every man page and completion script under DIR, at the path a package installs
+    /// it to (DIR/usr/share/man/man1/gpuctl.1, ...). For packagers, hence hidden.
+    #[command(hide = true)]
+    PackageFiles {
+        /// The root to write under (target/assets for the Debian package).
+        #[arg(value_name = "DIR", value_hint = clap::ValueHint::DirPath)]
+        dir: PathBuf,
+    },
 }
 
 /// `gpuctl reserve`.

@@ -1,4 +1,5 @@
-//! The commands other than `reserve`: release, renew, ls, show, gpus, completions, man.
+//! The commands other than `reserve`: release, renew, ls, show, gpus, waiters, events,
+//! completions, man and package-files.
 //!
 //! Each one is a request through [`Client`] and a rendering through [`crate::output`];
 //! `-o json` prints exactly the schema type gpud returned.
@@ -10,13 +11,13 @@ use std::path::Path;
 use std::process::ExitCode;
 use std::time::SystemTime;
 
-use clap::CommandFactory;
 use serde::Serialize;
 use tokio::runtime::Runtime;
 
-use crate::cli::{Cli, EventsArgs, IdArgs, ListArgs, Output, RenewArgs, TableArgs, whole_seconds};
+use crate::cli::{EventsArgs, IdArgs, ListArgs, Output, RenewArgs, TableArgs, whole_seconds};
 use crate::client::Client;
 use crate::error::CliError;
+use crate::manual;
 use crate::output::{
     events_table, gpus_table, mig_names, reservation_details, reservations_table, waiters_table,
 };
@@ -203,37 +204,32 @@ fn since_query(since: &str, now: SystemTime) -> Result<String, CliError> {
 
 /// `gpuctl completions SHELL`.
 pub fn completions(shell: clap_complete::Shell) -> Result<ExitCode, CliError> {
-    let mut out = Vec::new();
-    clap_complete::generate(shell, &mut Cli::command(), "gpuctl", &mut out);
-    print(&String::from_utf8_lossy(&out))?;
+    print(&String::from_utf8_lossy(&manual::completion(shell)))?;
     Ok(ExitCode::SUCCESS)
 }
 
 /// `gpuctl man [SUBCOMMAND]`.
 pub fn man(subcommand: Option<&str>) -> Result<ExitCode, CliError> {
-    let mut cmd = Cli::command();
-    cmd.build();
-    let page = match subcommand {
-        None => cmd,
-        Some(name) => {
-            let found = cmd
-                .get_subcommands()
-                .find(|s| s.get_name() == name || s.get_all_aliases().any(|a| a == name))
-                .cloned();
-            let Some(sub) = found else {
-                return Err(CliError::Usage(format!(
-                    "no subcommand {name:?}; see `gpuctl --help`"
-                )));
-            };
-            let full = format!("gpuctl-{}", sub.get_name());
-            sub.name(full.clone()).bin_name(full.replacen('-', " ", 1))
-        }
+    let Some(page) = manual::page(subcommand) else {
+        return Err(CliError::Usage(format!(
+            "no subcommand {:?}; see `gpuctl --help`",
+            subcommand.unwrap_or_default()
+        )));
     };
-    let mut out = Vec::new();
-    clap_mangen::Man::new(page)
-        .render(&mut out)
-        .map_err(CliError::Output)?;
-    print(&String::from_utf8_lossy(&out))?;
+    print(&String::from_utf8_lossy(
+        &page.map_err(CliError::Output)?.roff,
+    ))?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `gpuctl package-files DIR`: the pages and scripts, one path written per line.
+pub fn package_files(dir: &Path) -> Result<ExitCode, CliError> {
+    let written = manual::write_package_files(dir)?;
+    let list: String = written
+        .iter()
+        .map(|p| format!("{}\n", p.display()))
+        .collect();
+    print(&list)?;
     Ok(ExitCode::SUCCESS)
 }
 

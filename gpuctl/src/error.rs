@@ -99,6 +99,9 @@ pub enum CliError {
     /// Writing the output failed (other than a closed pipe).
     #[error("cannot write output: {0}")]
     Output(#[source] io::Error),
+    /// `package-files` could not write a page or script.
+    #[error(transparent)]
+    WriteFile(#[from] crate::manual::WriteError),
 }
 
 impl CliError {
@@ -116,7 +119,10 @@ impl CliError {
                 io::ErrorKind::NotFound => exit::COMMAND_NOT_FOUND,
                 _ => exit::NOT_EXECUTABLE,
             },
-            CliError::Protocol { .. } | CliError::Runtime(_) | CliError::Output(_) => exit::FAILURE,
+            CliError::Protocol { .. }
+            | CliError::Runtime(_)
+            | CliError::Output(_)
+            | CliError::WriteFile(_) => exit::FAILURE,
         }
     }
 

@@ -4,13 +4,15 @@
 //! turns a failure into one `gpuctl: …` line on stderr and the documented exit status.
 //! Modules: `cli` (flags), `client` (HTTP over the Unix socket), `reserve` (the reserve
 //! command, exec and eval forms), `commands` (the others), `output` (tables and `export`
-//! lines), `error` (messages and exit codes). gpuctl depends on the schema crate for every
-//! wire type and never on rusqlite or nvml-wrapper.
+//! lines), `manual` (man pages and completion scripts), `error` (messages and exit codes).
+//! gpuctl depends on the schema crate for every wire type and never on rusqlite or
+//! nvml-wrapper.
 
 mod cli;
 mod client;
 mod commands;
 mod error;
+mod manual;
 mod output;
 mod reserve;
 
@@ -71,6 +73,7 @@ fn run(cli: &Cli) -> Result<ExitCode, CliError> {
         Command::Waiters(args) => commands::waiters(args, socket, &rt, now),
         Command::Completions { shell } => commands::completions(*shell),
         Command::Man { subcommand } => commands::man(subcommand.as_deref()),
+        Command::PackageFiles { dir } => commands::package_files(dir),
     }
 }
 

@@ -1,10 +1,12 @@
 //! The `gpud` binary: parse flags, load the config, hand over to the library.
 
+mod manual;
+
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 
 use gpud::config::{Config, DEFAULT_CONFIG};
 
@@ -46,6 +48,14 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Write the man pages and completion scripts under DIR, at the path a package installs
+    /// each to (DIR/usr/share/man/man8/gpud.8, ...). For packagers, hence hidden.
+    #[command(hide = true)]
+    PackageFiles {
+        /// The root to write under (target/assets for the Debian package).
+        #[arg(value_name = "DIR", value_hint = clap::ValueHint::DirPath)]
+        dir: PathBuf,
+    },
 }
 
 fn main() -> ExitCode {
@@ -60,7 +70,38 @@ fn main() -> ExitCode {
     }
 }
 
-fn run(cli: Cli) -> anyhow::Result<()> {
+fn run(mut cli: Cli) -> anyhow::Result<()> {
+    match cli.command.take().unwrap_or(Command::Run) {
+        Command::Run => {
+            let (config, path) = load_config(cli)?;
+            gpud::server::run(config, Some(path))
+        }
+        Command::Probe { json } => {
+            let (config, _) = load_config(cli)?;
+            let nvml = gpud::gpu::Nvml::open(config.nvml_lib.as_deref())?;
+            let inventory = nvml.discover()?;
+            let text = if json {
+                serde_json::to_string_pretty(&inventory)? + "\n"
+            } else {
+                gpud::probe::render(&inventory)
+            };
+            print_to_stdout(&text)
+        }
+        // Packaging needs neither the config nor a GPU.
+        Command::PackageFiles { dir } => {
+            let written = manual::write_package_files(Cli::command(), &dir)?;
+            let list: String = written
+                .iter()
+                .map(|p| format!("{}\n", p.display()))
+                .collect();
+            print_to_stdout(&list)
+        }
+    }
+}
+
+/// The config file (`--config`, else the default path, which may be missing) with the
+/// command line's overrides applied, and the path it was read from.
+fn load_config(cli: Cli) -> anyhow::Result<(Config, PathBuf)> {
     let required = cli.config.is_some();
     let path = cli.config.unwrap_or_else(|| PathBuf::from(DEFAULT_CONFIG));
     let mut config = Config::load(&path, required)?;
@@ -73,19 +114,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     if let Some(dir) = cli.state_dir {
         config.state_dir = dir;
     }
-    match cli.command.unwrap_or(Command::Run) {
-        Command::Probe { json } => {
-            let nvml = gpud::gpu::Nvml::open(config.nvml_lib.as_deref())?;
-            let inventory = nvml.discover()?;
-            let text = if json {
-                serde_json::to_string_pretty(&inventory)? + "\n"
-            } else {
-                gpud::probe::render(&inventory)
-            };
-            print_to_stdout(&text)
-        }
-        Command::Run => gpud::server::run(config, Some(path)),
-    }
+    Ok((config, path))
 }
 
 /// Writes `text` to stdout. A reader that stops early (`gpud probe --json | head`) is not
@@ -167,6 +196,32 @@ mod tests {
             one_line(&e).starts_with("cannot write to stdout: "),
             "{e:#}"
         );
+    }
+
+    #[test]
+    fn package_files_are_a_page_per_command_and_three_completions() {
+        let dir = tempfile::tempdir().unwrap();
+        let written = manual::write_package_files(Cli::command(), dir.path()).unwrap();
+        let mut found: Vec<String> = written
+            .iter()
+            .map(|p| p.strip_prefix(dir.path()).unwrap().display().to_string())
+            .collect();
+        found.sort();
+        assert_eq!(
+            found,
+            [
+                "usr/share/bash-completion/completions/gpud",
+                "usr/share/fish/vendor_completions.d/gpud.fish",
+                "usr/share/man/man8/gpud-probe.8",
+                "usr/share/man/man8/gpud-run.8",
+                "usr/share/man/man8/gpud.8",
+                "usr/share/zsh/vendor-completions/_gpud",
+            ]
+        );
+        let page = std::fs::read_to_string(dir.path().join("usr/share/man/man8/gpud.8")).unwrap();
+        assert!(page.contains(".TH gpud 8 "), "{page}");
+        assert!(page.contains("\\-\\-state\\-dir"), "{page}");
+        assert!(!page.contains("package\\-files"), "{page}");
     }
 
     #[test]
