@@ -641,59 +641,6 @@ async fn whole_gpus_are_preferred_by_topology() {
     }
 }
 
-#[test]
-fn the_daemonset_manifest_is_consistent_with_gpud() {
-    let path = gpud_tests::repo_root().join("systemd/kubernetes/daemonset.yaml");
-    let text = std::fs::read_to_string(&path).unwrap();
-    let docs: Vec<serde_yaml::Value> = serde_yaml::Deserializer::from_str(&text)
-        .map(|doc| serde::Deserialize::deserialize(doc).unwrap())
-        .collect();
-    let find = |kind: &str| {
-        docs.iter()
-            .find(|d| d["kind"] == kind)
-            .unwrap_or_else(|| panic!("no {kind} in {}", path.display()))
-    };
-    let config_text = find("ConfigMap")["data"]["gpud.toml"].as_str().unwrap();
-    let config = gpud::config::Config::parse(config_text).unwrap();
-    assert!(config.kubelet.enabled);
-    let pod = &find("DaemonSet")["spec"]["template"]["spec"];
-    assert_eq!(
-        pod["hostPID"], true,
-        "NVML pids and peer credentials need the host's pids"
-    );
-    let host_paths: BTreeSet<&str> = pod["volumes"]
-        .as_sequence()
-        .unwrap()
-        .iter()
-        .filter_map(|v| v["hostPath"]["path"].as_str())
-        .collect();
-    let mounts: BTreeSet<&str> = pod["containers"][0]["volumeMounts"]
-        .as_sequence()
-        .unwrap()
-        .iter()
-        .map(|m| m["mountPath"].as_str().unwrap())
-        .collect();
-    let needed = [
-        config.kubelet.device_plugin_dir.clone(),
-        config
-            .kubelet
-            .pod_resources_socket
-            .parent()
-            .unwrap()
-            .to_owned(),
-        config.socket.parent().unwrap().to_owned(),
-        config.state_dir.clone(),
-    ];
-    for dir in &needed {
-        let dir = dir.to_str().unwrap();
-        assert!(host_paths.contains(dir), "no hostPath volume for {dir}");
-        assert!(
-            mounts.contains(dir),
-            "{dir} is not mounted at the same path"
-        );
-    }
-}
-
 /// Allocate for one container, as the kubelet does for a pod with one container.
 async fn allocate_one(
     plugin: &mut DevicePluginClient<Channel>,
