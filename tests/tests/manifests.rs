@@ -201,8 +201,9 @@ fn problems(manifest_text: &str, containerfile_text: &str, readme: &str) -> Vec<
     );
     let tag = format!("gpud:{}", env!("CARGO_PKG_VERSION"));
     for c in run.init_containers.iter().chain([gpud]) {
+        // A registry in front is the deployer's choice; the name and version are not.
         check(
-            c.image == tag,
+            c.image == tag || c.image.ends_with(&format!("/{tag}")),
             format!("container {} runs {}, not {tag}", c.name, c.image),
         );
         let program = &c.argv[0];
