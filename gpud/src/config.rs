@@ -348,6 +348,11 @@ pub struct KubeletConfig {
     /// directory of `socket`; default: that same directory (gpud's container mounts it at
     /// the same path).
     pub socket_host_dir: Option<PathBuf>,
+    /// A host directory holding a `gpuctl` that runs in any image (the DaemonSet's init
+    /// container copies the image's static one there), mounted read-only into every pod at
+    /// the same path so workloads run gpuctl without having it in their image; default:
+    /// none, no mount. It must be on an executable file system (not a `noexec` `/run`).
+    pub gpuctl_dir: Option<PathBuf>,
 }
 
 impl Default for KubeletConfig {
@@ -362,6 +367,7 @@ impl Default for KubeletConfig {
             reconcile_interval: Duration::from_secs(10),
             allocation_grace: Duration::from_secs(60),
             socket_host_dir: None,
+            gpuctl_dir: None,
         }
     }
 }
@@ -455,6 +461,15 @@ impl Config {
         }
         if self.kubelet.reconcile_interval < Duration::from_millis(100) {
             return Err("kubelet.reconcile_interval must be at least 100ms".to_owned());
+        }
+        if let Some(dir) = &self.kubelet.gpuctl_dir
+            && !dir.is_absolute()
+        {
+            // The kubelet refuses a relative mount, and only when a pod starts.
+            return Err(format!(
+                "kubelet.gpuctl_dir must be an absolute path, not {}",
+                dir.display()
+            ));
         }
         Ok(())
     }
@@ -876,6 +891,19 @@ mod tests {
         assert_eq!(
             c.kubelet.kubelet_socket(),
             PathBuf::from("/var/lib/kubelet/device-plugins/kubelet.sock")
+        );
+        assert_eq!(c.kubelet.gpuctl_dir, None);
+        assert_eq!(
+            Config::parse("[kubelet]\ngpuctl_dir = \"/var/lib/gpud/bin\"\n")
+                .unwrap()
+                .kubelet
+                .gpuctl_dir,
+            Some(PathBuf::from("/var/lib/gpud/bin"))
+        );
+        assert!(
+            Config::parse("[kubelet]\ngpuctl_dir = \"bin\"\n")
+                .unwrap_err()
+                .contains("absolute")
         );
         assert!(Config::parse("[kubelet]\nmem_unit = \"10%\"\n").is_err());
         assert!(Config::parse("[kubelet]\nmem_unit = 1024\n").is_err());

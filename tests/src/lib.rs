@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
+pub mod manifests;
 pub mod openapi;
 
 /// How long a test waits for something that must happen before it calls the test hung.

@@ -45,8 +45,11 @@
 //!   `Allocate` reservation mean its pod is gone (the kubelet only hands out free ids): that
 //!   reservation is released first. The reply: the reservation's environment plus
 //!   `GPUD_SOCKET`, `/dev/nvidiactl`, `/dev/nvidia-uvm`, `/dev/nvidia-uvm-tools` and
-//!   `/dev/nvidiaN` of each GPU, and a read-only mount of gpud's socket directory at the
-//!   same path (a read-only mount still lets a client connect to a socket).
+//!   `/dev/nvidiaN` of each GPU, a read-only mount of gpud's socket directory at the
+//!   same path (a read-only mount still lets a client connect to a socket) and, with
+//!   `gpuctl_dir`, a read-only mount of that host directory at the same path, so that the
+//!   pod runs gpuctl from there whatever its image. The binary gets a directory of its own,
+//!   not the socket's: `/run` is often mounted `noexec`.
 //! - **Reconciliation** every `reconcile_interval`: a reservation is released ("pod gone")
 //!   when none of its device ids is held by any pod, but only once it is older than
 //!   `allocation_grace` (pod-resources lists a pod's devices only once its containers
@@ -125,6 +128,8 @@ pub(crate) struct Shared {
     gpud_socket: PathBuf,
     /// The host path mounted at the socket's directory in pods.
     socket_host_dir: PathBuf,
+    /// The host directory holding gpuctl, mounted read-only at the same path in pods.
+    gpuctl_dir: Option<PathBuf>,
 }
 
 impl Shared {
@@ -146,6 +151,7 @@ impl Shared {
             },
             gpud_socket: config.socket.clone(),
             socket_host_dir: config.kubelet.socket_host_dir.clone().unwrap_or(socket_dir),
+            gpuctl_dir: config.kubelet.gpuctl_dir.clone(),
         }
     }
 

@@ -153,13 +153,21 @@ impl Plugin {
             .gpud_socket
             .parent()
             .map_or_else(|| "/".to_owned(), |p| p.display().to_string());
+        let mut mounts = vec![Mount {
+            container_path: container_dir,
+            host_path: self.shared.socket_host_dir.display().to_string(),
+            read_only: true,
+        }];
+        if let Some(dir) = &self.shared.gpuctl_dir {
+            mounts.push(Mount {
+                container_path: dir.display().to_string(),
+                host_path: dir.display().to_string(),
+                read_only: true,
+            });
+        }
         ContainerAllocateResponse {
             envs,
-            mounts: vec![Mount {
-                container_path: container_dir,
-                host_path: self.shared.socket_host_dir.display().to_string(),
-                read_only: true,
-            }],
+            mounts,
             devices,
             annotations: HashMap::new(),
             cdi_devices: Vec::new(),
