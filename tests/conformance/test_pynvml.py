@@ -588,3 +588,151 @@ def test_init_failures_are_codes_with_a_reason(lib, tmp_path, config, error, rea
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == error
     assert reason in out.stderr
+
+
+# ---------------------------------------------------------------------------------------
+# Per-cgroup memory limits (driver R615: nvmlDevice{Set,Get}MemoryLimits_v1).
+# ---------------------------------------------------------------------------------------
+
+GIB = 1 << 30
+
+
+def cgroup2_mount():
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        before, _, after = line.partition(" - ")
+        if after.split()[0] == "cgroup2":
+            return Path(before.split()[4])
+    return None
+
+
+def limits(device, cgroup):
+    value = pynvml.c_nvmlGetMemoryLimits_v1_t()
+    value.nameSpace = str(cgroup).encode()
+    pynvml.nvmlDeviceGetMemoryLimits_v1(device, value)
+    return value.softLimit, value.hardLimit, value.currentUsed
+
+
+def set_limits(device, cgroup, soft, hard):
+    value = pynvml.c_nvmlSetMemoryLimits_v1_t()
+    value.nameSpace = None if cgroup is None else str(cgroup).encode()
+    value.softLimit, value.hardLimit = soft, hard
+    pynvml.nvmlDeviceSetMemoryLimits_v1(device, value)
+
+
+def nvml_error(call):
+    with pytest.raises(pynvml.NVMLError) as e:
+        call()
+    return e.value.value
+
+
+# A separate process using the library: what it sees of GPU 0 (memory total, and the
+# limits of the cgroup named), after moving itself into `join` if given; then, as `uid`
+# (if not 0), whether it may set a limit.
+OTHER_PROCESS = textwrap.dedent("""
+    import ctypes, json, os, sys
+    import pynvml
+    join, cgroup, uid = sys.argv[2], sys.argv[3], int(sys.argv[4])
+    if join:
+        open(os.path.join(join, "cgroup.procs"), "w").write(str(os.getpid()))
+    pynvml.nvmlLib = ctypes.CDLL(sys.argv[1])
+    pynvml.nvmlInit()
+    h = pynvml.nvmlDeviceGetHandleByIndex(0)
+    out = {"total": pynvml.nvmlDeviceGetMemoryInfo(h, version=pynvml.nvmlMemory_v2).total}
+    v = pynvml.c_nvmlGetMemoryLimits_v1_t()
+    v.nameSpace = cgroup.encode()
+    try:
+        pynvml.nvmlDeviceGetMemoryLimits_v1(h, v)
+        out["limits"] = [v.softLimit, v.hardLimit, v.currentUsed]
+    except pynvml.NVMLError as e:
+        out["limits"] = e.value
+    if uid:
+        os.setuid(uid)
+    s = pynvml.c_nvmlSetMemoryLimits_v1_t()
+    s.nameSpace, s.softLimit, s.hardLimit = cgroup.encode(), 1, 2
+    try:
+        pynvml.nvmlDeviceSetMemoryLimits_v1(h, s) if uid else None
+        out["set"] = 0
+    except pynvml.NVMLError as e:
+        out["set"] = e.value
+    print(json.dumps(out))
+""")
+
+
+def other_process(cgroup, join="", uid=0):
+    out = subprocess.run(
+        [sys.executable, "-c", OTHER_PROCESS, str(LIB_PATH), join, str(cgroup), str(uid)],
+        check=True, capture_output=True, text=True)
+    return json.loads(out.stdout)
+
+
+def test_memory_limits_per_cgroup(machine_factory, tmp_path):
+    mount = cgroup2_mount()
+    if os.geteuid() != 0 or mount is None:
+        if os.environ.get("CI"):
+            pytest.fail("CI runs this as root with cgroup v2 mounted", pytrace=False)
+        pytest.skip("needs root and a cgroup v2 mount")
+    data = load(FIXTURES_DIR / "t4-pair.json")
+    data["driver_version"] = "615.12.01"
+    cgroup = mount / f"fake-nvml-conformance-{os.getpid()}"
+    cgroup.mkdir()
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (cgroup / "cgroup.procs").write_text(str(sleeper.pid))
+        data["gpus"][0]["processes"] = [
+            {"pid": sleeper.pid, "used_memory_bytes": 1 * GIB},
+            {"pid": os.getpid(), "used_memory_bytes": 2 * GIB},
+        ]
+        m = machine_factory(data)
+        h0, h1 = m.handles()
+        assert nvml_error(lambda: limits(h0, cgroup)) == pynvml.NVML_ERROR_NOT_FOUND
+
+        set_limits(h0, cgroup, 4 * GIB, 4 * GIB)
+        # Only the processes in the cgroup count; only GPU 0 is limited.
+        assert limits(h0, cgroup) == (4 * GIB, 4 * GIB, 1 * GIB)
+        assert nvml_error(lambda: limits(h1, cgroup)) == pynvml.NVML_ERROR_NOT_FOUND
+        # Every process sees the driver's map; inside the cgroup the card is 4 GiB.
+        outside = other_process(cgroup)
+        assert outside == {"total": 15 * GIB, "limits": [4 * GIB, 4 * GIB, 1 * GIB], "set": 0}
+        inside = other_process(cgroup, join=str(cgroup))
+        assert inside["total"] == 4 * GIB
+        # Setting needs root.
+        nobody = other_process(cgroup, uid=65534)
+        assert nobody["limits"] == [4 * GIB, 4 * GIB, 1 * GIB]
+        assert nobody["set"] == pynvml.NVML_ERROR_NO_PERMISSION
+
+        bad = [
+            lambda: set_limits(h0, None, 1, 2),
+            lambda: set_limits(h0, cgroup, 2 * GIB, 1 * GIB),
+            lambda: set_limits(h0, "relative/path", 1, 2),
+        ]
+        assert [nvml_error(call) for call in bad] == [pynvml.NVML_ERROR_INVALID_ARGUMENT] * 3
+
+        # Reset: soft 0, hard max. The cgroup has no limit left, and sees the whole card.
+        set_limits(h0, cgroup, 0, pynvml.NVML_DEVICE_MEMORY_LIMIT_MAX)
+        assert nvml_error(lambda: limits(h0, cgroup)) == pynvml.NVML_ERROR_NOT_FOUND
+        assert other_process(cgroup, join=str(cgroup))["total"] == 15 * GIB
+
+        # An older driver has neither call.
+        data["driver_version"] = "550.54.15"
+        m.write(data)
+        assert nvml_error(lambda: limits(h0, cgroup)) == pynvml.NVML_ERROR_NOT_SUPPORTED
+        assert nvml_error(lambda: set_limits(h0, cgroup, 1, 2)) == pynvml.NVML_ERROR_NOT_SUPPORTED
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+        for _ in range(100):
+            try:
+                cgroup.rmdir()
+                break
+            except OSError:
+                import time
+                time.sleep(0.05)
+
+
+def test_memory_limits_reject_mig_devices(machine_factory):
+    data = load(FIXTURES_DIR / "a100-mig.json")
+    data["driver_version"] = "615.12.01"
+    m = machine_factory(data)
+    mig = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(m.handles()[0], 0)
+    assert nvml_error(lambda: limits(mig, "/sys/fs/cgroup/x")) == pynvml.NVML_ERROR_NOT_SUPPORTED
+    assert nvml_error(lambda: set_limits(mig, "/sys/fs/cgroup/x", 1, 2)) == pynvml.NVML_ERROR_NOT_SUPPORTED

@@ -14,6 +14,8 @@ pub const UNINITIALIZED: NvmlReturn = 1;
 pub const INVALID_ARGUMENT: NvmlReturn = 2;
 /// The device does not support the query.
 pub const NOT_SUPPORTED: NvmlReturn = 3;
+/// The caller lacks the privilege (setting memory limits needs root).
+pub const NO_PERMISSION: NvmlReturn = 4;
 /// No device matches the UUID or bus id, or no MIG device at that index.
 pub const NOT_FOUND: NvmlReturn = 6;
 /// The caller's buffer is too small; counts are written back where the API has one.

@@ -23,13 +23,14 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::time::{Duration, Instant};
 
 use crate::codes::{
-    self, ARGUMENT_VERSION_MISMATCH, INSUFFICIENT_SIZE, INVALID_ARGUMENT, NOT_FOUND, NOT_SUPPORTED,
-    NvmlReturn, SUCCESS, TIMEOUT, UNKNOWN,
+    self, ARGUMENT_VERSION_MISMATCH, INSUFFICIENT_SIZE, INVALID_ARGUMENT, NO_PERMISSION, NOT_FOUND,
+    NOT_SUPPORTED, NvmlReturn, SUCCESS, TIMEOUT, UNKNOWN,
 };
 use crate::events;
 use crate::fixture::{
     BusId, Link, MAX_GPUS, MAX_MIG_DEVICES, Machine, NO_INSTANCE, ProcessEntry, Target, find_uuid,
 };
+use crate::limits;
 use crate::state;
 
 /// `nvmlDevice_t`: an opaque handle. GPU `i` is `i + 1`; MIG device `m` of GPU `g` is
@@ -691,10 +692,25 @@ device_fn! {
 // Memory.
 // ---------------------------------------------------------------------------------------
 
+/// A GPU's memory as the calling process sees it: inside a cgroup with a memory limit
+/// (its own or an ancestor's), the card's total is the hard limit, as with R615.
+fn memory_seen(m: &Machine, t: Target) -> Result<crate::fixture::Memory, NvmlReturn> {
+    let mut mem = m.memory(t).ok_or(UNKNOWN)?;
+    if let Target::Gpu(g) = t
+        && limits::driver_supports(&m.driver_version)
+        && let Some(hard) = limits::hard_limit_of(&m.gpus[g].uuid, std::process::id())
+        && hard < mem.total
+    {
+        mem.total = hard;
+        mem.free = hard.saturating_sub(mem.used + mem.reserved);
+    }
+    Ok(mem)
+}
+
 device_fn! {
     /// v1 memory: reserved memory is counted as used.
     fn nvmlDeviceGetMemoryInfo(device, memory: *mut NvmlMemory) |m, t| {
-        let mem = m.memory(t).ok_or(UNKNOWN)?;
+        let mem = memory_seen(m, t)?;
         let value = NvmlMemory { total: mem.total, free: mem.free, used: mem.used + mem.reserved };
         // SAFETY: module contract.
         unsafe { put(memory, value) }
@@ -712,7 +728,7 @@ device_fn! {
         if version != MEMORY_V2_VERSION {
             return Err(ARGUMENT_VERSION_MISMATCH);
         }
-        let mem = m.memory(t).ok_or(UNKNOWN)?;
+        let mem = memory_seen(m, t)?;
         let value = NvmlMemoryV2 {
             version,
             total: mem.total,
@@ -722,6 +738,111 @@ device_fn! {
         };
         // SAFETY: module contract.
         unsafe { put(memory, value) }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Per-cgroup memory limits (R615).
+// ---------------------------------------------------------------------------------------
+
+/// `nvmlSetMemoryLimits_v1_t`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct NvmlSetMemoryLimitsV1 {
+    /// Full path of the cgroup v2 directory.
+    pub name_space: *const c_char,
+    /// Guaranteed bytes.
+    pub soft_limit: c_ulonglong,
+    /// Bytes beyond which allocations fail; `NVML_DEVICE_MEMORY_LIMIT_MAX` for none.
+    pub hard_limit: c_ulonglong,
+}
+
+/// `nvmlGetMemoryLimits_v1_t`: the caller fills `name_space`, the call the rest.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct NvmlGetMemoryLimitsV1 {
+    /// Full path of the cgroup v2 directory.
+    pub name_space: *const c_char,
+    /// Guaranteed bytes.
+    pub soft_limit: c_ulonglong,
+    /// Hard limit.
+    pub hard_limit: c_ulonglong,
+    /// Memory the cgroup's processes (and its descendants') use on the GPU.
+    pub current_used: c_ulonglong,
+}
+
+/// The GPU of a limits call: not a MIG device, on an R615 driver.
+fn limits_gpu(m: &Machine, t: Target) -> Result<usize, NvmlReturn> {
+    match t {
+        Target::Gpu(g) if limits::driver_supports(&m.driver_version) => Ok(g),
+        _ => Err(NOT_SUPPORTED),
+    }
+}
+
+/// The cgroup path a limits struct names.
+unsafe fn name_space(ptr: *const c_char) -> Result<String, NvmlReturn> {
+    if ptr.is_null() {
+        return Err(INVALID_ARGUMENT);
+    }
+    // SAFETY: non-null and NUL-terminated (module contract).
+    let text = unsafe { CStr::from_ptr(ptr) }
+        .to_str()
+        .map_err(|_| INVALID_ARGUMENT)?;
+    Ok(text.trim_end_matches('/').to_owned())
+}
+
+/// Whether this process runs as root (its effective uid, from `/proc/self/status`).
+fn effective_root() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            let uids = s.lines().find_map(|l| l.strip_prefix("Uid:"))?.to_owned();
+            uids.split_whitespace().nth(1).map(|e| e == "0")
+        })
+        .unwrap_or(false)
+}
+
+device_fn! {
+    /// Sets a cgroup's memory limits on a GPU; root only. Soft 0 and hard max clear them.
+    fn nvmlDeviceSetMemoryLimits_v1(device, limits: *const NvmlSetMemoryLimitsV1) |m, t| {
+        let g = limits_gpu(m, t)?;
+        if limits.is_null() {
+            return Err(INVALID_ARGUMENT);
+        }
+        // SAFETY: non-null, points to an nvmlSetMemoryLimits_v1_t (module contract).
+        let value = unsafe { limits.read_unaligned() };
+        // SAFETY: module contract.
+        let cgroup = unsafe { name_space(value.name_space) }?;
+        if !effective_root() {
+            return Err(NO_PERMISSION);
+        }
+        limits::set(&m.gpus[g].uuid, &cgroup, value.soft_limit, value.hard_limit)
+    }
+}
+
+device_fn! {
+    /// A cgroup's own memory limits on a GPU, and what its processes use there; NOT_FOUND
+    /// for a cgroup without limits.
+    fn nvmlDeviceGetMemoryLimits_v1(device, limits: *mut NvmlGetMemoryLimitsV1) |m, t| {
+        let g = limits_gpu(m, t)?;
+        if limits.is_null() {
+            return Err(INVALID_ARGUMENT);
+        }
+        // SAFETY: non-null, points to an nvmlGetMemoryLimits_v1_t (module contract).
+        let mut value = unsafe { limits.read_unaligned() };
+        // SAFETY: module contract.
+        let cgroup = unsafe { name_space(value.name_space) }?;
+        let (soft, hard) = limits::get(&m.gpus[g].uuid, &cgroup)?;
+        value.soft_limit = soft;
+        value.hard_limit = hard;
+        value.current_used = m
+            .processes(Target::Gpu(g), true)
+            .iter()
+            .filter(|p| p.used_memory != u64::MAX && limits::in_cgroup(p.pid, &cgroup))
+            .map(|p| p.used_memory)
+            .sum();
+        // SAFETY: module contract.
+        unsafe { put(limits, value) }
     }
 }
 

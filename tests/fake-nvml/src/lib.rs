@@ -8,12 +8,14 @@
 //! fixture format and for how NVLink and PCIe topology are reported.
 //!
 //! Modules: `codes` (return codes), `fixture` (the JSON model, all validation), `state`
-//! (init count and reloading), `events` (event sets for Xid errors), `ffi` (the exports).
+//! (init count and reloading), `events` (event sets for Xid errors), `limits` (R615's
+//! per-cgroup memory limits), `ffi` (the exports).
 
 pub mod codes;
 mod events;
 pub mod ffi;
 pub mod fixture;
+pub mod limits;
 mod state;
 
 pub use state::CONFIG_ENV;

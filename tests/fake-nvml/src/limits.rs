@@ -1,0 +1,130 @@
+//! Per-cgroup GPU memory limits, as driver R615 keeps them (`nvmlDeviceSetMemoryLimits_v1`,
+//! `nvmlDeviceGetMemoryLimits_v1`).
+//!
+//! The real driver keeps one map for the whole machine, so a limit gpud sets is what every
+//! other process sees. Here the map is a JSON file beside the fixture,
+//! `<fixture>.limits.json`: `{ "<GPU uuid>": { "<cgroup directory>": [soft, hard] } }`,
+//! rewritten whole (write, then rename) on every change. Resetting a cgroup (soft 0, hard
+//! `NVML_DEVICE_MEMORY_LIMIT_MAX`) removes its entry, as a cgroup without a limit has none.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use crate::codes::{INVALID_ARGUMENT, NOT_FOUND, NvmlReturn, UNKNOWN};
+use crate::state::CONFIG_ENV;
+
+/// `NVML_DEVICE_MEMORY_LIMIT_MAX`: no hard limit.
+pub const MEMORY_LIMIT_MAX: u64 = u64::MAX;
+
+/// The driver version (major) that has per-cgroup memory limits.
+pub const FIRST_DRIVER: u32 = 615;
+
+/// GPU uuid → cgroup directory → (soft, hard).
+type Table = BTreeMap<String, BTreeMap<String, (u64, u64)>>;
+
+fn table_path() -> Result<PathBuf, NvmlReturn> {
+    let mut path = std::env::var_os(CONFIG_ENV).ok_or(UNKNOWN)?;
+    path.push(".limits.json");
+    Ok(PathBuf::from(path))
+}
+
+fn read(path: &Path) -> Result<Table, NvmlReturn> {
+    match std::fs::read(path) {
+        Ok(bytes) => serde_json::from_slice(&bytes).map_err(|_| UNKNOWN),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Table::new()),
+        Err(_) => Err(UNKNOWN),
+    }
+}
+
+/// Whether a fixture's `driver_version` ("615.12.01") has per-cgroup limits.
+pub fn driver_supports(driver_version: &str) -> bool {
+    driver_version
+        .split('.')
+        .next()
+        .and_then(|major| major.parse::<u32>().ok())
+        .is_some_and(|major| major >= FIRST_DRIVER)
+}
+
+/// Sets (or, with soft 0 and hard max, clears) `cgroup`'s limits on GPU `uuid`.
+pub fn set(uuid: &str, cgroup: &str, soft: u64, hard: u64) -> Result<(), NvmlReturn> {
+    if !cgroup.starts_with('/') || soft > hard {
+        return Err(INVALID_ARGUMENT);
+    }
+    let path = table_path()?;
+    let mut table = read(&path)?;
+    let gpu = table.entry(uuid.to_owned()).or_default();
+    if soft == 0 && hard == MEMORY_LIMIT_MAX {
+        gpu.remove(cgroup);
+    } else {
+        gpu.insert(cgroup.to_owned(), (soft, hard));
+    }
+    table.retain(|_, cgroups| !cgroups.is_empty());
+    let tmp = path.with_extension(format!("tmp.{}", std::process::id()));
+    let text = serde_json::to_vec_pretty(&table).map_err(|_| UNKNOWN)?;
+    std::fs::write(&tmp, text).map_err(|_| UNKNOWN)?;
+    std::fs::rename(&tmp, &path).map_err(|_| UNKNOWN)
+}
+
+/// `cgroup`'s own limits on GPU `uuid`: NOT_FOUND when it has none.
+pub fn get(uuid: &str, cgroup: &str) -> Result<(u64, u64), NvmlReturn> {
+    read(&table_path()?)?
+        .get(uuid)
+        .and_then(|cgroups| cgroups.get(cgroup))
+        .copied()
+        .ok_or(NOT_FOUND)
+}
+
+/// The hard limit that applies to process `pid` on GPU `uuid`: its cgroup's, else the
+/// nearest limited ancestor's, as the driver reports memory inside a limited cgroup.
+pub fn hard_limit_of(uuid: &str, pid: u32) -> Option<u64> {
+    let table = read(&table_path().ok()?).ok()?;
+    let cgroups = table.get(uuid)?;
+    let mut dir = cgroup_dir(pid)?;
+    loop {
+        if let Some(&(_, hard)) = dir.to_str().and_then(|d| cgroups.get(d)) {
+            return Some(hard);
+        }
+        if !dir.pop() {
+            return None;
+        }
+    }
+}
+
+/// Whether process `pid` is in `cgroup` or below it.
+pub fn in_cgroup(pid: u32, cgroup: &str) -> bool {
+    cgroup_dir(pid).is_some_and(|dir| dir.starts_with(cgroup))
+}
+
+/// The directory of `pid`'s cgroup v2 (the `0::` line of `/proc/<pid>/cgroup`, under
+/// where cgroup2 is mounted: `/sys/fs/cgroup`, or `/sys/fs/cgroup/unified` on hybrid hosts).
+pub fn cgroup_dir(pid: u32) -> Option<PathBuf> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
+    let relative = text.lines().find_map(|l| l.strip_prefix("0::"))?;
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
+    let mount = mounts.lines().find_map(|line| {
+        let (before, after) = line.split_once(" - ")?;
+        (after.split_whitespace().next() == Some("cgroup2"))
+            .then(|| before.split_whitespace().nth(4))
+            .flatten()
+    })?;
+    Some(Path::new(mount).join(relative.trim_start_matches('/')))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn drivers_from_r615_have_limits() {
+        assert!(driver_supports("615.12.01"));
+        assert!(driver_supports("620.1"));
+        assert!(!driver_supports("550.54.15"));
+        assert!(!driver_supports("garbage"));
+    }
+
+    #[test]
+    fn this_process_has_a_cgroup_directory() {
+        let dir = cgroup_dir(std::process::id()).expect("cgroup v2 is mounted");
+        assert!(dir.is_dir(), "{}", dir.display());
+    }
+}
