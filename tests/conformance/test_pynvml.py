@@ -700,12 +700,16 @@ def test_memory_limits_per_cgroup(machine_factory, tmp_path):
         assert nobody["limits"] == [4 * GIB, 4 * GIB, 1 * GIB]
         assert nobody["set"] == pynvml.NVML_ERROR_NO_PERMISSION
 
+        # As nvml.h documents the errors.
         bad = [
             lambda: set_limits(h0, None, 1, 2),
             lambda: set_limits(h0, cgroup, 2 * GIB, 1 * GIB),
-            lambda: set_limits(h0, "relative/path", 1, 2),
+            lambda: set_limits(h0, cgroup, 1, 16 * GIB),
         ]
         assert [nvml_error(call) for call in bad] == [pynvml.NVML_ERROR_INVALID_ARGUMENT] * 3
+        missing = cgroup / "no-such-child"
+        assert nvml_error(lambda: set_limits(h0, missing, 1, 2)) == pynvml.NVML_ERROR_OPERATING_SYSTEM
+        assert nvml_error(lambda: limits(h0, missing)) == pynvml.NVML_ERROR_OPERATING_SYSTEM
 
         # Reset: soft 0, hard max. The cgroup has no limit left, and sees the whole card.
         set_limits(h0, cgroup, 0, pynvml.NVML_DEVICE_MEMORY_LIMIT_MAX)

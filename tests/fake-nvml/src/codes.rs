@@ -8,6 +8,8 @@ pub type NvmlReturn = u32;
 
 /// The call succeeded.
 pub const SUCCESS: NvmlReturn = 0;
+/// The operating system refused (a cgroup path that cannot be opened).
+pub const OPERATING_SYSTEM: NvmlReturn = 17;
 /// `nvmlInit` has not been called, or every init has been matched by a shutdown.
 pub const UNINITIALIZED: NvmlReturn = 1;
 /// A null pointer, a bad handle or an out-of-range index.

@@ -816,7 +816,8 @@ device_fn! {
         if !effective_root() {
             return Err(NO_PERMISSION);
         }
-        limits::set(&m.gpus[g].uuid, &cgroup, value.soft_limit, value.hard_limit)
+        let total = m.memory(Target::Gpu(g)).ok_or(UNKNOWN)?.total;
+        limits::set(&m.gpus[g].uuid, total, &cgroup, value.soft_limit, value.hard_limit)
     }
 }
 

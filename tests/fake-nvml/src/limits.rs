@@ -10,7 +10,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use crate::codes::{INVALID_ARGUMENT, NOT_FOUND, NvmlReturn, UNKNOWN};
+use crate::codes::{INVALID_ARGUMENT, NOT_FOUND, NvmlReturn, OPERATING_SYSTEM, UNKNOWN};
 use crate::state::CONFIG_ENV;
 
 /// `NVML_DEVICE_MEMORY_LIMIT_MAX`: no hard limit.
@@ -45,11 +45,23 @@ pub fn driver_supports(driver_version: &str) -> bool {
         .is_some_and(|major| major >= FIRST_DRIVER)
 }
 
-/// Sets (or, with soft 0 and hard max, clears) `cgroup`'s limits on GPU `uuid`.
-pub fn set(uuid: &str, cgroup: &str, soft: u64, hard: u64) -> Result<(), NvmlReturn> {
-    if !cgroup.starts_with('/') || soft > hard {
+/// OPERATING_SYSTEM unless `cgroup` is a directory that exists (nvml.h: "the cgroup path
+/// cannot be opened"; removing a cgroup clears its limits).
+fn check_cgroup(cgroup: &str) -> Result<(), NvmlReturn> {
+    if cgroup.starts_with('/') && Path::new(cgroup).is_dir() {
+        Ok(())
+    } else {
+        Err(OPERATING_SYSTEM)
+    }
+}
+
+/// Sets (or, with soft 0 and hard max, clears) `cgroup`'s limits on GPU `uuid` of `total`
+/// bytes: INVALID_ARGUMENT when soft exceeds hard or a limit exceeds the card (nvml.h).
+pub fn set(uuid: &str, total: u64, cgroup: &str, soft: u64, hard: u64) -> Result<(), NvmlReturn> {
+    if soft > hard || soft > total || (hard > total && hard != MEMORY_LIMIT_MAX) {
         return Err(INVALID_ARGUMENT);
     }
+    check_cgroup(cgroup)?;
     let path = table_path()?;
     let mut table = read(&path)?;
     let gpu = table.entry(uuid.to_owned()).or_default();
@@ -67,6 +79,7 @@ pub fn set(uuid: &str, cgroup: &str, soft: u64, hard: u64) -> Result<(), NvmlRet
 
 /// `cgroup`'s own limits on GPU `uuid`: NOT_FOUND when it has none.
 pub fn get(uuid: &str, cgroup: &str) -> Result<(u64, u64), NvmlReturn> {
+    check_cgroup(cgroup)?;
     read(&table_path()?)?
         .get(uuid)
         .and_then(|cgroups| cgroups.get(cgroup))
