@@ -101,7 +101,7 @@ pub enum CliError {
     Output(#[source] io::Error),
     /// `package-files` could not write a page or script.
     #[error(transparent)]
-    WriteFile(#[from] crate::manual::WriteError),
+    WriteFile(#[from] gpud_schema::manual::WriteError),
 }
 
 impl CliError {

@@ -2,161 +2,44 @@
 //! that they cannot drift from the flags gpuctl accepts.
 //!
 //! `gpuctl man` and `gpuctl completions` print one; the hidden `gpuctl package-files DIR`
-//! writes all of them under DIR at the paths a package installs them to, which is where the
-//! Debian package takes them from (see gpud/Cargo.toml). Depends on `cli` and clap only.
+//! writes all of them under DIR at the paths a package installs them to. The work is
+//! `gpud_schema::manual`'s, shared with gpud.
 
 use std::io;
 use std::path::{Path, PathBuf};
 
 use clap::CommandFactory;
 use clap_complete::Shell;
+use gpud_schema::manual::{self, Page, WriteError};
 
 use crate::cli::Cli;
-
-/// The shells a package installs completion scripts for.
-pub const SHELLS: [Shell; 3] = [Shell::Bash, Shell::Zsh, Shell::Fish];
 
 /// The man section of gpuctl's pages (user commands).
 const SECTION: &str = "1";
 
-/// One man page.
-#[derive(Debug)]
-pub struct Page {
-    /// `gpuctl.1`, `gpuctl-reserve.1`.
-    pub file_name: String,
-    /// The page, in roff.
-    pub roff: Vec<u8>,
-}
-
 /// gpuctl(1), or with `subcommand` (its name or an alias) that subcommand's own page,
 /// gpuctl-NAME(1). `None` when there is no such subcommand.
 pub fn page(subcommand: Option<&str>) -> Option<io::Result<Page>> {
-    let mut cmd = Cli::command();
-    // Gives each subcommand its page name (`gpuctl-reserve`) and synopsis (`gpuctl reserve`).
-    cmd.build();
-    let cmd = match subcommand {
-        None => cmd,
-        Some(name) => cmd
+    let root = manual::paged(Cli::command());
+    let page = match subcommand {
+        None => root.clone(),
+        Some(name) => root
             .get_subcommands()
             .find(|s| s.get_name() == name || s.get_all_aliases().any(|a| a == name))?
             .clone(),
     };
-    Some(render(cmd))
-}
-
-/// Every page a package installs: gpuctl(1) and one per subcommand that `--help` lists.
-pub fn pages() -> io::Result<Vec<Page>> {
-    let mut cmd = Cli::command();
-    cmd.build();
-    let subcommands: Vec<_> = cmd
-        .get_subcommands()
-        .filter(|s| !s.is_hide_set())
-        .cloned()
-        .collect();
-    std::iter::once(cmd)
-        .chain(subcommands)
-        .map(render)
-        .collect()
-}
-
-fn render(cmd: clap::Command) -> io::Result<Page> {
-    let version = cmd.get_version().unwrap_or_default().to_owned();
-    let man = clap_mangen::Man::new(cmd)
-        .section(SECTION)
-        .source(format!("gpuctl {version}"));
-    let mut roff = Vec::new();
-    man.render(&mut roff)?;
-    Ok(Page {
-        file_name: man.get_filename(),
-        roff,
-    })
+    Some(manual::render(page, &root, SECTION))
 }
 
 /// The completion script for `shell`.
 pub fn completion(shell: Shell) -> Vec<u8> {
-    let mut out = Vec::new();
-    clap_complete::generate(
-        shell,
-        &mut without_hidden(Cli::command()),
-        "gpuctl",
-        &mut out,
-    );
-    out
+    manual::completion(Cli::command(), shell)
 }
 
-/// `cmd` without its hidden subcommands, for the completion scripts: clap_complete offers
-/// hidden subcommands too (clap issue #1335) and cannot drop one, so the root is assembled
-/// again from `cmd`'s own arguments and visible subcommands, with the settings that the
-/// scripts reflect.
-fn without_hidden(cmd: clap::Command) -> clap::Command {
-    let subcommands: Vec<_> = cmd
-        .get_subcommands()
-        .filter(|s| !s.is_hide_set())
-        .cloned()
-        .collect();
-    let mut root = clap::Command::new(cmd.get_name().to_owned())
-        .args(cmd.get_arguments().cloned())
-        .subcommands(subcommands)
-        .disable_help_subcommand(cmd.is_disable_help_subcommand_set())
-        .propagate_version(cmd.is_propagate_version_set());
-    if let Some(about) = cmd.get_about() {
-        root = root.about(about.clone());
-    }
-    if let Some(about) = cmd.get_long_about() {
-        root = root.long_about(about.clone());
-    }
-    if let Some(version) = cmd.get_version() {
-        root = root.version(version.to_owned());
-    }
-    root
-}
-
-/// Where a package installs `shell`'s completion script for `bin`, relative to the root:
-/// the directories the shells' own packages search.
-pub fn completion_path(shell: Shell, bin: &str) -> PathBuf {
-    PathBuf::from(match shell {
-        Shell::Zsh => format!("usr/share/zsh/vendor-completions/_{bin}"),
-        Shell::Fish => format!("usr/share/fish/vendor_completions.d/{bin}.fish"),
-        _ => format!("usr/share/bash-completion/completions/{bin}"),
-    })
-}
-
-/// A file [`write_package_files`] could not write.
-#[derive(Debug, thiserror::Error)]
-#[error("cannot write {}: {source}", path.display())]
-pub struct WriteError {
-    /// The file or directory.
-    pub path: PathBuf,
-    /// Why.
-    #[source]
-    pub source: io::Error,
-}
-
-/// Writes every page (uncompressed: the packager compresses them) and completion script
-/// under `root`, at its installed path (`root/usr/share/man/man1/gpuctl.1`, ...), and
-/// returns the paths written.
+/// Writes every page and completion script under `root`, at its installed path
+/// (`root/usr/share/man/man1/gpuctl.1`, ...), and returns the paths written.
 pub fn write_package_files(root: &Path) -> Result<Vec<PathBuf>, WriteError> {
-    let man_dir = root.join(format!("usr/share/man/man{SECTION}"));
-    let pages = pages().map_err(|source| WriteError {
-        path: man_dir.clone(),
-        source,
-    })?;
-    let files = pages
-        .into_iter()
-        .map(|p| (man_dir.join(p.file_name), p.roff))
-        .chain(SHELLS.map(|s| (root.join(completion_path(s, "gpuctl")), completion(s))));
-    let mut written = Vec::new();
-    for (path, content) in files {
-        let dir = path.parent().unwrap_or(root);
-        std::fs::create_dir_all(dir)
-            .and_then(|()| std::fs::write(&path, content))
-            .map_err(|source| WriteError {
-                path: path.clone(),
-                source,
-            })?;
-        written.push(path);
-    }
-    Ok(written)
+    manual::write_package_files(Cli::command(), SECTION, root)
 }
 
 #[cfg(test)]

@@ -1,7 +1,5 @@
 //! The `gpud` binary: parse flags, load the config, hand over to the library.
 
-mod manual;
-
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -9,6 +7,10 @@ use std::process::ExitCode;
 use clap::{CommandFactory, Parser, Subcommand};
 
 use gpud::config::{Config, DEFAULT_CONFIG};
+use gpud_schema::manual;
+
+/// The man section of gpud's pages (system administration commands and daemons).
+const MAN_SECTION: &str = "8";
 
 /// mimalloc instead of glibc's malloc: requests allocate on the runtime's threads and are
 /// freed on the broker thread, and glibc spent about a tenth of gpud's CPU under load in
@@ -89,7 +91,7 @@ fn run(mut cli: Cli) -> anyhow::Result<()> {
         }
         // Packaging needs neither the config nor a GPU.
         Command::PackageFiles { dir } => {
-            let written = manual::write_package_files(Cli::command(), &dir)?;
+            let written = manual::write_package_files(Cli::command(), MAN_SECTION, &dir)?;
             let list: String = written
                 .iter()
                 .map(|p| format!("{}\n", p.display()))
@@ -201,7 +203,7 @@ mod tests {
     #[test]
     fn package_files_are_a_page_per_command_and_three_completions() {
         let dir = tempfile::tempdir().unwrap();
-        let written = manual::write_package_files(Cli::command(), dir.path()).unwrap();
+        let written = manual::write_package_files(Cli::command(), MAN_SECTION, dir.path()).unwrap();
         let mut found: Vec<String> = written
             .iter()
             .map(|p| p.strip_prefix(dir.path()).unwrap().display().to_string())

@@ -9,6 +9,8 @@ use std::collections::BTreeMap;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+#[cfg(feature = "manual")]
+pub mod manual;
 pub mod openapi;
 pub mod size;
 
