@@ -1559,6 +1559,14 @@ mod tests {
         assert_eq!(report.events[0].pid, Some(8000));
     }
 
+    fn terminate_after_500ms() -> AuditConfig {
+        AuditConfig {
+            enforcement: Enforcement::Terminate,
+            grace: Duration::from_millis(500),
+            ..AuditConfig::default()
+        }
+    }
+
     #[test]
     fn a_process_whose_environment_cannot_be_read_is_reported_but_never_terminated() {
         let b = broker();
@@ -1570,11 +1578,7 @@ mod tests {
             .unwrap()
             .insert(0, Ok(vec![process(6100, "GPU-0", 1)]));
         let mut a = Auditor::new(b, &nvml, &procs, Arc::new(Metrics::new()));
-        let config = AuditConfig {
-            enforcement: Enforcement::Terminate,
-            grace: Duration::from_millis(500),
-            ..AuditConfig::default()
-        };
+        let config = terminate_after_500ms();
         let report = a.pass(&config, 1_000);
         assert_eq!(kinds(&report), [(EventKind::Unreserved, EventPhase::Start)]);
         let event = &report.events[0];
@@ -1602,11 +1606,7 @@ mod tests {
             Ok(vec![process(6000, "GPU-0", 1), process(6001, "GPU-0", 1)]),
         );
         let mut a = Auditor::new(b, &nvml, &procs, Arc::new(Metrics::new()));
-        let config = AuditConfig {
-            enforcement: Enforcement::Terminate,
-            grace: Duration::from_millis(500),
-            ..AuditConfig::default()
-        };
+        let config = terminate_after_500ms();
         let report = a.pass(&config, 1_000);
         let actions: Vec<&str> = report.events.iter().map(|e| e.action.as_str()).collect();
         assert!(

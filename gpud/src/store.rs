@@ -1048,6 +1048,11 @@ mod tests {
         }
     }
 
+    /// The ids of `rows`, in order.
+    fn ids(rows: Vec<Reservation>) -> Vec<String> {
+        rows.into_iter().map(|r| r.id).collect()
+    }
+
     fn sample(id: &str, created_at: Millis) -> Reservation {
         Reservation {
             id: id.to_owned(),
@@ -1248,13 +1253,7 @@ mod tests {
 
         // New rows come after the migrated ones, whatever their clock says.
         store.insert(&sample("new", 50)).unwrap();
-        let ids: Vec<String> = store
-            .list(None, None)
-            .unwrap()
-            .into_iter()
-            .map(|r| r.id)
-            .collect();
-        assert_eq!(ids, ["old", "two", "new"]);
+        assert_eq!(ids(store.list(None, None).unwrap()), ["old", "two", "new"]);
         assert!(
             !store.insert(&sample("two", 60)).unwrap(),
             "a migrated id stays taken"
@@ -1268,15 +1267,12 @@ mod tests {
         for (id, created) in [("a", 5_000), ("b", 5_000), ("c", 1_000), ("d", 9_000)] {
             store.insert(&sample(id, created)).unwrap();
         }
-        let order = |rows: Vec<Reservation>| rows.into_iter().map(|r| r.id).collect::<Vec<_>>();
-        assert_eq!(order(store.active().unwrap()), ["a", "b", "c", "d"]);
-        assert_eq!(order(store.list(None, None).unwrap()), ["a", "b", "c", "d"]);
+        assert_eq!(ids(store.active().unwrap()), ["a", "b", "c", "d"]);
+        assert_eq!(ids(store.list(None, None).unwrap()), ["a", "b", "c", "d"]);
         assert_eq!(
-            order(
-                store
-                    .list(Some(ReservationState::Active), Some(1000))
-                    .unwrap()
-            ),
+            ids(store
+                .list(Some(ReservationState::Active), Some(1000))
+                .unwrap()),
             ["a", "b", "c", "d"]
         );
     }
@@ -1413,13 +1409,7 @@ mod tests {
         assert_eq!(txn.prune_to_rows(2, 1000).unwrap(), (3, 2));
         assert_eq!(txn.prune_to_rows(2, 1000).unwrap(), (0, 0), "nothing more");
         txn.commit().unwrap();
-        let ids: Vec<String> = store
-            .list(None, None)
-            .unwrap()
-            .into_iter()
-            .map(|r| r.id)
-            .collect();
-        assert_eq!(ids, ["r3", "r4", "live"]);
+        assert_eq!(ids(store.list(None, None).unwrap()), ["r3", "r4", "live"]);
         assert_eq!(store.events(&EventFilter::default()).unwrap().len(), 2);
     }
 
@@ -1435,7 +1425,7 @@ mod tests {
                 limit,
             };
             let (rows, more) = store.list_page(None, None, &page).unwrap();
-            (rows.into_iter().map(|r| r.id).collect::<Vec<_>>(), more)
+            (ids(rows), more)
         };
         assert_eq!(listed(None, 2), (vec!["r3".into(), "r4".into()], true));
         assert_eq!(
@@ -1459,8 +1449,7 @@ mod tests {
         assert!(!txn.insert(&sample("a", 2)).unwrap(), "taken");
         assert!(txn.insert(&sample("b", 3)).unwrap());
         txn.commit().unwrap();
-        let ids: Vec<String> = store.active().unwrap().into_iter().map(|r| r.id).collect();
-        assert_eq!(ids, ["a", "b"]);
+        assert_eq!(ids(store.active().unwrap()), ["a", "b"]);
     }
 
     #[test]
@@ -1487,8 +1476,11 @@ mod tests {
             store.conn.is_autocommit(),
             "the transaction was rolled back"
         );
-        let ids: Vec<String> = store.active().unwrap().into_iter().map(|r| r.id).collect();
-        assert_eq!(ids, ["before", "half"], "nothing of it was kept");
+        assert_eq!(
+            ids(store.active().unwrap()),
+            ["before", "half"],
+            "nothing of it was kept"
+        );
         // A new transaction commits.
         store.insert(&sample("d", 5)).unwrap();
         assert_eq!(store.active().unwrap().len(), 3);
@@ -1520,8 +1512,7 @@ mod tests {
         assert!(part.is_err());
         txn.insert(&sample("after", 3)).unwrap();
         txn.commit().unwrap();
-        let ids: Vec<String> = store.active().unwrap().into_iter().map(|r| r.id).collect();
-        assert_eq!(ids, ["kept", "after"]);
+        assert_eq!(ids(store.active().unwrap()), ["kept", "after"]);
     }
 
     #[test]
@@ -1533,8 +1524,7 @@ mod tests {
         let mut txn = store.transaction().unwrap();
         txn.insert(&sample("b", 2)).unwrap();
         // The writer holds its transaction open: the reader answers with the last commit.
-        let ids: Vec<String> = reader.active().unwrap().into_iter().map(|r| r.id).collect();
-        assert_eq!(ids, ["a"]);
+        assert_eq!(ids(reader.active().unwrap()), ["a"]);
         txn.commit().unwrap();
         assert_eq!(reader.active().unwrap().len(), 2);
         assert!(Store::open_in_memory().unwrap().reader().unwrap().is_none());
@@ -1606,12 +1596,7 @@ mod tests {
             "nothing left to delete"
         );
 
-        let mut left: Vec<String> = store
-            .list(None, None)
-            .unwrap()
-            .into_iter()
-            .map(|r| r.id)
-            .collect();
+        let mut left = ids(store.list(None, None).unwrap());
         left.sort();
         assert_eq!(left, ["ancient", "recent"]);
         assert_eq!(
