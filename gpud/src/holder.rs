@@ -244,20 +244,23 @@ pub fn translate_pid(caller_pid: u32, pid: u32) -> Result<u32, HolderError> {
                  or later has it)"
             .to_owned(),
     };
-    let depth = |p: u32| namespace_pids(&p.to_string()).map(|pids| pids.len());
     let mine = namespace_pids("self").ok_or_else(|| unreadable(std::process::id()))?;
-    let theirs = depth(caller_pid).ok_or_else(|| unreadable(caller_pid))?;
+    let theirs = namespace_pids(&caller_pid.to_string())
+        .ok_or_else(|| unreadable(caller_pid))?
+        .len();
     if theirs == mine.len() {
         return Ok(pid);
     }
-    let innermost = |p: u32| namespace_pids(&p.to_string()).and_then(|pids| pids.last().copied());
+    // The caller and its ancestors as deep as it: the innermost pid of each, one read each.
     let mut candidate = caller_pid;
     for _ in 0..64 {
-        if depth(candidate) != Some(theirs) {
-            break;
-        }
-        if innermost(candidate) == Some(pid) {
-            return Ok(candidate);
+        match namespace_pids(&candidate.to_string()) {
+            Some(pids) if pids.len() == theirs => {
+                if pids.last() == Some(&pid) {
+                    return Ok(candidate);
+                }
+            }
+            _ => break,
         }
         match stat_fields(candidate) {
             Ok((_, ppid, _)) if ppid > 0 && ppid != candidate => candidate = ppid,

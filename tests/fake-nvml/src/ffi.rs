@@ -836,10 +836,11 @@ device_fn! {
         let (soft, hard) = limits::get(&m.gpus[g].uuid, &cgroup)?;
         value.soft_limit = soft;
         value.hard_limit = hard;
+        let inside = limits::members_of(&cgroup);
         value.current_used = m
             .processes(Target::Gpu(g), true)
             .iter()
-            .filter(|p| p.used_memory != u64::MAX && limits::in_cgroup(p.pid, &cgroup))
+            .filter(|p| p.used_memory != u64::MAX && inside(p.pid))
             .map(|p| p.used_memory)
             .sum();
         // SAFETY: module contract.

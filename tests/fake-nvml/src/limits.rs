@@ -92,7 +92,7 @@ pub fn get(uuid: &str, cgroup: &str) -> Result<(u64, u64), NvmlReturn> {
 pub fn hard_limit_of(uuid: &str, pid: u32) -> Option<u64> {
     let table = read(&table_path().ok()?).ok()?;
     let cgroups = table.get(uuid)?;
-    let mut dir = cgroup_dir(pid)?;
+    let mut dir = cgroup_dir(&cgroup2_mount()?, pid)?;
     loop {
         if let Some(&(_, hard)) = dir.to_str().and_then(|d| cgroups.get(d)) {
             return Some(hard);
@@ -103,24 +103,34 @@ pub fn hard_limit_of(uuid: &str, pid: u32) -> Option<u64> {
     }
 }
 
-/// Whether process `pid` is in `cgroup` or below it.
-pub fn in_cgroup(pid: u32, cgroup: &str) -> bool {
-    cgroup_dir(pid).is_some_and(|dir| dir.starts_with(cgroup))
+/// Whether a process is in `cgroup` or below it (where cgroup2 is mounted is read once).
+pub fn members_of(cgroup: &str) -> impl Fn(u32) -> bool + '_ {
+    let mount = cgroup2_mount();
+    move |pid| {
+        mount
+            .as_deref()
+            .and_then(|mount| cgroup_dir(mount, pid))
+            .is_some_and(|dir| dir.starts_with(cgroup))
+    }
 }
 
-/// The directory of `pid`'s cgroup v2 (the `0::` line of `/proc/<pid>/cgroup`, under
-/// where cgroup2 is mounted: `/sys/fs/cgroup`, or `/sys/fs/cgroup/unified` on hybrid hosts).
-pub fn cgroup_dir(pid: u32) -> Option<PathBuf> {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
-    let relative = text.lines().find_map(|l| l.strip_prefix("0::"))?;
+/// Where cgroup2 is mounted: `/sys/fs/cgroup`, or `/sys/fs/cgroup/unified` on hybrid hosts.
+fn cgroup2_mount() -> Option<PathBuf> {
     let mounts = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
-    let mount = mounts.lines().find_map(|line| {
+    mounts.lines().find_map(|line| {
         let (before, after) = line.split_once(" - ")?;
         (after.split_whitespace().next() == Some("cgroup2"))
-            .then(|| before.split_whitespace().nth(4))
+            .then(|| before.split_whitespace().nth(4).map(PathBuf::from))
             .flatten()
-    })?;
-    Some(Path::new(mount).join(relative.trim_start_matches('/')))
+    })
+}
+
+/// The directory of `pid`'s cgroup v2: the `0::` line of `/proc/<pid>/cgroup`, under
+/// `mount`.
+fn cgroup_dir(mount: &Path, pid: u32) -> Option<PathBuf> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
+    let relative = text.lines().find_map(|l| l.strip_prefix("0::"))?;
+    Some(mount.join(relative.trim_start_matches('/')))
 }
 
 #[cfg(test)]
@@ -137,7 +147,8 @@ mod tests {
 
     #[test]
     fn this_process_has_a_cgroup_directory() {
-        let dir = cgroup_dir(std::process::id()).expect("cgroup v2 is mounted");
+        let mount = cgroup2_mount().expect("cgroup v2 is mounted");
+        let dir = cgroup_dir(&mount, std::process::id()).expect("a cgroup v2 line");
         assert!(dir.is_dir(), "{}", dir.display());
     }
 }
