@@ -665,6 +665,8 @@ pub fn to_wire(r: model::Reservation) -> schema::Reservation {
         ended_at: r.ended_at.map(rfc3339),
         end_reason: r.end_reason,
         labels: r.labels,
+        holder_cgroup: None,
+        isolation: schema::Isolation::default(),
         id: r.id,
     }
 }
@@ -727,6 +729,7 @@ pub fn gpu_list(broker: &Broker) -> schema::GpuList {
                     reservations,
                     healthy: g.healthy,
                     mig_instances: migs.remove(&g.index).unwrap_or_default(),
+                    isolation: schema::GpuIsolation::default(),
                     links: (0..n)
                         .map(|j| link_cell(&inventory, i, j).trim().to_owned())
                         .collect(),

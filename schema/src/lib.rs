@@ -103,6 +103,67 @@ pub struct ReservationRequest {
     /// Placement policy.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub policy: Option<PolicyName>,
+    /// A cgroup v2 that holds the reservation: it ends when the cgroup becomes empty or is
+    /// removed, and the memory limits go on it. A path under the cgroup2 mount
+    /// (`/sys/fs/cgroup/system.slice/job.scope`) or as `/proc/PID/cgroup` writes it
+    /// (`/system.slice/job.scope`). Root and admins may name any; others their own cgroup or
+    /// one below it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub holder_cgroup: Option<String>,
+    /// Move the holder process into a cgroup of its own (a transient systemd scope, or a child
+    /// of the cgroup gpud is delegated) before answering, and put the memory limits there.
+    /// `gpuctl reserve -- COMMAND` asks for this. Needs `holder_pid`.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub own_cgroup: bool,
+}
+
+/// `POST /v1/reservations/{id}/cgroup` body: the cgroup whose processes the reservation is
+/// for (a container's, found by a CDI hook). Exactly one of the two.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct AttachCgroupRequest {
+    /// The cgroup, written as in `holder_cgroup`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cgroup: Option<String>,
+    /// A process whose cgroup it is (a container's first process).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub pid: Option<u32>,
+}
+
+/// Whether a memory limit is enforced by the GPU driver or only promised.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum IsolationMode {
+    /// The driver enforces it: an allocation beyond the hard limit fails with an
+    /// out-of-memory error, and memory queries in the cgroup report the limit.
+    Driver,
+    /// Bookkeeping, framework caps and the audit only.
+    #[default]
+    Advisory,
+}
+
+impl IsolationMode {
+    /// The wire name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            IsolationMode::Driver => "driver",
+            IsolationMode::Advisory => "advisory",
+        }
+    }
+}
+
+/// How a reservation's memory is held to what it reserved.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct Isolation {
+    /// `driver` or `advisory`.
+    pub mode: IsolationMode,
+    /// The cgroup the limits are on (full path under the cgroup2 mount), if it has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cgroup: Option<String>,
+    /// Why it is advisory.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
 }
 
 /// `POST /v1/reservations/{id}/renew` body (may be empty).
@@ -192,6 +253,12 @@ pub struct Reservation {
     pub end_reason: Option<String>,
     /// Labels given at creation.
     pub labels: BTreeMap<String, String>,
+    /// The cgroup that holds it, when a cgroup does (`holder_cgroup`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub holder_cgroup: Option<String>,
+    /// Whether the driver enforces its memory, and on which cgroup.
+    #[serde(default)]
+    pub isolation: Isolation,
 }
 
 /// `GET /v1/reservations` response.
@@ -255,6 +322,19 @@ pub struct GpuStatus {
     pub mig_instances: Vec<MigStatus>,
     /// This GPU's row of the link matrix in `nvidia-smi topo -m` notation (`X` for itself).
     pub links: Vec<String>,
+    /// Whether gpud can have the driver enforce reservations' memory here, and if not why.
+    #[serde(default)]
+    pub isolation: GpuIsolation,
+}
+
+/// What a GPU allows: driver-enforced memory limits, or advisory only.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct GpuIsolation {
+    /// `driver` when gpud can set memory limits on this GPU.
+    pub mode: IsolationMode,
+    /// Why not (`driver 550.54 is older than R615`, `MIG mode`, …).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
 }
 
 /// `GET /v1/gpus` response.

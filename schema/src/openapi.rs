@@ -9,7 +9,7 @@ use schemars::generate::{SchemaGenerator, SchemaSettings};
 use serde_json::{Value, json};
 
 use crate::{
-    ErrorBody, EventList, GpuList, Health, RenewRequest, Reservation, ReservationList,
+    AttachCgroupRequest, ErrorBody, EventList, GpuList, Health, RenewRequest, Reservation, ReservationList,
     ReservationRequest, WaiterList,
 };
 
@@ -20,6 +20,7 @@ pub fn document() -> Value {
         |g: &mut SchemaGenerator, t: fn(&mut SchemaGenerator) -> schemars::Schema| t(g).to_value();
     let reservation_request = r(&mut generator, |g| g.subschema_for::<ReservationRequest>());
     let renew_request = r(&mut generator, |g| g.subschema_for::<RenewRequest>());
+    let attach_request = r(&mut generator, |g| g.subschema_for::<AttachCgroupRequest>());
     let reservation = r(&mut generator, |g| g.subschema_for::<Reservation>());
     let reservation_list = r(&mut generator, |g| g.subschema_for::<ReservationList>());
     let gpu_list = r(&mut generator, |g| g.subschema_for::<GpuList>());
@@ -129,6 +130,23 @@ pub fn document() -> Value {
                     "429": error_reply("Changes faster than [limits] allows (rate_limited), or too many connections (too_many_connections)"),
                     "404": error_reply("No such reservation"),
                     "409": error_reply("No longer active"),
+                    "503": error_reply("State cannot be written (storage_unavailable), or gpud is stopping (shutting_down)")
+                }
+            }},
+            "/v1/reservations/{id}/cgroup": {"post": {
+                "summary": "Put a reservation's memory limits on a cgroup (a container's, from a CDI hook)",
+                "parameters": [id_param],
+                "requestBody": {"required": true, "content": body(&attach_request)["content"]},
+                "responses": {
+                    "200": reply("The reservation, with its isolation", &reservation),
+                    "400": error_reply("Not a cgroup v2 directory, neither or both of cgroup and pid, not a valid id, or a query parameter"),
+                    "403": error_reply("Not yours, or a cgroup the caller may not name"),
+                    "408": error_reply("The body did not arrive in time (body_timeout)"),
+                    "413": error_reply("Body too large"),
+                    "429": error_reply("Changes faster than [limits] allows (rate_limited), or too many connections (too_many_connections)"),
+                    "404": error_reply("No such reservation"),
+                    "409": error_reply("No longer active, or limits on another cgroup already (conflict)"),
+                    "422": error_reply("[isolation] require is set and the driver cannot enforce the limit here (isolation_unavailable)"),
                     "503": error_reply("State cannot be written (storage_unavailable), or gpud is stopping (shutting_down)")
                 }
             }},
