@@ -578,6 +578,8 @@ mod tests {
             ended_at: None,
             end_reason: None,
             labels: BTreeMap::from([("job".to_owned(), "asr".to_owned())]),
+            holder_cgroup: None,
+            isolation: Default::default(),
         }
     }
 
@@ -679,6 +681,7 @@ mod tests {
             healthy: index == 0,
             mig_instances: mig,
             links: vec![],
+            isolation: Default::default(),
         };
         let list = GpuList {
             driver_version: None,

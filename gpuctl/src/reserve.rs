@@ -156,6 +156,8 @@ pub fn request(args: &ReserveArgs, holder: Holder, wait: Option<Duration>) -> Re
         holder_pid: holder.pid(),
         labels: args.labels.iter().cloned().collect(),
         policy: args.policy.map(Into::into),
+        holder_cgroup: None,
+        own_cgroup: false,
     }
 }
 
