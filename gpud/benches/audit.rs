@@ -87,6 +87,7 @@ fn bench_audit(c: &mut Criterion) {
             holder_pid: Some(*pid),
             labels: BTreeMap::new(),
             id: None,
+            target: Default::default(),
         };
         assert!(matches!(
             broker

@@ -19,6 +19,7 @@ use gpud_schema::{self as schema, MemoryAmount, MemorySpec, codes};
 
 use crate::broker::{Broker, BrokerError, Caller, ReserveOutcome, ReserveRequest};
 use crate::clock::rfc3339;
+use crate::isolation::{TargetError, Workloads};
 use crate::metrics::Metrics;
 use crate::model::{
     self, EventFilter, EventKind, MemoryAsk, Millis, Page, Policy, ReservationState, Topology,
@@ -45,6 +46,8 @@ pub struct Api {
     pub body_timeout: Duration,
     /// Prometheus metrics.
     pub metrics: Arc<Metrics>,
+    /// Where workloads' cgroups are.
+    pub workloads: Arc<Workloads>,
 }
 
 /// An error on its way to becoming a JSON response.
@@ -89,6 +92,11 @@ pub fn status_for(e: &BrokerError) -> (StatusCode, &'static str) {
         BrokerError::RateLimited(_) => (StatusCode::TOO_MANY_REQUESTS, codes::RATE_LIMITED),
         BrokerError::NotFound(_) => (StatusCode::NOT_FOUND, codes::NOT_FOUND),
         BrokerError::NotActive { .. } => (StatusCode::CONFLICT, codes::NOT_ACTIVE),
+        BrokerError::Conflict(_) => (StatusCode::CONFLICT, codes::CONFLICT),
+        BrokerError::IsolationUnavailable(_) => (
+            StatusCode::UNPROCESSABLE_ENTITY,
+            codes::ISOLATION_UNAVAILABLE,
+        ),
         BrokerError::Storage(s) if s.is_storage_unavailable() => {
             (StatusCode::SERVICE_UNAVAILABLE, codes::STORAGE_UNAVAILABLE)
         }
@@ -152,7 +160,7 @@ fn allowed(segments: &[&str]) -> Option<&'static str> {
         ["v1", "health" | "gpus" | "events" | "waiters"] | ["metrics"] => Some("GET"),
         ["v1", "reservations"] => Some("GET, POST"),
         ["v1", "reservations", _] => Some("GET, DELETE"),
-        ["v1", "reservations", _, "renew"] => Some("POST"),
+        ["v1", "reservations", _, "renew" | "cgroup"] => Some("POST"),
         _ => None,
     }
 }
@@ -227,6 +235,11 @@ impl Api {
                 };
                 let r = self.broker.renew(caller, id, renew.ttl_seconds).await?;
                 Ok(json(StatusCode::OK, &to_wire(r)))
+            }
+            (["v1", "reservations", id, "cgroup"], &Method::POST) => {
+                let id = valid_id(id)?;
+                let body = self.body(req).await?;
+                self.attach_cgroup(caller, id, &body).await
             }
             (["metrics"], &Method::GET) => Ok(self.metrics_reply()),
             (["v1", "events"], &Method::GET) => self.events(&query).await,
@@ -456,7 +469,8 @@ impl Api {
 
     async fn create(&self, caller: Caller, body: &[u8]) -> Result<Reply, ApiError> {
         let wire: schema::ReservationRequest = parse_json(body)?;
-        let request = to_request(wire)?;
+        let (named, own) = (wire.holder_cgroup.clone(), wire.own_cgroup);
+        let mut request = to_request(wire)?;
         let holder = match request.holder_pid {
             Some(pid) => {
                 let pinned =
@@ -468,12 +482,83 @@ impl Api {
             }
             None => None,
         };
-        let outcome = self.broker.reserve(caller, request, holder).await?;
-        let r = match outcome {
-            ReserveOutcome::Reserved(r) => r,
-            ReserveOutcome::Queued(ticket) => ticket.wait().await?,
+        // A cgroup made for the holder is named after the reservation: its id is chosen here.
+        if own {
+            request.id = Some(crate::broker::new_reservation_id());
+        }
+        let prepared = {
+            let workloads = self.workloads.clone();
+            let admin = self.broker.is_admin(&caller);
+            let holder_pid = holder.as_ref().map(|h| h.holder.pid);
+            let id = request.id.clone().unwrap_or_default();
+            tokio::task::spawn_blocking(move || {
+                workloads.prepare(&caller, admin, named.as_deref(), own, holder_pid, &id)
+            })
+            .await
+            .map_err(|_| BrokerError::Internal("finding the request's cgroup panicked"))?
+            .map_err(target_error)?
         };
-        Ok(json(StatusCode::CREATED, &to_wire(r)))
+        request.target = prepared.target.clone();
+        let outcome = match self.broker.reserve(caller, request, holder).await {
+            Ok(ReserveOutcome::Reserved(r)) => Ok(r),
+            Ok(ReserveOutcome::Queued(ticket)) => ticket.wait().await,
+            Err(e) => Err(e),
+        };
+        match outcome {
+            Ok(r) => Ok(json(StatusCode::CREATED, &to_wire(r))),
+            Err(e) => {
+                let workloads = self.workloads.clone();
+                let _ = tokio::task::spawn_blocking(move || workloads.undo(&prepared)).await;
+                Err(e.into())
+            }
+        }
+    }
+
+    async fn attach_cgroup(&self, caller: Caller, id: String, body: &[u8]) -> Result<Reply, ApiError> {
+        let wire: schema::AttachCgroupRequest = parse_json(body)?;
+        let workloads = self.workloads.clone();
+        let admin = self.broker.is_admin(&caller);
+        let target = tokio::task::spawn_blocking(move || {
+            let h = workloads.hierarchy().ok_or_else(|| {
+                TargetError::Invalid("this host has no cgroup v2 hierarchy mounted".to_owned())
+            })?;
+            let full = match (wire.cgroup, wire.pid) {
+                (Some(named), None) => workloads.named(h, &caller, admin, &named)?,
+                (None, Some(pid)) => {
+                    let full = h.cgroup_of(pid)?;
+                    let named = full.display().to_string();
+                    workloads.named(h, &caller, admin, &named)?
+                }
+                _ => {
+                    return Err(TargetError::Invalid(
+                        "give the cgroup (\"cgroup\": \"/kubepods/…\") or a process in it \
+                         (\"pid\": 4242), one of the two"
+                            .to_owned(),
+                    ));
+                }
+            };
+            Ok(crate::isolation::Target {
+                cgroup: Some(full.display().to_string()),
+                ..crate::isolation::Target::default()
+            })
+        })
+        .await
+        .map_err(|_| BrokerError::Internal("finding the cgroup panicked"))?
+        .map_err(target_error)?;
+        let r = self.broker.attach_cgroup(caller, id, target).await?;
+        Ok(json(StatusCode::OK, &to_wire(r)))
+    }
+}
+
+/// The API error of a request's cgroup that cannot be used.
+fn target_error(e: TargetError) -> ApiError {
+    match e {
+        TargetError::Invalid(m) => ApiError::invalid(m),
+        TargetError::Forbidden(m) => BrokerError::Forbidden(m).into(),
+        TargetError::Failed(m) => {
+            tracing::error!(error = %m, "could not prepare a workload cgroup");
+            ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, codes::INTERNAL, m)
+        }
     }
 }
 
@@ -533,6 +618,7 @@ fn route_name(path: &str) -> &'static str {
         ["v1", "reservations"] => "/v1/reservations",
         ["v1", "reservations", _] => "/v1/reservations/{id}",
         ["v1", "reservations", _, "renew"] => "/v1/reservations/{id}/renew",
+        ["v1", "reservations", _, "cgroup"] => "/v1/reservations/{id}/cgroup",
         ["v1", "events"] => "/v1/events",
         ["v1", "waiters"] => "/v1/waiters",
         ["metrics"] => "/metrics",
@@ -637,6 +723,7 @@ pub fn to_request(wire: schema::ReservationRequest) -> Result<ReserveRequest, Ap
         holder_pid: wire.holder_pid,
         labels: wire.labels,
         id: None,
+        target: crate::isolation::Target::default(),
     })
 }
 
@@ -665,8 +752,12 @@ pub fn to_wire(r: model::Reservation) -> schema::Reservation {
         ended_at: r.ended_at.map(rfc3339),
         end_reason: r.end_reason,
         labels: r.labels,
-        holder_cgroup: None,
-        isolation: schema::Isolation::default(),
+        holder_cgroup: r.holder_cgroup,
+        isolation: schema::Isolation {
+            mode: r.isolation.mode,
+            cgroup: r.isolation.cgroup,
+            reason: r.isolation.reason,
+        },
         id: r.id,
     }
 }
@@ -729,7 +820,7 @@ pub fn gpu_list(broker: &Broker) -> schema::GpuList {
                     reservations,
                     healthy: g.healthy,
                     mig_instances: migs.remove(&g.index).unwrap_or_default(),
-                    isolation: schema::GpuIsolation::default(),
+                    isolation: g.isolation.clone(),
                     links: (0..n)
                         .map(|j| link_cell(&inventory, i, j).trim().to_owned())
                         .collect(),

@@ -1267,6 +1267,7 @@ mod tests {
             holder_pid: Some(std::process::id()),
             labels: BTreeMap::new(),
             id: None,
+            target: Default::default(),
         };
         let caller = Caller {
             uid: 0,
@@ -1334,6 +1335,7 @@ mod tests {
             holder_pid: None,
             labels: BTreeMap::new(),
             id: None,
+            target: Default::default(),
         };
         let e = b
             .reserve(

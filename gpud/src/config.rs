@@ -76,6 +76,8 @@ pub struct Config {
     pub history: HistoryConfig,
     /// How fast one user may change state.
     pub limits: LimitsConfig,
+    /// Driver-enforced memory limits per workload cgroup.
+    pub isolation: IsolationConfig,
 }
 
 impl Default for Config {
@@ -96,6 +98,39 @@ impl Default for Config {
             kubelet: KubeletConfig::default(),
             history: HistoryConfig::default(),
             limits: LimitsConfig::default(),
+            isolation: IsolationConfig::default(),
+        }
+    }
+}
+
+/// Hard isolation: each reservation's memory becomes a limit the NVIDIA driver enforces on
+/// the workload's cgroup (driver R615 or later, cgroup v2, gpud as root).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct IsolationConfig {
+    /// Refuse a reservation whose memory the driver cannot enforce, instead of granting it
+    /// as `advisory`.
+    pub require: bool,
+    /// The hard limit is the reserved memory plus this much (a size); the soft limit, the
+    /// share the driver guarantees, is what was reserved.
+    #[serde(deserialize_with = "size")]
+    pub burst: u64,
+    /// Where `gpuctl reserve -- COMMAND` runs: `"systemd"` (a transient scope per
+    /// reservation, through systemd's D-Bus API), a directory under the cgroup v2 mount that
+    /// gpud owns (a child cgroup per reservation), or `"auto"`: systemd when the host runs
+    /// it, else `gpud` under the cgroup v2 mount.
+    pub workloads: String,
+    /// The slice the transient scopes go in.
+    pub slice: String,
+}
+
+impl Default for IsolationConfig {
+    fn default() -> IsolationConfig {
+        IsolationConfig {
+            require: false,
+            burst: 0,
+            workloads: "auto".to_owned(),
+            slice: "gpud.slice".to_owned(),
         }
     }
 }

@@ -76,6 +76,24 @@ pub enum GpuError {
 }
 
 impl GpuError {
+    /// Whether NVML answered NOT_FOUND (a cgroup without memory limits).
+    pub fn is_not_found(&self) -> bool {
+        matches!(
+            self,
+            GpuError::Query { source: NvmlError::NotFound, .. }
+                | GpuError::System { source: NvmlError::NotFound, .. }
+        )
+    }
+
+    /// Whether NVML answered NOT_SUPPORTED.
+    pub fn is_not_supported(&self) -> bool {
+        matches!(
+            self,
+            GpuError::Query { source: NvmlError::NotSupported, .. }
+                | GpuError::System { source: NvmlError::NotSupported, .. }
+        )
+    }
+
     /// Whether NVML says the device has fallen off the bus.
     pub fn is_gpu_lost(&self) -> bool {
         matches!(
@@ -103,6 +121,74 @@ pub struct GpuProcess {
 pub struct Nvml {
     nvml: nvml_wrapper::Nvml,
     library: String,
+    /// The R615 per-cgroup memory-limit functions, when the library has them.
+    limits: Option<LimitFunctions>,
+}
+
+/// `nvmlSetMemoryLimits_v1_t` (nvml.h of CUDA 13.4; `c_nvmlSetMemoryLimits_v1_t` in
+/// nvidia-ml-py 13.615).
+#[repr(C)]
+struct SetMemoryLimitsV1 {
+    name_space: *const std::ffi::c_char,
+    soft_limit: u64,
+    hard_limit: u64,
+}
+
+/// `nvmlGetMemoryLimits_v1_t`: the set struct and `currentUsed`.
+#[repr(C)]
+struct GetMemoryLimitsV1 {
+    name_space: *const std::ffi::c_char,
+    soft_limit: u64,
+    hard_limit: u64,
+    current_used: u64,
+}
+
+type SetLimitsFn =
+    unsafe extern "C" fn(*mut std::ffi::c_void, *const SetMemoryLimitsV1) -> std::ffi::c_uint;
+type GetLimitsFn =
+    unsafe extern "C" fn(*mut std::ffi::c_void, *mut GetMemoryLimitsV1) -> std::ffi::c_uint;
+
+/// nvml-wrapper 0.13 does not bind the memory-limit functions: they are looked up in the
+/// library nvml-wrapper loaded (opening it again returns the same handle). A library
+/// without them is a driver older than R615.
+struct LimitFunctions {
+    set: SetLimitsFn,
+    get: GetLimitsFn,
+    /// Keeps the library (and so the two pointers) loaded.
+    _library: libloading::Library,
+}
+
+impl LimitFunctions {
+    fn load(path: &Path) -> Option<LimitFunctions> {
+        // SAFETY: the NVML library nvml-wrapper has just loaded and initialised; loading
+        // it again runs no new initialisers.
+        let library = unsafe { libloading::Library::new(path) }.ok()?;
+        // SAFETY: the types are the C prototypes of nvml.h (checked in tests/conformance
+        // against NVIDIA's header and Python binding).
+        let set = unsafe { library.get::<SetLimitsFn>(b"nvmlDeviceSetMemoryLimits_v1\0") }
+            .ok()
+            .map(|f| *f)?;
+        // SAFETY: as above.
+        let get = unsafe { library.get::<GetLimitsFn>(b"nvmlDeviceGetMemoryLimits_v1\0") }
+            .ok()
+            .map(|f| *f)?;
+        Some(LimitFunctions {
+            set,
+            get,
+            _library: library,
+        })
+    }
+}
+
+/// One cgroup's memory limits on one GPU, as the driver reports them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoryLimits {
+    /// Guaranteed bytes.
+    pub soft: u64,
+    /// Bytes beyond which allocations fail (`u64::MAX`: none).
+    pub hard: u64,
+    /// What the cgroup's processes use on the GPU.
+    pub used: u64,
 }
 
 impl std::fmt::Debug for Nvml {
@@ -137,9 +223,75 @@ impl Nvml {
                 library: shown.clone(),
                 reason: init_reason(&e),
             })?;
+        let limits = LimitFunctions::load(&lib_path);
         Ok(Nvml {
             nvml,
             library: shown,
+            limits,
+        })
+    }
+
+    /// Whether the library has the per-cgroup memory-limit functions (driver R615+).
+    pub fn has_memory_limits(&self) -> bool {
+        self.limits.is_some()
+    }
+
+    fn limit_call(
+        &self,
+        uuid: &str,
+        call: &'static str,
+        f: impl FnOnce(&LimitFunctions, *mut std::ffi::c_void) -> std::ffi::c_uint,
+    ) -> Result<(), GpuError> {
+        let system = |source| GpuError::System { call, source };
+        let functions = self
+            .limits
+            .as_ref()
+            .ok_or(system(NvmlError::FailedToLoadSymbol(call.to_owned())))?;
+        let device = self.nvml.device_by_uuid(uuid).map_err(system)?;
+        // SAFETY: a handle of this initialised library, used while `self` keeps it loaded.
+        let handle = unsafe { device.handle() }.cast::<std::ffi::c_void>();
+        nvml_wrapper::error::nvml_try(f(functions, handle)).map_err(system)
+    }
+
+    /// Sets cgroup `cgroup`'s memory limits on GPU `uuid` (`nvmlDeviceSetMemoryLimits_v1`);
+    /// soft 0 and hard `u64::MAX` clear them.
+    pub fn set_memory_limits(
+        &self,
+        uuid: &str,
+        cgroup: &Path,
+        soft: u64,
+        hard: u64,
+    ) -> Result<(), GpuError> {
+        let path = c_path(cgroup)?;
+        let value = SetMemoryLimitsV1 {
+            name_space: path.as_ptr(),
+            soft_limit: soft,
+            hard_limit: hard,
+        };
+        self.limit_call(uuid, "nvmlDeviceSetMemoryLimits_v1", |f, handle| {
+            // SAFETY: `value` and the string it points to outlive the call.
+            unsafe { (f.set)(handle, &raw const value) }
+        })
+    }
+
+    /// Cgroup `cgroup`'s memory limits on GPU `uuid` (`nvmlDeviceGetMemoryLimits_v1`); an
+    /// error `NotFound` when it has none.
+    pub fn memory_limits(&self, uuid: &str, cgroup: &Path) -> Result<MemoryLimits, GpuError> {
+        let path = c_path(cgroup)?;
+        let mut value = GetMemoryLimitsV1 {
+            name_space: path.as_ptr(),
+            soft_limit: 0,
+            hard_limit: 0,
+            current_used: 0,
+        };
+        self.limit_call(uuid, "nvmlDeviceGetMemoryLimits_v1", |f, handle| {
+            // SAFETY: `value` and the string it points to outlive the call.
+            unsafe { (f.get)(handle, &raw mut value) }
+        })?;
+        Ok(MemoryLimits {
+            soft: value.soft_limit,
+            hard: value.hard_limit,
+            used: value.current_used,
         })
     }
 
@@ -190,6 +342,7 @@ impl Nvml {
             cpu_affinity: Vec::new(),
             mig_instances: Vec::new(),
             mig_enabled: false,
+            isolation: gpud_schema::GpuIsolation::default(),
             healthy: false,
         };
         match self.fill_gpu(index, &mut gpu) {
@@ -605,6 +758,15 @@ impl Nvml {
                 source,
             })
     }
+}
+
+/// A cgroup path as NVML takes it.
+fn c_path(cgroup: &Path) -> Result<std::ffi::CString, GpuError> {
+    use std::os::unix::ffi::OsStrExt;
+    std::ffi::CString::new(cgroup.as_os_str().as_bytes()).map_err(|e| GpuError::System {
+        call: "nvmlDeviceSetMemoryLimits_v1",
+        source: NvmlError::NulError(e),
+    })
 }
 
 /// The loader's or NVML's reason without nvml-wrapper's wrapping text.

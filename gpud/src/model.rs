@@ -189,6 +189,9 @@ pub struct Gpu {
     pub mig_enabled: bool,
     /// Whether the GPU answered NVML at discovery.
     pub healthy: bool,
+    /// Whether gpud can have the driver enforce memory limits here (found at start).
+    #[serde(default)]
+    pub isolation: gpud_schema::GpuIsolation,
 }
 
 /// Everything gpud knows about the machine's GPUs, read once at start.
@@ -241,6 +244,7 @@ impl GpuInventory {
                 cpu_affinity: vec![],
                 mig_instances: vec![],
                 mig_enabled: false,
+                isolation: gpud_schema::GpuIsolation::default(),
                 healthy: true,
             })
             .collect();
@@ -396,6 +400,57 @@ pub struct Reservation {
     pub labels: std::collections::BTreeMap<String, String>,
     /// Environment handed to the workload.
     pub env: gpud_schema::Env,
+    /// The cgroup whose emptying releases it (full path), when a cgroup holds it.
+    pub holder_cgroup: Option<String>,
+    /// Whether the driver enforces its memory, and where.
+    pub isolation: ReservationIsolation,
+}
+
+/// A reservation's isolation as gpud keeps it: what the API shows, and whether gpud made
+/// the cgroup (and so removes it at the end).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReservationIsolation {
+    /// `driver` or `advisory`.
+    pub mode: gpud_schema::IsolationMode,
+    /// The cgroup the limits are on (full path), if it has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cgroup: Option<String>,
+    /// Why it is advisory.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// The cgroup is one gpud made for the workload.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owned: Option<OwnedCgroup>,
+}
+
+impl ReservationIsolation {
+    /// Whether the driver is to hold its cgroup to it.
+    pub fn is_driver(&self) -> bool {
+        self.mode == gpud_schema::IsolationMode::Driver
+    }
+
+    /// Advisory, for `reason`, keeping the cgroup.
+    pub fn advisory(cgroup: Option<String>, reason: String) -> ReservationIsolation {
+        ReservationIsolation {
+            mode: gpud_schema::IsolationMode::Advisory,
+            cgroup,
+            reason: Some(reason),
+            owned: None,
+        }
+    }
+}
+
+/// A cgroup gpud made for a workload (`gpuctl reserve -- COMMAND`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OwnedCgroup {
+    /// A child of the cgroup gpud owns: removed (empty) when the reservation ends.
+    Directory,
+    /// A transient systemd scope: systemd removes it once empty.
+    Scope {
+        /// The unit name.
+        unit: String,
+    },
 }
 
 /// What an audit event is about.

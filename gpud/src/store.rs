@@ -17,7 +17,8 @@ use gpud_schema::Env;
 use rusqlite::{Connection, OpenFlags, Row, params};
 
 use crate::model::{
-    Event, EventFilter, EventKind, EventPhase, Holder, Millis, Page, Reservation, ReservationState,
+    Event, EventFilter, EventKind, EventPhase, Holder, Millis, Page, Reservation, ReservationIsolation,
+    ReservationState,
     ReservedUnit,
 };
 
@@ -38,6 +39,10 @@ const MIGRATIONS: &[(&str, &str)] = &[
     (
         "0004_holder_pidfs_inode",
         include_str!("../../schema/migrations/0004_holder_pidfs_inode.sql"),
+    ),
+    (
+        "0005_isolation",
+        include_str!("../../schema/migrations/0005_isolation.sql"),
     ),
 ];
 
@@ -439,6 +444,14 @@ impl Store {
         self.query("WHERE r.state = 'active' ORDER BY r.seq", params![])
     }
 
+    /// Ended reservations whose driver limits may not have been reset yet.
+    pub fn limits_pending(&self) -> Result<Vec<Reservation>, StoreError> {
+        self.query(
+            "WHERE r.limits_cleared = 0 AND r.state <> 'active' ORDER BY r.seq",
+            params![],
+        )
+    }
+
     /// One reservation by id, in any state.
     pub fn get(&self, id: &str) -> Result<Option<Reservation>, StoreError> {
         Ok(self.query("WHERE r.id = ?1", params![id])?.pop())
@@ -509,7 +522,8 @@ impl Store {
         let sql = format!(
             "SELECT r.id, r.state, r.owner_uid, r.owner_gid, r.holder_pid, r.holder_start_time,
                     r.holder_boot_id, r.exclusive, r.ttl_seconds, r.expires_at, r.created_at,
-                    r.ended_at, r.end_reason, r.labels, r.env, r.units, r.holder_pidfs_inode
+                    r.ended_at, r.end_reason, r.labels, r.env, r.units, r.holder_pidfs_inode,
+                    r.holder_cgroup, r.isolation
              FROM reservations r {clause}"
         );
         let mut stmt = self
@@ -575,6 +589,12 @@ impl Store {
             env: {
                 let text: String = row.get(14).map_err(get)?;
                 Env::from_json(&text).map_err(|e| corrupt(format!("{id}: env: {e}")))?
+            },
+            holder_cgroup: row.get(17).map_err(get)?,
+            isolation: match row.get::<_, Option<String>>(18).map_err(get)? {
+                Some(text) => serde_json::from_str(&text)
+                    .map_err(|e| corrupt(format!("{id}: isolation: {e}")))?,
+                None => ReservationIsolation::default(),
             },
             id,
         })
@@ -808,14 +828,16 @@ impl Txn<'_> {
         let labels = serde_json::to_string(&r.labels).unwrap_or_else(|_| "{}".to_owned());
         let env = r.env.json();
         let units = units_to_json(&r.units);
+        let isolation = isolation_json(&r.isolation);
         let inserted = self.write("insert reservation", |c| {
             // Cached: parsing this statement anew was a tenth of a reserve's time in SQLite.
             c.prepare_cached(
                 "INSERT INTO reservations (seq, id, state, owner_uid, owner_gid, holder_pid,
                  holder_start_time, holder_boot_id, exclusive, ttl_seconds, expires_at,
-                 created_at, ended_at, end_reason, labels, env, units, holder_pidfs_inode)
+                 created_at, ended_at, end_reason, labels, env, units, holder_pidfs_inode,
+                 holder_cgroup, isolation, limits_cleared)
              VALUES (?16, ?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?17,
-                     ?18)
+                     ?18, ?19, ?20, ?21)
              ON CONFLICT (id) DO NOTHING",
             )?
             .execute(params![
@@ -840,9 +862,44 @@ impl Txn<'_> {
                     .as_ref()
                     .and_then(|h| h.pidfs_inode)
                     .map(to_sql_int),
+                r.holder_cgroup,
+                isolation,
+                !r.isolation.is_driver(),
             ])
         })?;
         Ok(inserted == 1)
+    }
+
+    /// Records a reservation's new isolation (its cgroup attached, or driver mode given up).
+    /// Driver mode marks its limits as possibly set until [`Txn::limits_cleared`].
+    pub fn set_isolation(
+        &mut self,
+        id: &str,
+        isolation: &ReservationIsolation,
+    ) -> Result<(), StoreError> {
+        let json = isolation_json(isolation);
+        self.write("record isolation", |c| {
+            c.prepare_cached(
+                "UPDATE reservations SET isolation = ?2,
+                     limits_cleared = CASE WHEN ?3 THEN 0 ELSE limits_cleared END
+                 WHERE id = ?1",
+            )?
+            .execute(params![id, json, isolation.is_driver()])
+            .map(drop)
+        })
+    }
+
+    /// Records that the driver holds no limits for these ended reservations any more.
+    pub fn limits_cleared(&mut self, ids: &[String]) -> Result<(), StoreError> {
+        self.write("record limits cleared", |c| {
+            let mut stmt = c.prepare_cached(
+                "UPDATE reservations SET limits_cleared = 1 WHERE id = ?1 AND state <> 'active'",
+            )?;
+            for id in ids {
+                stmt.execute(params![id])?;
+            }
+            Ok(())
+        })
     }
 
     /// Ends active reservations (released or expired). Ids that are not active are left
@@ -969,6 +1026,10 @@ impl Txn<'_> {
 }
 
 /// The `units` column: `[[unit_uuid, gpu_index, memory_bytes], ...]` (migration 0003).
+fn isolation_json(isolation: &ReservationIsolation) -> String {
+    serde_json::to_string(isolation).unwrap_or_else(|_| "{}".to_owned())
+}
+
 fn units_to_json(units: &[ReservedUnit]) -> String {
     let rows: Vec<(&str, u32, i64)> = units
         .iter()
@@ -1081,6 +1142,8 @@ mod tests {
             ttl_seconds: Some(60),
             expires_at: Some(created_at + 60_000),
             created_at,
+            holder_cgroup: None,
+            isolation: ReservationIsolation::default(),
             ended_at: None,
             end_reason: None,
             labels: BTreeMap::from([("job".to_owned(), "asr".to_owned())]),

@@ -337,6 +337,16 @@ pub struct GpuIsolation {
     pub reason: Option<String>,
 }
 
+impl GpuIsolation {
+    /// Driver-enforced limits.
+    pub fn driver() -> GpuIsolation {
+        GpuIsolation {
+            mode: IsolationMode::Driver,
+            reason: None,
+        }
+    }
+}
+
 /// `GET /v1/gpus` response.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct GpuList {
@@ -471,6 +481,10 @@ pub mod codes {
     pub const NOT_FOUND: &str = "not_found";
     /// The reservation is no longer active (409).
     pub const NOT_ACTIVE: &str = "not_active";
+    /// The change conflicts with the reservation (its limits are on another cgroup) (409).
+    pub const CONFLICT: &str = "conflict";
+    /// `[isolation] require` is set and the driver cannot enforce the memory limit (422).
+    pub const ISOLATION_UNAVAILABLE: &str = "isolation_unavailable";
     /// Wrong method on an existing route (405).
     pub const METHOD_NOT_ALLOWED: &str = "method_not_allowed";
     /// Body larger than the limit (413).

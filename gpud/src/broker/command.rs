@@ -59,6 +59,25 @@ pub enum Command {
         /// The answer.
         reply: Reply<Reservation>,
     },
+    /// Put a reservation's memory limits on a cgroup (a container's).
+    AttachCgroup {
+        /// Who asks.
+        caller: Caller,
+        /// Which.
+        id: String,
+        /// The cgroup.
+        target: crate::isolation::Target,
+        /// The answer.
+        reply: Reply<Reservation>,
+    },
+    /// What the driver did with the limits of the last commit: ended reservations whose
+    /// limits are reset, and reservations whose limits it refused (with why).
+    LimitsSettled {
+        /// Ended reservations whose limits are reset.
+        cleared: Vec<String>,
+        /// `(reservation id, reason)`.
+        refused: Vec<(String, String)>,
+    },
     /// A holder process exited.
     HolderExited {
         /// The reservation it held.
@@ -144,6 +163,8 @@ impl std::fmt::Debug for Command {
             Command::Release { .. } => "Release",
             Command::Renew { .. } => "Renew",
             Command::HolderExited { .. } => "HolderExited",
+            Command::AttachCgroup { .. } => "AttachCgroup",
+            Command::LimitsSettled { .. } => "LimitsSettled",
             Command::End { .. } => "End",
             Command::Allocate { .. } => "Allocate",
             Command::ExpireDue => "ExpireDue",

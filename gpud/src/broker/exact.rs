@@ -197,6 +197,12 @@ impl Ledger {
             end_reason: None,
             labels: request.labels.clone(),
             env,
+            holder_cgroup: None,
+            isolation: crate::model::ReservationIsolation::advisory(
+                None,
+                "no cgroup yet: the container's is attached by the CDI hook when it starts"
+                    .to_owned(),
+            ),
         };
         if !txn.insert(&r)? {
             return Err(BrokerError::Invalid(format!(

@@ -7,6 +7,7 @@
 //! ledger is reloaded from the database, and every command that made or saw a change of
 //! the group gets the error: nobody is told of a change that was not committed.
 
+use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
 use std::sync::{Arc, mpsc};
 use std::time::Duration;
@@ -18,7 +19,8 @@ use super::ledger::{Admitted, Effects, Ledger};
 use super::{BrokerError, ReserveOutcome, Snapshot};
 use crate::clock::Clock;
 use crate::holder::PinnedProcess;
-use crate::model::Millis;
+use crate::isolation::{Limiter, NO_LIMIT};
+use crate::model::{Millis, OwnedCgroup, Reservation, ReservationIsolation};
 use crate::store::{Store, Txn};
 
 /// Most commands one group commit takes.
@@ -30,7 +32,59 @@ const RETRY_AFTER: Millis = 1000;
 
 /// Delivers a command's answer once its group ended: the group's error instead of the
 /// answer when the commit failed and the command made or saw a change of the group.
-type Answer = Box<dyn FnOnce(Option<&BrokerError>) + Send>;
+type Answer = Box<dyn FnOnce(Option<&BrokerError>, &Fixups) + Send>;
+
+/// What the driver refused after a commit, by reservation id: its answer says advisory
+/// (with the reason) instead of driver, or, under `[isolation] require`, is this error.
+type Fixups = HashMap<String, Fix>;
+
+/// One reservation's answer to change after the driver refused its limits.
+#[derive(Debug, Clone)]
+enum Fix {
+    /// It stays, advisory, for this reason.
+    Advisory(String),
+    /// It ends (`[isolation] require`).
+    Refused(String),
+}
+
+/// A command's answer that carries reservations, corrected by [`Fixups`].
+trait Patch {
+    fn patch(self, fixups: &Fixups) -> Result<Self, BrokerError>
+    where
+        Self: Sized;
+}
+
+impl Patch for Reservation {
+    fn patch(mut self, fixups: &Fixups) -> Result<Reservation, BrokerError> {
+        match fixups.get(&self.id) {
+            None => Ok(self),
+            Some(Fix::Advisory(reason)) => {
+                self.isolation =
+                    ReservationIsolation::advisory(self.isolation.cgroup.take(), reason.clone());
+                Ok(self)
+            }
+            Some(Fix::Refused(reason)) => Err(BrokerError::IsolationUnavailable(format!(
+                "the GPU driver refused this reservation's memory limit ({reason}), and this \
+                 gpud requires it ([isolation] require); nothing is reserved"
+            ))),
+        }
+    }
+}
+
+impl Patch for ReserveOutcome {
+    fn patch(self, fixups: &Fixups) -> Result<ReserveOutcome, BrokerError> {
+        match self {
+            ReserveOutcome::Reserved(r) => r.patch(fixups).map(ReserveOutcome::Reserved),
+            queued => Ok(queued),
+        }
+    }
+}
+
+impl Patch for Vec<Reservation> {
+    fn patch(self, fixups: &Fixups) -> Result<Vec<Reservation>, BrokerError> {
+        self.into_iter().map(|r| r.patch(fixups)).collect()
+    }
+}
 
 /// Starts the thread that owns `store` and `ledger`, fed by `queue`. `commands` is the
 /// queue's own sender, for the wait tickets and holder watches the thread hands out.
@@ -40,6 +94,7 @@ pub(super) fn start(
     queue: mpsc::Receiver<Command>,
     commands: mpsc::Sender<Command>,
     clock: Clock,
+    limiter: Option<Arc<dyn Limiter>>,
 ) -> Result<Arc<ArcSwap<Snapshot>>, BrokerError> {
     let published = Arc::new(ArcSwap::from_pointee(ledger.snapshot((0, 0))));
     let executor = Executor {
@@ -51,6 +106,7 @@ pub(super) fn start(
         runtime: tokio::runtime::Handle::try_current().ok(),
         carry: Vec::new(),
         clock,
+        limiter,
         hold_off_until: 0,
         groups_committed: 0,
         grouped_calls: 0,
@@ -74,6 +130,8 @@ struct Executor {
     carry: Vec<Command>,
     /// The time, for every rule the commands run.
     clock: Clock,
+    /// Sets the driver's memory limits; `None`: every GPU is advisory.
+    limiter: Option<Arc<dyn Limiter>>,
     /// No deadline is acted on before this (see [`RETRY_AFTER`]).
     hold_off_until: Millis,
     groups_committed: u64,
@@ -211,17 +269,18 @@ impl Executor {
             self.ledger
                 .snapshot((self.groups_committed, self.grouped_calls)),
         ));
-        match &committed {
+        let fixups = match &committed {
             Ok(()) => self.after_commit(effects),
             Err(e) => {
                 for s in effects.served {
                     let _ = s.reply.send(Err(e.clone()));
                 }
+                Fixups::new()
             }
-        }
+        };
         let deliver_all = move || {
             for (answer, saw_change) in answers {
-                answer(committed.as_ref().err().filter(|_| saw_change));
+                answer(committed.as_ref().err().filter(|_| saw_change), &fixups);
             }
         };
         // Answers go out from a task on the runtime: one wake-up of a runtime thread for
@@ -239,10 +298,16 @@ impl Executor {
     /// Tells served waiters their reservations and starts watching new holders, now that
     /// the group is committed. A waiter whose client went away meanwhile has its
     /// reservation given back in the next group.
-    fn after_commit(&mut self, effects: Effects) {
+    fn after_commit(&mut self, mut effects: Effects) -> Fixups {
+        let fixups = self.apply_limits(&mut effects);
+        for (id, cgroup) in std::mem::take(&mut effects.cgroup_watches) {
+            self.watch_cgroup(id, cgroup);
+        }
         for served in effects.served {
             let id = served.reservation.id.clone();
-            if served.reply.send(Ok(served.reservation)).is_err() {
+            let answer = served.reservation.patch(&fixups);
+            let failed = answer.is_err();
+            if served.reply.send(answer).is_err() && !failed {
                 self.carry.push(Command::End {
                     id,
                     reason: "waiting client went away".to_owned(),
@@ -255,6 +320,101 @@ impl Executor {
         for (id, pinned) in effects.watches {
             self.watch(id, pinned);
         }
+        fixups
+    }
+
+    /// Makes the driver's limits what the ledger says for every (cgroup, GPU) pair the
+    /// group changed, then removes the cgroups gpud made for reservations that ended.
+    /// What the driver refused goes back to the ledger as [`Command::LimitsSettled`] (in
+    /// the next group), and into the answers as [`Fixups`].
+    fn apply_limits(&mut self, effects: &mut Effects) -> Fixups {
+        let mut fixups = Fixups::new();
+        if effects.limits.is_empty() && effects.ended_limited.is_empty() {
+            return fixups;
+        }
+        let require = self.ledger.settings.config.isolation.require;
+        let mut refused: Vec<(String, String)> = Vec::new();
+        let mut unreset: std::collections::HashSet<(String, String)> = Default::default();
+        for (cgroup, uuid) in std::mem::take(&mut effects.limits) {
+            let (soft, hard) = self.ledger.desired_limits(&cgroup, &uuid);
+            let path = std::path::Path::new(&cgroup);
+            // A removed cgroup has no limits left to reset.
+            if soft == 0 && hard == NO_LIMIT && !path.is_dir() {
+                continue;
+            }
+            let result = match &self.limiter {
+                Some(limiter) => limiter.set(&uuid, path, soft, hard),
+                None => Err("gpud has no NVML memory-limit functions".to_owned()),
+            };
+            match result {
+                Ok(()) => {
+                    tracing::debug!(%cgroup, gpu = %uuid, soft, hard, "memory limits set");
+                }
+                Err(e) if soft == 0 && hard == NO_LIMIT => {
+                    tracing::error!(%cgroup, gpu = %uuid, error = %e, "could not reset memory limits; gpud tries again at its next start");
+                    unreset.insert((cgroup, uuid));
+                }
+                Err(e) => {
+                    tracing::error!(%cgroup, gpu = %uuid, error = %e, "the driver refused memory limits");
+                    for id in self.ledger.limited.get(&cgroup).into_iter().flatten() {
+                        let fix = if require {
+                            Fix::Refused(e.clone())
+                        } else {
+                            Fix::Advisory(format!("the driver refused the memory limit: {e}"))
+                        };
+                        fixups.insert(id.clone(), fix);
+                        refused.push((id.clone(), e.clone()));
+                    }
+                }
+            }
+        }
+        let mut cleared = Vec::new();
+        for r in std::mem::take(&mut effects.ended_limited) {
+            let pending = super::isolation::pairs(&r)
+                .into_iter()
+                .any(|pair| unreset.contains(&pair));
+            if pending {
+                continue;
+            }
+            if let (Some(cgroup), Some(owned)) = (&r.isolation.cgroup, &r.isolation.owned)
+                && !self.ledger.cgroup_in_use(cgroup)
+                && matches!(owned, OwnedCgroup::Directory)
+            {
+                crate::isolation::workloads::remove_owned(std::path::Path::new(cgroup));
+            }
+            cleared.push(r.id);
+        }
+        refused.sort();
+        refused.dedup();
+        if !cleared.is_empty() || !refused.is_empty() {
+            self.carry.push(Command::LimitsSettled { cleared, refused });
+        }
+        fixups
+    }
+
+    /// Ends reservation `id` once `cgroup`, which holds it, is empty or removed.
+    fn watch_cgroup(&self, id: String, cgroup: String) {
+        let Some(runtime) = &self.runtime else {
+            tracing::warn!(reservation = %id, "no runtime to watch the holder cgroup on");
+            return;
+        };
+        let commands = self.commands.clone();
+        runtime.spawn(async move {
+            use crate::isolation::cgroup::{Emptied, wait_empty};
+            let reason = match wait_empty(std::path::PathBuf::from(&cgroup)).await {
+                Emptied::Empty => format!("holder cgroup {cgroup} is empty"),
+                Emptied::Removed => format!("holder cgroup {cgroup} was removed"),
+                Emptied::Unwatchable => {
+                    tracing::error!(reservation = %id, %cgroup, "cannot watch the holder cgroup (inotify failed); it is not released when the cgroup empties");
+                    return;
+                }
+            };
+            let _ = commands.send(Command::End {
+                id,
+                reason,
+                reply: None,
+            });
+        });
     }
 
     /// Releases `id` when `pinned` exits. The holder is gone for good, so the release must
@@ -295,11 +455,26 @@ impl Executor {
 
 /// Answers `reply` with `result`, once the group ended.
 fn answer<T: Send + 'static>(reply: Reply<T>, result: Result<T, BrokerError>) -> Option<Answer> {
-    Some(Box::new(move |failed: Option<&BrokerError>| {
+    Some(Box::new(move |failed: Option<&BrokerError>, _: &Fixups| {
         // A command that failed keeps its own error (it says why that command failed); one
         // that succeeded in a group that was rolled back gets the group's.
         let _ = reply.send(match (result, failed) {
             (Ok(_), Some(e)) => Err(e.clone()),
+            (result, _) => result,
+        });
+    }))
+}
+
+/// Like [`answer`], for an answer that carries reservations: corrected by the fixups of
+/// limits the driver refused.
+fn answer_patched<T: Patch + Send + 'static>(
+    reply: Reply<T>,
+    result: Result<T, BrokerError>,
+) -> Option<Answer> {
+    Some(Box::new(move |failed: Option<&BrokerError>, fixups: &Fixups| {
+        let _ = reply.send(match (result, failed) {
+            (Ok(_), Some(e)) => Err(e.clone()),
+            (Ok(v), None) => v.patch(fixups),
             (result, _) => result,
         });
     }))
@@ -312,7 +487,9 @@ fn fail(command: Command, error: &BrokerError) {
     }
     match command {
         Command::Reserve { reply, .. } => tell(reply, error),
-        Command::Release { reply, .. } | Command::Renew { reply, .. } => tell(reply, error),
+        Command::Release { reply, .. }
+        | Command::Renew { reply, .. }
+        | Command::AttachCgroup { reply, .. } => tell(reply, error),
         Command::HolderExited { reply, .. }
         | Command::Reload { reply, .. }
         | Command::ShutDown { reply }
@@ -326,7 +503,11 @@ fn fail(command: Command, error: &BrokerError) {
         Command::Allocate { reply, .. } => tell(reply, error),
         Command::Audit { reply, .. } => tell(reply, error),
         Command::PruneHistory { reply, .. } => tell(reply, error),
-        Command::Read(_) | Command::ExpireDue | Command::Withdraw { .. } | Command::Stop => {}
+        Command::Read(_)
+        | Command::ExpireDue
+        | Command::Withdraw { .. }
+        | Command::LimitsSettled { .. }
+        | Command::Stop => {}
     }
 }
 
@@ -356,7 +537,19 @@ fn execute(
                         commands: commands.clone(),
                     }),
                 });
-            answer(reply, outcome)
+            answer_patched(reply, outcome)
+        }
+        Command::AttachCgroup {
+            caller,
+            id,
+            target,
+            reply,
+        } => answer_patched(reply, ledger.attach_cgroup(txn, &caller, &id, &target)),
+        Command::LimitsSettled { cleared, refused } => {
+            if let Err(e) = ledger.limits_settled(txn, &cleared, &refused, now) {
+                tracing::error!(error = %e, "could not record what the driver did with the memory limits");
+            }
+            None
         }
         Command::Release { caller, id, reply } => {
             answer(reply, ledger.release(txn, &caller, &id, now))
@@ -386,7 +579,7 @@ fn execute(
             caller,
             request,
             reply,
-        } => answer(reply, ledger.allocate(txn, caller, request, now)),
+        } => answer_patched(reply, ledger.allocate(txn, caller, request, now)),
         Command::ExpireDue => {
             if let Err(e) = ledger.expire_due(txn, now) {
                 tracing::error!(error = %e, "could not expire leases; will retry");

@@ -63,6 +63,13 @@ pub(super) struct Effects {
     pub watches: Vec<(String, PinnedProcess)>,
     /// Waiters served.
     pub served: Vec<Served>,
+    /// (cgroup, GPU) pairs whose driver limits must be made what the ledger says.
+    pub limits: BTreeSet<super::isolation::Pair>,
+    /// Ended driver-mode reservations: their limits reset, their cgroup removed if gpud
+    /// made it, then recorded as cleared.
+    pub ended_limited: Vec<Reservation>,
+    /// Cgroups that hold reservations, to watch: `(reservation id, cgroup)`.
+    pub cgroup_watches: Vec<(String, String)>,
 }
 
 /// What one uid, or the members of one group, hold at once (for quotas).
@@ -131,7 +138,9 @@ pub struct Ledger {
     pub(super) loads: Vec<UnitLoad>,
     /// Memory used per unit, as last measured (all processes).
     used: Vec<u64>,
-    active: HashMap<String, Arc<Reservation>>,
+    pub(super) active: HashMap<String, Arc<Reservation>>,
+    /// Active driver-mode reservations by the cgroup their limits are on.
+    pub(super) limited: HashMap<String, BTreeSet<String>>,
     by_uid: HashMap<u32, Usage>,
     /// Usage per group: every reservation of the group's members (see [`Ledger::groups`]).
     by_gid: HashMap<u32, Usage>,
@@ -143,7 +152,7 @@ pub struct Ledger {
     queue: WaitQueue,
     pub(super) settings: Arc<BrokerSettings>,
     pub(super) shutting_down: bool,
-    effects: Effects,
+    pub(super) effects: Effects,
     /// The active reservations as last published; `None` once they changed.
     published: Option<Arc<Vec<Arc<Reservation>>>>,
 }
@@ -185,6 +194,7 @@ impl Ledger {
             unit_by_uuid,
             loads,
             active: HashMap::new(),
+            limited: HashMap::new(),
             by_uid: HashMap::new(),
             by_gid: HashMap::new(),
             member_of: HashMap::new(),
@@ -247,8 +257,9 @@ impl Ledger {
             }
             self.add_active(r);
         }
+        self.reset_pending(txn)?;
         if !dead.is_empty() {
-            txn.finish(&dead, now)?;
+            self.end(txn, &dead, now)?;
             for (id, _, reason) in &dead {
                 tracing::info!(reservation = %id, %reason, "reaped at start");
             }
@@ -266,6 +277,7 @@ impl Ledger {
     pub fn reload(&mut self, store: &Store) -> Result<(), StoreError> {
         let loaded = store.active()?;
         self.active.clear();
+        self.limited.clear();
         self.by_uid.clear();
         self.by_gid.clear();
         self.expiries.clear();
@@ -357,7 +369,7 @@ impl Ledger {
     }
 
     /// Whether `caller` may release or renew `r`: its owner, root, or an admin.
-    fn authorize(&self, caller: &Caller, r: &Reservation, verb: &str) -> Result<(), BrokerError> {
+    pub(super) fn authorize(&self, caller: &Caller, r: &Reservation, verb: &str) -> Result<(), BrokerError> {
         if caller.uid == r.owner_uid || self.is_admin(caller) {
             return Ok(());
         }
@@ -368,7 +380,7 @@ impl Ledger {
     }
 
     /// The active reservation `id`, or why there is none.
-    fn find_active(&self, txn: &Txn<'_>, id: &str) -> Result<Arc<Reservation>, BrokerError> {
+    pub(super) fn find_active(&self, txn: &Txn<'_>, id: &str) -> Result<Arc<Reservation>, BrokerError> {
         if let Some(r) = self.active.get(id) {
             return Ok(r.clone());
         }
@@ -406,10 +418,15 @@ impl Ledger {
                 humantime::format_duration(Duration::from_secs(max))
             )));
         }
-        if request.holder_pid.is_none() && request.ttl_seconds.is_none() && request.id.is_none() {
+        if request.holder_pid.is_none()
+            && request.ttl_seconds.is_none()
+            && request.id.is_none()
+            && !request.target.holds
+        {
             return Err(BrokerError::Invalid(
-                "a reservation needs a lifetime: give holder_pid (released when that process exits) \
-                 or ttl_seconds (released unless renewed), or both"
+                "a reservation needs a lifetime: give holder_pid (released when that process exits), \
+                 holder_cgroup (released when that cgroup is empty) or ttl_seconds (released \
+                 unless renewed)"
                     .to_owned(),
             ));
         }
@@ -569,6 +586,7 @@ impl Ledger {
             totals.push(unit.memory_total_bytes);
         }
         self.check_quota(caller, &units)?;
+        let isolation = self.isolation_for(&request.target, &units)?;
         let exclusive = request.memory == MemoryAsk::Exclusive;
         let env_for = |id: &str, units: &[ReservedUnit]| {
             workload_env(
@@ -598,6 +616,12 @@ impl Ledger {
             ended_at: None,
             end_reason: None,
             labels: request.labels.clone(),
+            holder_cgroup: request
+                .target
+                .holds
+                .then(|| request.target.cgroup.clone())
+                .flatten(),
+            isolation,
         };
         // A chosen id that is taken by now (another request with the same id got there
         // first) is refused; a generated one that is taken (someone chose it) is made anew.
@@ -777,6 +801,12 @@ impl Ledger {
         if let Some(at) = r.expires_at {
             self.expiries.insert((at, r.id.clone()));
         }
+        self.limits_added(&r);
+        self.replace_active(r);
+    }
+
+    /// Puts `r` in place of the active reservation of its id.
+    pub(super) fn replace_active(&mut self, r: Reservation) {
         self.published = None;
         self.active.insert(r.id.clone(), Arc::new(r));
     }
@@ -817,6 +847,7 @@ impl Ledger {
             if let Some(at) = r.expires_at {
                 self.expiries.remove(&(at, id.clone()));
             }
+            self.limits_removed(&r);
             let mut r = Arc::unwrap_or_clone(r);
             r.state = *state;
             r.ended_at = Some(now);

@@ -42,12 +42,19 @@ use crate::store::{Store, StoreError};
 mod command;
 mod exact;
 mod executor;
+mod isolation;
 mod ledger;
 mod queue;
 
 pub use command::{Command, Pending, WaitTicket};
 pub use exact::{AllocateRequest, ExactRequest};
 pub use ledger::{Ledger, MAX_TTL_SECONDS};
+
+/// A new random reservation id (the API chooses one for a request whose cgroup is named
+/// after it).
+pub fn new_reservation_id() -> String {
+    ledger::new_id(crate::clock::now_millis())
+}
 
 pub use crate::model::Caller;
 
@@ -70,6 +77,8 @@ pub struct ReserveRequest {
     pub labels: BTreeMap<String, String>,
     /// Explicit id (the kubelet integration names its reservations); random otherwise.
     pub id: Option<String>,
+    /// Where its memory limits go (and whether that cgroup holds it).
+    pub target: crate::isolation::Target,
 }
 
 /// A request waiting for capacity, as [`Snapshot::waiters`] lists it.
@@ -131,6 +140,12 @@ pub enum BrokerError {
     /// The database failed.
     #[error("state could not be written, nothing was changed: {0}")]
     Storage(#[source] Arc<StoreError>),
+    /// `[isolation] require` is set and the driver cannot enforce this reservation.
+    #[error("{0}")]
+    IsolationUnavailable(String),
+    /// The change conflicts with the reservation's state (limits on another cgroup).
+    #[error("{0}")]
+    Conflict(String),
     /// gpud is stopping.
     #[error("gpud is shutting down; try again when it is back")]
     ShuttingDown,
@@ -321,10 +336,22 @@ impl Broker {
         settings: BrokerSettings,
         clock: Clock,
     ) -> Result<Arc<Broker>, BrokerError> {
+        Broker::start_with(store, inventory, settings, clock, None)
+    }
+
+    /// [`Broker::start_with_clock`], with `limiter` setting the driver's memory limits on
+    /// the GPUs whose `isolation` allows them.
+    pub fn start_with(
+        store: Store,
+        inventory: &GpuInventory,
+        settings: BrokerSettings,
+        clock: Clock,
+        limiter: Option<Arc<dyn crate::isolation::Limiter>>,
+    ) -> Result<Arc<Broker>, BrokerError> {
         let reader = store.reader()?.map(|r| Arc::new(Mutex::new(r)));
         let ledger = Ledger::new(inventory, settings);
         let (commands, queue) = mpsc::channel();
-        let published = executor::start(store, ledger, queue, commands.clone(), clock)?;
+        let published = executor::start(store, ledger, queue, commands.clone(), clock, limiter)?;
         let broker = Arc::new(Broker {
             commands,
             published,
@@ -373,6 +400,26 @@ impl Broker {
     /// Releases `id` on behalf of `caller` (its owner, root or an admin).
     pub fn release(&self, caller: Caller, id: String) -> Pending<Reservation> {
         self.send(|reply| Command::Release { caller, id, reply })
+    }
+
+    /// Whether `caller` is root or in an admin group.
+    pub fn is_admin(&self, caller: &Caller) -> bool {
+        crate::holder::is_admin(caller, &self.snapshot().settings.admin_gids)
+    }
+
+    /// Puts reservation `id`'s memory limits on `target`'s cgroup.
+    pub fn attach_cgroup(
+        &self,
+        caller: Caller,
+        id: String,
+        target: crate::isolation::Target,
+    ) -> Pending<Reservation> {
+        self.send(|reply| Command::AttachCgroup {
+            caller,
+            id,
+            target,
+            reply,
+        })
     }
 
     /// Extends the lease of `id` by `ttl_seconds` from now (default: its own TTL).

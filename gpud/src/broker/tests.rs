@@ -47,6 +47,7 @@ fn lease(memory: MemoryAsk, ttl: u64) -> ReserveRequest {
         holder_pid: None,
         labels: BTreeMap::new(),
         id: None,
+        target: Default::default(),
     }
 }
 
@@ -426,6 +427,7 @@ fn a_chosen_id_must_be_new_even_against_a_waiter() {
     rules.reserved(ALICE, lease(gib(16), 600), 0);
     let named = |id: &str| ReserveRequest {
         id: Some(id.to_owned()),
+        target: Default::default(),
         ..waiting(gib(16), 60, Duration::from_secs(60))
     };
     assert!(matches!(

@@ -71,7 +71,8 @@ fn status(e: &BrokerError) -> Status {
         }
         BrokerError::Holder(e) if e.is_gpud_s_fault() => Status::unavailable(message),
         BrokerError::Holder(_) => Status::invalid_argument(message),
-        BrokerError::NotFound(_) | BrokerError::NotActive { .. } => {
+        BrokerError::IsolationUnavailable(_) => Status::failed_precondition(message),
+        BrokerError::NotFound(_) | BrokerError::NotActive { .. } | BrokerError::Conflict(_) => {
             Status::failed_precondition(message)
         }
         BrokerError::Storage(_) | BrokerError::Internal(_) => Status::internal(message),

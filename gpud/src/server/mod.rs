@@ -170,10 +170,35 @@ async fn serve(config: Config, config_path: Option<PathBuf>) -> anyhow::Result<(
     let lib = config.nvml_lib.clone();
     let nvml = tokio::task::spawn_blocking(move || Nvml::open(lib.as_deref())).await??;
     let nvml = Arc::new(nvml);
+    let workloads = Arc::new(crate::isolation::Workloads::detect(&config.isolation));
     let inventory = {
         let nvml = nvml.clone();
-        tokio::task::spawn_blocking(move || nvml.discover()).await??
+        let hierarchy = workloads.hierarchy().cloned();
+        tokio::task::spawn_blocking(move || {
+            nvml.discover().map(|mut inventory| {
+                let modes = crate::isolation::probe(
+                    &nvml,
+                    &inventory.gpus,
+                    inventory.driver_version.as_deref(),
+                    hierarchy.as_ref(),
+                );
+                for (gpu, mode) in inventory.gpus.iter_mut().zip(modes) {
+                    gpu.isolation = mode;
+                }
+                inventory
+            })
+        })
+        .await??
     };
+    tracing::info!(cgroups = %workloads.describe(), "hard isolation");
+    for gpu in &inventory.gpus {
+        tracing::info!(
+            gpu = gpu.index,
+            mode = gpu.isolation.mode.as_str(),
+            reason = gpu.isolation.reason.as_deref().unwrap_or(""),
+            "memory isolation"
+        );
+    }
     tracing::info!(
         gpus = inventory.gpus.len(),
         driver = inventory.driver_version.as_deref().unwrap_or("unknown"),
@@ -193,7 +218,17 @@ async fn serve(config: Config, config_path: Option<PathBuf>) -> anyhow::Result<(
     // Blocks until the broker thread has loaded the database.
     let broker = {
         let inventory = inventory.clone();
-        tokio::task::spawn_blocking(move || Broker::start(store, &inventory, settings)).await??
+        let limiter: Arc<dyn crate::isolation::Limiter> = nvml.clone();
+        tokio::task::spawn_blocking(move || {
+            Broker::start_with(
+                store,
+                &inventory,
+                settings,
+                crate::clock::wall(),
+                Some(limiter),
+            )
+        })
+        .await??
     };
 
     let Listening {
@@ -206,6 +241,7 @@ async fn serve(config: Config, config_path: Option<PathBuf>) -> anyhow::Result<(
         max_body_bytes: config.server.max_body_bytes,
         body_timeout: config.server.body_timeout,
         metrics: metrics.clone(),
+        workloads,
     });
 
     tokio::spawn(history_loop(broker.clone(), metrics.clone()));

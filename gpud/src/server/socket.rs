@@ -463,6 +463,11 @@ mod tests {
             max_body_bytes: 1024,
             body_timeout: limits.body_timeout,
             metrics: Arc::new(Metrics::new()),
+            workloads: Arc::new(crate::isolation::Workloads::new(
+                &Default::default(),
+                None,
+                None,
+            )),
         });
         let listener = bind(&path, 0o600).unwrap();
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();

@@ -160,6 +160,7 @@ fn bare_metal(b: &Broker, memory: MemoryAsk) -> Reservation {
         holder_pid: None,
         labels: BTreeMap::new(),
         id: None,
+        target: Default::default(),
     };
     match b.reserve(ROOT, request, None).wait().unwrap() {
         ReserveOutcome::Reserved(r) => r,

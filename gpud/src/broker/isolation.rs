@@ -1,0 +1,222 @@
+//! The ledger's side of hard isolation: which reservation's memory the driver enforces on
+//! which cgroup, what limits each (cgroup, GPU) pair is to have, and the changes that the
+//! broker thread makes through NVML once a group is committed.
+//!
+//! The database is the intent: a reservation row says driver mode and its cgroup before any
+//! NVML call, and `limits_cleared` stays 0 after it ends until its limits were reset. So
+//! whatever a crash interrupts, [`Ledger::load`] hands the executor every pair to set
+//! (active reservations) and every pair to reset (ended ones not yet cleared), and the
+//! limits follow the database again.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+
+use super::ledger::Ledger;
+use super::{BrokerError, Caller};
+use crate::isolation::{self, Limits, NO_LIMIT, Target};
+use crate::model::{Reservation, ReservationIsolation, ReservedUnit};
+use crate::store::Txn;
+
+/// A pair whose limits must be made what the ledger says: `(cgroup, GPU uuid)`.
+pub(super) type Pair = (String, String);
+
+/// The pairs a driver-mode reservation limits.
+pub(super) fn pairs(r: &Reservation) -> Vec<Pair> {
+    match (&r.isolation.cgroup, r.isolation.is_driver()) {
+        (Some(cgroup), true) => r
+            .units
+            .iter()
+            .map(|u| (cgroup.clone(), u.uuid.clone()))
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
+impl Ledger {
+    /// The isolation a new reservation of `units` gets on `target`; under `[isolation]
+    /// require`, an error instead of advisory.
+    pub(super) fn isolation_for(
+        &self,
+        target: &Target,
+        units: &[ReservedUnit],
+    ) -> Result<ReservationIsolation, BrokerError> {
+        let decided = isolation::decide(target, units, &self.gpus, &self.units);
+        match (&decided.reason, self.settings.config.isolation.require) {
+            (Some(reason), true) if !decided.is_driver() => {
+                Err(BrokerError::IsolationUnavailable(format!(
+                    "the GPU driver cannot enforce this reservation's memory ({reason}), and \
+                     this gpud requires it ([isolation] require)"
+                )))
+            }
+            _ => Ok(decided),
+        }
+    }
+
+    /// Records that `r` (now active) limits its pairs: they are set after the commit.
+    pub(super) fn limits_added(&mut self, r: &Reservation) {
+        let pairs = pairs(r);
+        if let Some(cgroup) = pairs.first().map(|(c, _)| c.clone()) {
+            self.limited
+                .entry(cgroup)
+                .or_default()
+                .insert(r.id.clone());
+        }
+        self.effects.limits.extend(pairs);
+        if let Some(cgroup) = &r.holder_cgroup {
+            self.effects
+                .cgroup_watches
+                .push((r.id.clone(), cgroup.clone()));
+        }
+    }
+
+    /// Records that `r` (now ended) no longer limits its pairs: they are set to what the
+    /// others of its cgroup reserve, or reset, after the commit.
+    pub(super) fn limits_removed(&mut self, r: &Reservation) {
+        let pairs = pairs(r);
+        let Some(cgroup) = pairs.first().map(|(c, _)| c.clone()) else {
+            return;
+        };
+        if let Some(ids) = self.limited.get_mut(&cgroup) {
+            ids.remove(&r.id);
+            if ids.is_empty() {
+                self.limited.remove(&cgroup);
+            }
+        }
+        self.effects.limits.extend(pairs);
+        self.effects.ended_limited.push(r.clone());
+    }
+
+    /// The limits `cgroup` is to have on GPU `uuid` now: the sum of its active
+    /// reservations' there, or a reset (soft 0, no hard limit) when it has none.
+    pub fn desired_limits(&self, cgroup: &str, uuid: &str) -> Limits {
+        let burst = self.settings.config.isolation.burst;
+        let Some(total) = self
+            .unit_index(uuid)
+            .and_then(|i| self.units.get(i))
+            .map(|u| u.memory_total_bytes)
+        else {
+            return (0, NO_LIMIT);
+        };
+        let reserved: Vec<Option<u64>> = self
+            .limited
+            .get(cgroup)
+            .into_iter()
+            .flatten()
+            .filter_map(|id| self.active.get(id))
+            .flat_map(|r| {
+                r.units
+                    .iter()
+                    .filter(|u| u.uuid == uuid)
+                    .map(|u| (!r.exclusive).then_some(u.memory_bytes))
+            })
+            .collect();
+        if reserved.is_empty() {
+            (0, NO_LIMIT)
+        } else {
+            isolation::limits_for(reserved, burst, total)
+        }
+    }
+
+    /// Whether an active reservation still limits `cgroup`.
+    pub fn cgroup_in_use(&self, cgroup: &str) -> bool {
+        self.limited.contains_key(cgroup)
+    }
+
+    /// Puts `id`'s limits on `target`'s cgroup (a container's, found by a CDI hook).
+    pub fn attach_cgroup(
+        &mut self,
+        txn: &mut Txn<'_>,
+        caller: &Caller,
+        id: &str,
+        target: &Target,
+    ) -> Result<Reservation, BrokerError> {
+        let r = self.find_active(txn, id)?;
+        self.authorize(caller, &r, "attach a cgroup to")?;
+        if let (Some(have), Some(new)) = (&r.isolation.cgroup, &target.cgroup)
+            && have != new
+        {
+            return Err(BrokerError::Conflict(format!(
+                "reservation {id} has its limits on {have} already; a reservation limits one \
+                 cgroup (make a reservation per container)"
+            )));
+        }
+        let isolation = self.isolation_for(target, &r.units)?;
+        if isolation == r.isolation {
+            return Ok(Reservation::clone(&r));
+        }
+        txn.set_isolation(id, &isolation)?;
+        self.limits_removed_quietly(&r);
+        let mut updated = Reservation::clone(&r);
+        updated.isolation = isolation;
+        self.limits_added(&updated);
+        self.replace_active(updated.clone());
+        Ok(updated)
+    }
+
+    /// What the driver refused after a commit: each reservation named becomes advisory with
+    /// the reason, or, under `[isolation] require`, ends. `cleared`: ended reservations
+    /// whose limits are reset.
+    pub fn limits_settled(
+        &mut self,
+        txn: &mut Txn<'_>,
+        cleared: &[String],
+        refused: &[(String, String)],
+        now: crate::model::Millis,
+    ) -> Result<(), BrokerError> {
+        if !cleared.is_empty() {
+            txn.limits_cleared(cleared)?;
+        }
+        for (id, reason) in refused {
+            let Some(r) = self.active.get(id).cloned() else {
+                continue;
+            };
+            if self.settings.config.isolation.require {
+                self.end_by_gpud(
+                    txn,
+                    id,
+                    &format!("the driver refused its memory limit: {reason}"),
+                    now,
+                )?;
+                continue;
+            }
+            let isolation = ReservationIsolation::advisory(
+                r.isolation.cgroup.clone(),
+                format!("the driver refused the memory limit: {reason}"),
+            );
+            txn.set_isolation(id, &isolation)?;
+            self.limits_removed_quietly(&r);
+            let mut updated = Reservation::clone(&r);
+            updated.isolation = isolation;
+            self.replace_active(updated);
+        }
+        Ok(())
+    }
+
+    /// Like [`Ledger::limits_removed`] for a reservation that stays active: its pairs are
+    /// set again, but nothing ended.
+    fn limits_removed_quietly(&mut self, r: &Arc<Reservation>) {
+        self.limits_removed(r);
+        self.effects.ended_limited.pop();
+    }
+
+    /// The ended reservations whose limits may still be set (a crash between an end and
+    /// its reset): reset after the load's commit.
+    pub(super) fn reset_pending(&mut self, txn: &Txn<'_>) -> Result<(), BrokerError> {
+        for r in txn.limits_pending()? {
+            let pairs = pairs(&r);
+            if pairs.is_empty() {
+                // Not driver mode after all: nothing to reset, record it as done.
+                self.effects.ended_limited.push(r);
+                continue;
+            }
+            self.effects.limits.extend(pairs);
+            self.effects.ended_limited.push(r);
+        }
+        Ok(())
+    }
+
+    /// Every pair the active reservations limit (a reconciliation).
+    pub fn all_limited_pairs(&self) -> BTreeSet<Pair> {
+        self.active.values().flat_map(|r| pairs(r)).collect()
+    }
+}

@@ -1,0 +1,187 @@
+//! Hard isolation: each reservation's memory as a limit the NVIDIA driver enforces on the
+//! cgroup its workload runs in (driver R615 and later: `nvmlDeviceSetMemoryLimits_v1`).
+//!
+//! Depends on `model`. This module knows cgroups ([`cgroup`]) and decides, per reservation,
+//! whether its memory can be enforced and where; the NVML calls are `gpu`'s, reached
+//! through [`Limiter`], and the broker thread makes them right after the commit that
+//! records the intent, so that a crash at any point is reconciled at the next start.
+//!
+//! The limits of one cgroup on one GPU are the sum over its active reservations there:
+//! soft = reserved bytes (the share the driver guarantees), hard = reserved + `burst`
+//! (allocations beyond it fail), an exclusive reservation the whole card. A cgroup with
+//! none left is reset (soft 0, hard [`NO_LIMIT`]) before a cgroup gpud made is removed, as
+//! NVIDIA's documentation asks: a removed leaf's share otherwise stays with its ancestors.
+
+use std::path::Path;
+
+use gpud_schema::{GpuIsolation, IsolationMode};
+
+use crate::model::{Gpu, OwnedCgroup, ReservationIsolation, ReservedUnit, Unit};
+
+pub mod cgroup;
+pub mod systemd;
+pub mod workloads;
+
+pub use workloads::{Prepared, TargetError, Workloads};
+
+/// `NVML_DEVICE_MEMORY_LIMIT_MAX`: no hard limit.
+pub const NO_LIMIT: u64 = u64::MAX;
+
+/// Sets a cgroup's memory limits on one GPU: NVML in gpud, a recorder in tests. Soft 0 and
+/// hard [`NO_LIMIT`] reset them.
+pub trait Limiter: Send + Sync + std::fmt::Debug {
+    /// Sets `cgroup`'s limits on GPU `gpu_uuid`; the error says why not, for a person.
+    fn set(&self, gpu_uuid: &str, cgroup: &Path, soft: u64, hard: u64) -> Result<(), String>;
+}
+
+/// The limits one cgroup is to have on one GPU: `(soft, hard)`.
+pub type Limits = (u64, u64);
+
+/// The limits that reservations of `reserved` bytes each (an exclusive one: `None`) give one
+/// cgroup on a GPU of `total` bytes.
+pub fn limits_for(reserved: impl IntoIterator<Item = Option<u64>>, burst: u64, total: u64) -> Limits {
+    let (mut soft, mut hard) = (0u64, 0u64);
+    for r in reserved {
+        let (s, h) = match r {
+            Some(bytes) => (bytes, bytes.saturating_add(burst)),
+            None => (total, total),
+        };
+        soft = soft.saturating_add(s);
+        hard = hard.saturating_add(h);
+    }
+    (soft.min(total), hard.min(total))
+}
+
+impl Limiter for crate::gpu::Nvml {
+    fn set(&self, gpu_uuid: &str, cgroup: &Path, soft: u64, hard: u64) -> Result<(), String> {
+        self.set_memory_limits(gpu_uuid, cgroup, soft, hard)
+            .map_err(|e| e.to_string())
+    }
+}
+
+/// Whether gpud can have the driver enforce memory limits on each of `gpus`: the library
+/// has the R615 functions, the GPU is not in MIG mode, cgroup v2 is mounted, gpud runs as
+/// root, and the driver answers a query about the hierarchy's root for this GPU.
+pub fn probe(
+    nvml: &crate::gpu::Nvml,
+    gpus: &[Gpu],
+    driver_version: Option<&str>,
+    hierarchy: Option<&cgroup::Hierarchy>,
+) -> Vec<GpuIsolation> {
+    let advisory = |reason: String| GpuIsolation {
+        mode: IsolationMode::Advisory,
+        reason: Some(reason),
+    };
+    gpus.iter()
+        .map(|g| {
+            if g.mig_enabled {
+                return advisory(
+                    "MIG mode: the driver does not limit memory per cgroup on MIG instances"
+                        .to_owned(),
+                );
+            }
+            if !nvml.has_memory_limits() {
+                return advisory(format!(
+                    "NVIDIA driver {} has no per-cgroup memory limits (R615 or later has)",
+                    driver_version.unwrap_or("of unknown version")
+                ));
+            }
+            let Some(h) = hierarchy else {
+                return advisory("no cgroup v2 hierarchy is mounted".to_owned());
+            };
+            if !nix::unistd::geteuid().is_root() {
+                return advisory("gpud does not run as root, which setting limits needs".to_owned());
+            }
+            match nvml.memory_limits(&g.uuid, h.mount()) {
+                Ok(_) => GpuIsolation::driver(),
+                Err(e) if e.is_not_found() => GpuIsolation::driver(),
+                Err(e) if e.is_not_supported() => advisory(format!(
+                    "NVIDIA driver {} does not support per-cgroup memory limits on this GPU",
+                    driver_version.unwrap_or("of unknown version")
+                )),
+                Err(e) => advisory(format!("the driver's memory-limit query failed: {e}")),
+            }
+        })
+        .collect()
+}
+
+/// Where a request's limits are to go, as found before the broker sees it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Target {
+    /// The cgroup (full path); `None` when there is none to limit, for `none_because`.
+    pub cgroup: Option<String>,
+    /// gpud made it for the workload.
+    pub owned: Option<OwnedCgroup>,
+    /// The cgroup holds the reservation: it ends when the cgroup is empty.
+    pub holds: bool,
+    /// Why there is no cgroup.
+    pub none_because: Option<String>,
+}
+
+impl Target {
+    /// No cgroup, for `reason`.
+    pub fn none(reason: impl Into<String>) -> Target {
+        Target {
+            none_because: Some(reason.into()),
+            ..Target::default()
+        }
+    }
+}
+
+/// Whether the driver can hold a reservation of `units` (of `gpus`, `all_units`) to its
+/// memory on `target`'s cgroup: driver mode when every GPU allows it and there is a cgroup;
+/// advisory, with the first reason found, otherwise.
+pub fn decide(target: &Target, units: &[ReservedUnit], gpus: &[Gpu], all_units: &[Unit]) -> ReservationIsolation {
+    let advisory = |reason: String| ReservationIsolation::advisory(target.cgroup.clone(), reason);
+    for u in units {
+        if all_units.iter().any(|a| a.uuid == u.uuid && a.is_mig()) {
+            return advisory(format!(
+                "{} is a MIG instance: the driver does not limit memory per cgroup on MIG",
+                u.uuid
+            ));
+        }
+        let gpu = gpus.iter().find(|g| g.index == u.gpu_index);
+        if let Some(g) = gpu
+            && g.isolation.mode != IsolationMode::Driver
+        {
+            return advisory(format!(
+                "GPU {}: {}",
+                g.index,
+                g.isolation.reason.as_deref().unwrap_or("no driver-enforced limits")
+            ));
+        }
+    }
+    match &target.cgroup {
+        Some(cgroup) => ReservationIsolation {
+            mode: IsolationMode::Driver,
+            cgroup: Some(cgroup.clone()),
+            reason: None,
+            owned: target.owned.clone(),
+        },
+        None => advisory(
+            target
+                .none_because
+                .clone()
+                .unwrap_or_else(|| "no cgroup to put the limits on".to_owned()),
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GIB: u64 = 1 << 30;
+
+    #[test]
+    fn reservations_of_one_cgroup_add_up_within_the_card() {
+        assert_eq!(limits_for([Some(4 * GIB)], 0, 16 * GIB), (4 * GIB, 4 * GIB));
+        assert_eq!(
+            limits_for([Some(4 * GIB), Some(2 * GIB)], GIB, 16 * GIB),
+            (6 * GIB, 8 * GIB)
+        );
+        assert_eq!(limits_for([None], GIB, 16 * GIB), (16 * GIB, 16 * GIB));
+        assert_eq!(limits_for([Some(15 * GIB)], 4 * GIB, 16 * GIB), (15 * GIB, 16 * GIB));
+        assert_eq!(limits_for([], 0, 16 * GIB), (0, 0));
+    }
+}

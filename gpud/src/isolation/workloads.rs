@@ -1,0 +1,319 @@
+//! Which cgroup a request's limits go on, found before the broker sees the request: the
+//! cgroup the request names (`holder_cgroup`), a new one gpud makes for the holder
+//! (`own_cgroup`, the exec form of `gpuctl reserve`), or the holder's own (a container's
+//! leaf). Blocking: it reads `/proc`, makes directories and talks to systemd.
+//!
+//! Who may name which cgroup: root and the admin groups any; others only the cgroup they
+//! run in or one below it, so that nobody can put a limit on, or tie a reservation to,
+//! somebody else's workload.
+
+use std::path::{Path, PathBuf};
+
+use super::Target;
+use super::cgroup::{self, CgroupError, Hierarchy};
+use crate::config::IsolationConfig;
+use crate::model::{Caller, OwnedCgroup};
+
+/// Where workloads' own cgroups are made.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Place {
+    /// A transient scope per reservation in this slice, through systemd's D-Bus API.
+    Systemd {
+        /// The slice.
+        slice: String,
+    },
+    /// A child of this cgroup (full path), which gpud owns.
+    Directory(PathBuf),
+}
+
+/// What gpud knows about the host's cgroups, made once at start.
+#[derive(Debug, Clone)]
+pub struct Workloads {
+    hierarchy: Option<Hierarchy>,
+    place: Place,
+    /// gpud's own cgroup: a holder in it shares gpud's, which is not the workload's.
+    gpud_cgroup: Option<PathBuf>,
+}
+
+/// A request's target, and how to undo what was done for it if the request fails.
+#[derive(Debug, Default)]
+pub struct Prepared {
+    /// Where the limits go.
+    pub target: Target,
+    /// The holder was moved into a new cgroup: `(pid, where it was)`.
+    moved: Option<(u32, PathBuf)>,
+}
+
+/// Why a request's cgroup cannot be used: the message is for the caller.
+#[derive(Debug, thiserror::Error)]
+pub enum TargetError {
+    /// The request is wrong (400).
+    #[error("{0}")]
+    Invalid(String),
+    /// The caller may not name that cgroup (403).
+    #[error("{0}")]
+    Forbidden(String),
+    /// gpud could not make or join a cgroup (500: not the caller's fault).
+    #[error("{0}")]
+    Failed(String),
+}
+
+impl From<CgroupError> for TargetError {
+    fn from(e: CgroupError) -> TargetError {
+        match e {
+            CgroupError::NotACgroup { .. } => TargetError::Invalid(e.to_string()),
+            CgroupError::Process { .. } | CgroupError::Io { .. } => {
+                TargetError::Failed(e.to_string())
+            }
+        }
+    }
+}
+
+impl Workloads {
+    /// Finds the cgroup v2 hierarchy and where workloads' cgroups go, per `config`.
+    pub fn detect(config: &IsolationConfig) -> Workloads {
+        let hierarchy = Hierarchy::detect();
+        let gpud_cgroup = hierarchy
+            .as_ref()
+            .and_then(|h| h.cgroup_of(std::process::id()).ok());
+        Workloads::new(config, hierarchy, gpud_cgroup)
+    }
+
+    /// Workloads on `hierarchy` (tests pass their own).
+    pub fn new(
+        config: &IsolationConfig,
+        hierarchy: Option<Hierarchy>,
+        gpud_cgroup: Option<PathBuf>,
+    ) -> Workloads {
+        let systemd_runs = Path::new("/run/systemd/system").is_dir();
+        let place = match config.workloads.as_str() {
+            "systemd" => Place::Systemd {
+                slice: config.slice.clone(),
+            },
+            "auto" if systemd_runs => Place::Systemd {
+                slice: config.slice.clone(),
+            },
+            "auto" => Place::Directory(
+                hierarchy
+                    .as_ref()
+                    .map_or_else(|| PathBuf::from("/"), |h| h.full_path("/gpud")),
+            ),
+            dir => Place::Directory(match &hierarchy {
+                Some(h) if !Path::new(dir).starts_with(h.mount()) => h.full_path(dir),
+                _ => PathBuf::from(dir),
+            }),
+        };
+        Workloads {
+            hierarchy,
+            place,
+            gpud_cgroup,
+        }
+    }
+
+    /// The hierarchy, when cgroup v2 is mounted.
+    pub fn hierarchy(&self) -> Option<&Hierarchy> {
+        self.hierarchy.as_ref()
+    }
+
+    /// A line for the log at start: where workloads' cgroups go.
+    pub fn describe(&self) -> String {
+        match (&self.hierarchy, &self.place) {
+            (None, _) => "no cgroup v2 hierarchy is mounted: every reservation is advisory".into(),
+            (Some(h), Place::Systemd { slice }) => format!(
+                "cgroup v2 at {}{}; gpuctl reserve -- COMMAND runs in a transient scope in {slice}",
+                h.mount().display(),
+                if h.is_hybrid() { " (hybrid)" } else { "" }
+            ),
+            (Some(h), Place::Directory(dir)) => format!(
+                "cgroup v2 at {}{}; gpuctl reserve -- COMMAND runs in a child of {}",
+                h.mount().display(),
+                if h.is_hybrid() { " (hybrid)" } else { "" },
+                dir.display()
+            ),
+        }
+    }
+
+    /// The target of a request. `named`: its `holder_cgroup`; `own`: its `own_cgroup`, for
+    /// reservation `id`; `holder`: its holder's pid (in gpud's namespace, pinned already).
+    pub fn prepare(
+        &self,
+        caller: &Caller,
+        admin: bool,
+        named: Option<&str>,
+        own: bool,
+        holder: Option<u32>,
+        id: &str,
+    ) -> Result<Prepared, TargetError> {
+        let Some(h) = &self.hierarchy else {
+            if named.is_some() {
+                return Err(TargetError::Invalid(
+                    "holder_cgroup: this host has no cgroup v2 hierarchy mounted".to_owned(),
+                ));
+            }
+            return Ok(Prepared {
+                target: Target::none("this host has no cgroup v2 hierarchy mounted"),
+                moved: None,
+            });
+        };
+        if let Some(named) = named {
+            if holder.is_some() || own {
+                return Err(TargetError::Invalid(
+                    "holder_cgroup is a holder of its own: give it without holder_pid and \
+                     own_cgroup"
+                        .to_owned(),
+                ));
+            }
+            let full = self.named(h, caller, admin, named)?;
+            return Ok(Prepared {
+                target: Target {
+                    cgroup: Some(full.display().to_string()),
+                    holds: true,
+                    ..Target::default()
+                },
+                moved: None,
+            });
+        }
+        match (holder, own) {
+            (None, true) => Err(TargetError::Invalid(
+                "own_cgroup moves the holder process into a cgroup of its own: give holder_pid too"
+                    .to_owned(),
+            )),
+            (Some(pid), true) => self.own(h, pid, id),
+            (Some(pid), false) => Ok(Prepared {
+                target: self.of_process(h, pid)?,
+                moved: None,
+            }),
+            (None, false) => Ok(Prepared {
+                target: Target::none(
+                    "no process or cgroup holds it, so there is nothing to limit; a container \
+                     gets its cgroup attached by gpud's CDI hook",
+                ),
+                moved: None,
+            }),
+        }
+    }
+
+    /// A cgroup a caller names (a request's `holder_cgroup`, an attach's `cgroup`), checked.
+    pub fn named(
+        &self,
+        h: &Hierarchy,
+        caller: &Caller,
+        admin: bool,
+        named: &str,
+    ) -> Result<PathBuf, TargetError> {
+        let full = h.resolve(named)?;
+        if h.is_root(&full) {
+            return Err(TargetError::Invalid(format!(
+                "{named} is the root cgroup, which cannot hold a reservation or a limit"
+            )));
+        }
+        if !admin {
+            let pid = caller.pid.ok_or_else(|| {
+                TargetError::Forbidden(
+                    "gpud cannot see your process, so it cannot tell which cgroup is yours"
+                        .to_owned(),
+                )
+            })?;
+            let own = h.cgroup_of(pid)?;
+            if !cgroup::is_within(&full, &own) {
+                return Err(TargetError::Forbidden(format!(
+                    "you may name only your own cgroup ({}) or one below it, not {}",
+                    own.display(),
+                    full.display()
+                )));
+            }
+        }
+        Ok(full)
+    }
+
+    /// The cgroup process `pid` runs in, as a target (or none, when that is the root's or
+    /// gpud's).
+    pub fn of_process(&self, h: &Hierarchy, pid: u32) -> Result<Target, TargetError> {
+        let full = h.cgroup_of(pid)?;
+        if h.is_root(&full) {
+            return Ok(Target::none(format!(
+                "the holder (process {pid}) runs in the root cgroup, which cannot be limited; \
+                 `gpuctl reserve -- COMMAND` runs COMMAND in a cgroup of its own"
+            )));
+        }
+        if self.gpud_cgroup.as_deref() == Some(full.as_path()) {
+            return Ok(Target::none(format!(
+                "the holder (process {pid}) runs in gpud's own cgroup"
+            )));
+        }
+        Ok(Target {
+            cgroup: Some(full.display().to_string()),
+            ..Target::default()
+        })
+    }
+
+    /// Makes a cgroup for reservation `id` and moves `pid` into it.
+    fn own(&self, h: &Hierarchy, pid: u32, id: &str) -> Result<Prepared, TargetError> {
+        let before = h.cgroup_of(pid)?;
+        let (full, owned) = match &self.place {
+            Place::Directory(dir) => {
+                let full = dir.join(id);
+                cgroup::create(&full)?;
+                if let Err(e) = cgroup::move_process(&full, pid) {
+                    let _ = cgroup::remove(&full);
+                    return Err(e.into());
+                }
+                (full, OwnedCgroup::Directory)
+            }
+            Place::Systemd { slice } => {
+                let unit = super::systemd::scope_name(id);
+                let relative = super::systemd::Systemd::connect()
+                    .and_then(|s| {
+                        s.start_scope(&unit, slice, pid, &format!("gpud reservation {id}"))
+                    })
+                    .map_err(|e| TargetError::Failed(e.to_string()))?;
+                (h.full_path(&relative), OwnedCgroup::Scope { unit })
+            }
+        };
+        Ok(Prepared {
+            target: Target {
+                cgroup: Some(full.display().to_string()),
+                owned: Some(owned),
+                ..Target::default()
+            },
+            moved: Some((pid, before)),
+        })
+    }
+
+    /// Undoes [`Workloads::prepare`] for a request that failed: the holder goes back where
+    /// it was, and the cgroup made for it is removed.
+    pub fn undo(&self, prepared: &Prepared) {
+        let Some((pid, before)) = &prepared.moved else {
+            return;
+        };
+        if let Err(e) = cgroup::move_process(before, *pid) {
+            tracing::debug!(pid, error = %e, "could not move a holder back (it may have exited)");
+        }
+        if let (Some(cgroup), Some(OwnedCgroup::Directory)) =
+            (&prepared.target.cgroup, &prepared.target.owned)
+        {
+            remove_owned(Path::new(cgroup));
+        }
+    }
+}
+
+/// Removes a cgroup gpud made, once empty: at once if it is, else when its last process
+/// exits (on the runtime, when there is one).
+pub fn remove_owned(full: &Path) {
+    if cgroup::populated(full) != Some(true) {
+        if let Err(e) = cgroup::remove(full) {
+            tracing::warn!(cgroup = %full.display(), error = %e, "could not remove a workload cgroup");
+        }
+        return;
+    }
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    let full = full.to_path_buf();
+    runtime.spawn(async move {
+        cgroup::wait_empty(full.clone()).await;
+        if let Err(e) = cgroup::remove(&full) {
+            tracing::warn!(cgroup = %full.display(), error = %e, "could not remove a workload cgroup");
+        }
+    });
+}
