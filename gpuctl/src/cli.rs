@@ -170,6 +170,12 @@ pub struct ReserveArgs {
     #[arg(long, value_name = "PID", conflicts_with = "command", value_parser = clap::value_parser!(u32).range(1..))]
     pub holder_pid: Option<u32>,
 
+    /// A cgroup v2 that holds the reservation instead of a process: released when the
+    /// cgroup is empty. Yours or one below it (root and admins: any); the memory limits go
+    /// on it. As /proc/PID/cgroup writes it (/system.slice/job.scope) or its full path.
+    #[arg(long, value_name = "CGROUP", conflicts_with_all = ["command", "holder_pid"])]
+    pub holder_cgroup: Option<String>,
+
     /// A label (repeatable): job, team, pod or container names.
     #[arg(long = "label", value_name = "KEY=VALUE", value_parser = parse_label)]
     pub labels: Vec<(String, String)>,

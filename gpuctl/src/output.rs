@@ -8,7 +8,8 @@ use std::fmt::Write as _;
 use std::time::{Duration, SystemTime};
 
 use gpud_schema::{
-    GpuList, MemorySpec, Reservation, ReservationRequest, ReservationState, Waiter, format_bytes,
+    GpuList, Isolation, IsolationMode, MemorySpec, Reservation, ReservationRequest,
+    ReservationState, Waiter, format_bytes,
 };
 
 /// Column alignment.
@@ -175,11 +176,24 @@ fn memory_cell(r: &Reservation) -> String {
     }
 }
 
-/// Who keeps it alive: `pid 4242`, `ttl 59m left`, both, or how it ended.
+/// `driver-enforced on CGROUP`, or `advisory: REASON`.
+pub fn isolation_text(i: &Isolation) -> String {
+    match (i.mode, &i.cgroup, &i.reason) {
+        (IsolationMode::Driver, Some(cgroup), _) => format!("driver-enforced on {cgroup}"),
+        (IsolationMode::Driver, None, _) => "driver-enforced".to_owned(),
+        (IsolationMode::Advisory, _, Some(reason)) => format!("advisory: {reason}"),
+        (IsolationMode::Advisory, _, None) => "advisory".to_owned(),
+    }
+}
+
+/// Who keeps it alive: `pid 4242`, `cgroup …`, `ttl 59m left`, or a mix.
 fn lifetime_cell(r: &Reservation, now: SystemTime) -> String {
     let mut parts = Vec::new();
     if let Some(pid) = r.holder_pid {
         parts.push(format!("pid {pid}"));
+    }
+    if let Some(cgroup) = &r.holder_cgroup {
+        parts.push(format!("cgroup {cgroup}"));
     }
     if r.state == ReservationState::Active
         && let Some(at) = r.expires_at.as_deref().and_then(parse_time)
@@ -386,6 +400,7 @@ pub fn reservation_details(
         field("ended", format!("{ended} ({why})"));
     }
     field("memory", format!("{} per GPU", memory_cell(r)));
+    field("isolation", isolation_text(&r.isolation));
     field("labels", labels_cell(&r.labels));
     let _ = writeln!(out, "gpus:");
     let mut t = Table::new(&[
@@ -427,6 +442,7 @@ pub fn gpus_table(list: &GpuList, colour: bool) -> String {
         ("TOTAL", Align::Right),
         ("RESV", Align::Right),
         ("HEALTH", Align::Left),
+        ("ISOLATION", Align::Left),
     ]);
     let (mut reserved, mut used, mut total, mut unaccounted, mut count) =
         (0u64, 0u64, 0u64, 0u64, 0u64);
@@ -455,6 +471,7 @@ pub fn gpus_table(list: &GpuList, colour: bool) -> String {
             format_bytes(g.memory_total_bytes).into(),
             g.reservations.to_string().into(),
             health,
+            g.isolation.mode.as_str().into(),
         ]);
         for (i, m) in g.mig_instances.iter().enumerate() {
             // The profile is what an admin recognises ("3g.40gb"); the GPU's name is above.
@@ -469,6 +486,7 @@ pub fn gpus_table(list: &GpuList, colour: bool) -> String {
                 format_bytes(m.memory_used_bytes).into(),
                 format_bytes(m.memory_total_bytes).into(),
                 m.reservations.to_string().into(),
+                "".into(),
                 "".into(),
             ]);
         }
@@ -495,6 +513,21 @@ pub fn gpus_table(list: &GpuList, colour: bool) -> String {
         "; {count} reservation{}",
         if count == 1 { "" } else { "s" }
     );
+    // Why a GPU is advisory, once per distinct reason.
+    let mut reasons: Vec<(String, &str)> = Vec::new();
+    for g in &list.gpus {
+        if let Some(reason) = g.isolation.reason.as_deref() {
+            match reasons.iter_mut().find(|(_, r)| *r == reason) {
+                Some((gpus, _)) => {
+                    let _ = write!(gpus, ",{}", g.index);
+                }
+                None => reasons.push((g.index.to_string(), reason)),
+            }
+        }
+    }
+    for (gpus, reason) in reasons {
+        let _ = writeln!(out, "advisory on GPU {gpus}: {reason}");
+    }
     out
 }
 
@@ -550,7 +583,7 @@ pub fn events_table(events: &[gpud_schema::Event], header: bool) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use gpud_schema::{GpuStatus, MigStatus, ReservedGpu};
+    use gpud_schema::{GpuIsolation, GpuStatus, MigStatus, ReservedGpu};
 
     const GIB: u64 = 1 << 30;
 
@@ -654,6 +687,18 @@ mod tests {
             details.contains("  CUDA_VISIBLE_DEVICES=GPU-a"),
             "{details}"
         );
+        assert!(details.contains("isolation: advisory\n"), "{details}");
+        let mut r = reservation();
+        r.isolation = Isolation {
+            mode: IsolationMode::Driver,
+            cgroup: Some("/sys/fs/cgroup/gpud/r1".into()),
+            reason: None,
+        };
+        let details = reservation_details(&r, now, &|_| "alice".into());
+        assert!(
+            details.contains("isolation: driver-enforced on /sys/fs/cgroup/gpud/r1"),
+            "{details}"
+        );
     }
 
     #[test]
@@ -681,7 +726,14 @@ mod tests {
             healthy: index == 0,
             mig_instances: mig,
             links: vec![],
-            isolation: Default::default(),
+            isolation: if index == 0 {
+                GpuIsolation::driver()
+            } else {
+                GpuIsolation {
+                    mode: IsolationMode::Advisory,
+                    reason: Some("MIG mode".into()),
+                }
+            },
         };
         let list = GpuList {
             driver_version: None,
@@ -704,18 +756,19 @@ mod tests {
         };
         let text = gpus_table(&list, false);
         let lines: Vec<&str> = text.lines().collect();
-        assert_eq!(lines.len(), 5, "{text}");
+        assert_eq!(lines.len(), 6, "{text}");
         assert!(lines[1].starts_with("0    NVIDIA A100-SXM4-80GB"), "{text}");
         assert!(
-            lines[1].ends_with("40 GiB  12 GiB  80 GiB     1  ok"),
+            lines[1].ends_with("40 GiB  12 GiB  80 GiB     1  ok         driver"),
             "{text}"
         );
         assert!(lines[2].contains("MIG 3g.40gb"), "{text}");
-        assert!(lines[3].ends_with("UNHEALTHY"), "{text}");
+        assert!(lines[3].ends_with("UNHEALTHY  advisory"), "{text}");
         assert_eq!(
             lines[4],
             "TOTAL  reserved 40 GiB / 160 GiB (25%), used 12 GiB (8%); 1 reservation"
         );
+        assert_eq!(lines[5], "advisory on GPU 1: MIG mode");
         assert!(gpus_table(&list, true).contains("\x1b[31mUNHEALTHY\x1b[0m"));
         assert!(!text.contains('\x1b'));
     }

@@ -42,6 +42,8 @@ pub enum Holder {
     Parent(u32),
     /// A pid given with `--holder-pid`.
     Given(u32),
+    /// The cgroup given with `--holder-cgroup`.
+    Cgroup,
     /// Nobody: a TTL lease.
     Lease,
 }
@@ -51,6 +53,8 @@ impl Holder {
     pub fn choose(args: &ReserveArgs, me: u32, parent: u32) -> Holder {
         if !args.command.is_empty() {
             Holder::SelfThenExec(me)
+        } else if args.holder_cgroup.is_some() {
+            Holder::Cgroup
         } else if let Some(pid) = args.holder_pid {
             Holder::Given(pid)
         } else if args.ttl.is_some() {
@@ -63,7 +67,7 @@ impl Holder {
     fn pid(self) -> Option<u32> {
         match self {
             Holder::SelfThenExec(p) | Holder::Parent(p) | Holder::Given(p) => Some(p),
-            Holder::Lease => None,
+            Holder::Lease | Holder::Cgroup => None,
         }
     }
 }
@@ -156,8 +160,9 @@ pub fn request(args: &ReserveArgs, holder: Holder, wait: Option<Duration>) -> Re
         holder_pid: holder.pid(),
         labels: args.labels.iter().cloned().collect(),
         policy: args.policy.map(Into::into),
-        holder_cgroup: None,
-        own_cgroup: false,
+        holder_cgroup: args.holder_cgroup.clone(),
+        // The exec form's command gets a cgroup of its own, which the limits go on.
+        own_cgroup: matches!(holder, Holder::SelfThenExec(_)),
     }
 }
 
@@ -236,6 +241,10 @@ fn held_note(r: &Reservation, holder: Holder) -> String {
         Holder::Parent(pid) => format!("held by your shell (pid {pid}) until it exits"),
         Holder::Given(pid) => format!("held by pid {pid} until it exits"),
         Holder::SelfThenExec(pid) => format!("held by pid {pid}"),
+        Holder::Cgroup => format!(
+            "held by cgroup {} until it is empty",
+            r.holder_cgroup.as_deref().unwrap_or("?")
+        ),
         Holder::Lease => "a lease: renew it with `gpuctl renew` before it ends".to_owned(),
     };
     let ttl = match (holder, r.ttl_seconds) {
@@ -553,9 +562,16 @@ mod tests {
         );
         assert_eq!(
             serde_json::to_value(&r).unwrap(),
-            serde_json::json!({"gpus": 1, "exclusive": true, "holder_pid": 9})
+            serde_json::json!({"gpus": 1, "exclusive": true, "holder_pid": 9, "own_cgroup": true})
         );
         assert_eq!(describe(&r), "1 whole GPU");
+        let a = args(&["--mem", "1G", "--holder-cgroup", "/system.slice/job.scope"]);
+        assert_eq!(Holder::choose(&a, 1, 2), Holder::Cgroup);
+        assert_eq!(
+            serde_json::to_value(request(&a, Holder::Cgroup, None)).unwrap(),
+            serde_json::json!({"gpus": 1, "memory": 1073741824,
+                "holder_cgroup": "/system.slice/job.scope"})
+        );
         let r = request(&args(&["--mem", "4GiB"]), Holder::Parent(1), None);
         assert_eq!(r.memory, Some(MemorySpec::Bytes(4 << 30)));
         assert_eq!(describe(&r), "4 GiB on 1 GPU");

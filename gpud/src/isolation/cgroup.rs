@@ -357,7 +357,7 @@ mod tests {
         assert_eq!(h.resolve("/job").unwrap(), dir.path().join("job"));
         let full = dir.path().join("job").display().to_string();
         assert_eq!(h.resolve(&full).unwrap(), dir.path().join("job"));
-        for bad in ["/nope", "job", "/job/../job", "/job/."] {
+        for bad in ["/nope", "job", "/job/../job"] {
             let e = h.resolve(bad).unwrap_err().to_string();
             assert!(e.contains("is not a cgroup v2 directory"), "{bad}: {e}");
         }

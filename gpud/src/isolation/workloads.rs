@@ -178,7 +178,24 @@ impl Workloads {
                 "own_cgroup moves the holder process into a cgroup of its own: give holder_pid too"
                     .to_owned(),
             )),
-            (Some(pid), true) => self.own(h, pid, id),
+            // A holder in a container keeps the container's cgroup: moving it out would take
+            // it from under the container's CPU and memory limits.
+            (Some(pid), true) if in_container(pid) => Ok(Prepared {
+                target: self.of_process(h, pid)?,
+                moved: None,
+            }),
+            (Some(pid), true) => match self.own(h, pid, id) {
+                Ok(prepared) => Ok(prepared),
+                Err(e) => {
+                    tracing::warn!(pid, error = %e, "could not give a workload a cgroup of its own");
+                    Ok(Prepared {
+                        target: Target::none(format!(
+                            "gpud could not make a cgroup for the workload: {e}"
+                        )),
+                        moved: None,
+                    })
+                }
+            },
             (Some(pid), false) => Ok(Prepared {
                 target: self.of_process(h, pid)?,
                 moved: None,
@@ -295,6 +312,19 @@ impl Workloads {
             remove_owned(Path::new(cgroup));
         }
     }
+}
+
+/// Whether `pid` runs in another cgroup or pid namespace than gpud (a container's process).
+/// Unreadable namespaces count as a container: the process is then left where it is.
+fn in_container(pid: u32) -> bool {
+    ["cgroup", "pid"].iter().any(|ns| {
+        let theirs = std::fs::read_link(format!("/proc/{pid}/ns/{ns}"));
+        let ours = std::fs::read_link(format!("/proc/self/ns/{ns}"));
+        match (theirs, ours) {
+            (Ok(a), Ok(b)) => a != b,
+            _ => true,
+        }
+    })
 }
 
 /// Removes a cgroup gpud made, once empty: at once if it is, else when its last process
