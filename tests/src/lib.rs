@@ -229,6 +229,11 @@ pub struct Daemon {
 impl Daemon {
     /// Starts gpud on fixture `name` with extra TOML appended to a minimal config.
     pub fn start(name: &str, config: &str) -> Daemon {
+        Daemon::start_edited(name, config, |_| {})
+    }
+
+    /// [`Daemon::start`] on a copy of fixture `name` changed by `edit` first.
+    pub fn start_edited(name: &str, config: &str, edit: impl FnOnce(&mut Value)) -> Daemon {
         let dir = tempfile::Builder::new()
             .prefix("gpud-test")
             .tempdir()
@@ -240,7 +245,10 @@ impl Daemon {
         )
         .unwrap();
         let fixture_copy = dir.path().join("fixture.json");
-        std::fs::copy(fixture(name), &fixture_copy).unwrap();
+        let mut value: Value =
+            serde_json::from_slice(&std::fs::read(fixture(name)).unwrap()).unwrap();
+        edit(&mut value);
+        write_fixture(&fixture_copy, &value);
         let config_path = dir.path().join("gpud.toml");
         // A fast audit unless the test sets its own.
         let audit = if config.contains("[audit]") {

@@ -96,7 +96,8 @@ pub fn probe(
                 Ok(_) => GpuIsolation::driver(),
                 Err(e) if e.is_not_found() => GpuIsolation::driver(),
                 Err(e) if e.is_not_supported() => advisory(format!(
-                    "NVIDIA driver {} does not support per-cgroup memory limits on this GPU",
+                    "NVIDIA driver {} does not support per-cgroup memory limits on this GPU (R615 or \
+                     later does, except on MIG)",
                     driver_version.unwrap_or("of unknown version")
                 )),
                 Err(e) => advisory(format!("the driver's memory-limit query failed: {e}")),

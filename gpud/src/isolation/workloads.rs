@@ -232,6 +232,13 @@ impl Workloads {
                 )
             })?;
             let own = h.cgroup_of(pid)?;
+            if h.is_root(&own) {
+                return Err(TargetError::Forbidden(format!(
+                    "your process runs in the root cgroup, so no cgroup is yours to name; \
+                     only root and the admin groups may name {}",
+                    full.display()
+                )));
+            }
             if !cgroup::is_within(&full, &own) {
                 return Err(TargetError::Forbidden(format!(
                     "you may name only your own cgroup ({}) or one below it, not {}",

@@ -791,6 +791,15 @@ unsafe fn name_space(ptr: *const c_char) -> Result<String, NvmlReturn> {
     Ok(text.trim_end_matches('/').to_owned())
 }
 
+/// Blocks a call while the fixture says `stall_memory_limits`, after creating the marker
+/// file it names (so that a test knows the caller is inside the call).
+fn stall(marker: &str) {
+    let _ = std::fs::write(marker, b"");
+    while crate::state::machine().is_ok_and(|m| m.stall_memory_limits.is_some()) {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
 /// Whether this process runs as root (its effective uid, from `/proc/self/status`).
 fn effective_root() -> bool {
     std::fs::read_to_string("/proc/self/status")
@@ -815,6 +824,9 @@ device_fn! {
         let cgroup = unsafe { name_space(value.name_space) }?;
         if !effective_root() {
             return Err(NO_PERMISSION);
+        }
+        if let Some(marker) = &m.stall_memory_limits {
+            stall(marker);
         }
         let total = m.memory(Target::Gpu(g)).ok_or(UNKNOWN)?.total;
         limits::set(&m.gpus[g].uuid, total, &cgroup, value.soft_limit, value.hard_limit)

@@ -71,6 +71,8 @@ struct RawMachine {
     topology: RawTopology,
     #[serde(default)]
     errors: Vec<RawError>,
+    #[serde(default)]
+    stall_memory_limits: Option<String>,
 }
 
 fn default_driver_version() -> String {
@@ -500,6 +502,9 @@ pub struct Machine {
     pub pcie: Vec<Vec<u32>>,
     /// Injected failures, first match wins.
     pub errors: Vec<Injection>,
+    /// When set, `nvmlDeviceSetMemoryLimits_v1` creates this file and then blocks until the
+    /// fixture no longer sets it: a test kills its caller in the middle of the call.
+    pub stall_memory_limits: Option<String>,
 }
 
 /// Instance ids NVML reports for processes on a GPU that is not in MIG mode.
@@ -802,6 +807,7 @@ fn build(raw: RawMachine) -> Result<Machine, FixtureError> {
         gpus,
         pcie,
         errors,
+        stall_memory_limits: raw.stall_memory_limits,
     };
     check_memory(&machine)?;
     Ok(machine)

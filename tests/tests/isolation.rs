@@ -1,0 +1,555 @@
+//! Hard isolation through real cgroups and the fake NVML's R615 memory limits: what a
+//! workload sees, what another process reads back, and that nothing is left behind.
+//!
+//! Needs root (cgroups are made and processes moved) and cgroup v2 (pure or hybrid); the
+//! pynvml checks need `.venv` with nvidia-ml-py (`.ci/run` makes it).
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use serde_json::{Value, json};
+
+use gpud_tests::{
+    Daemon, GIB, PATIENCE, curl_as, fake_nvml, is_root, missing_prerequisite, repo_root, wait_for,
+};
+
+/// The fixture's GPU 0.
+const GPU0: &str = "GPU-2122b5ee-2cae-5e78-818c-5e541ba1b242";
+
+/// The cgroup v2 mount (`/sys/fs/cgroup`, or `/sys/fs/cgroup/unified` on a hybrid host).
+fn cgroup_mount() -> Option<PathBuf> {
+    let text = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
+    let mounts: Vec<PathBuf> = text
+        .lines()
+        .filter_map(|l| {
+            let (left, right) = l.split_once(" - ")?;
+            let mountpoint = left.split_whitespace().nth(4)?;
+            (right.split_whitespace().next()? == "cgroup2").then(|| PathBuf::from(mountpoint))
+        })
+        .collect();
+    mounts
+        .iter()
+        .find(|m| *m == Path::new("/sys/fs/cgroup"))
+        .or(mounts.first())
+        .cloned()
+}
+
+/// Root and a cgroup v2 mount, or why not.
+fn prerequisites() -> Option<PathBuf> {
+    if !is_root() {
+        missing_prerequisite("root (to make cgroups and move processes)");
+        return None;
+    }
+    let mount = cgroup_mount();
+    if mount.is_none() {
+        missing_prerequisite("a cgroup v2 hierarchy");
+    }
+    mount
+}
+
+/// `.venv/bin/python` with nvidia-ml-py, or why not.
+fn python() -> Option<PathBuf> {
+    let python = repo_root().join(".venv/bin/python");
+    let ok = Command::new(&python)
+        .args(["-c", "import pynvml"])
+        .status()
+        .is_ok_and(|s| s.success());
+    if !ok {
+        missing_prerequisite(".venv with nvidia-ml-py (python3 -m venv .venv; .venv/bin/pip install -r tests/conformance/requirements.txt)");
+        return None;
+    }
+    Some(python)
+}
+
+/// `tests/scripts/nvml-limits ARGS` run by `python` against `d`'s fake NVML.
+fn nvml_limits(python: &Path, d: &Daemon, args: &[&str]) -> Value {
+    let out = Command::new(python)
+        .arg(repo_root().join("tests/scripts/nvml-limits"))
+        .args(args)
+        .env("NVML_LIB", fake_nvml())
+        .env("FAKE_NVML_CONFIG", &d.fixture)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "nvml-limits {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// `cgroup`'s limits on GPU 0 as another process reads them: `None` when it has none.
+fn limits_of(python: &Path, d: &Daemon, cgroup: &str) -> Option<(u64, u64)> {
+    let v = nvml_limits(python, d, &["get", GPU0, cgroup]);
+    let l = v["limits"].as_array()?;
+    Some((l[0].as_u64().unwrap(), l[1].as_u64().unwrap()))
+}
+
+/// Every limit the driver holds, `{GPU: {cgroup: [soft, hard]}}` without empty GPUs: the
+/// fake keeps its map beside the fixture (as the real driver keeps one for the machine).
+fn limits_left(d: &Daemon) -> Value {
+    let table = d.fixture.with_extension("json.limits.json");
+    let map: serde_json::Map<String, Value> = std::fs::read(&table)
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok())
+        .unwrap_or_default();
+    map.into_iter()
+        .filter(|(_, per_cgroup)| per_cgroup.as_object().is_some_and(|m| !m.is_empty()))
+        .collect()
+}
+
+/// The fixture's driver becomes R615, which has per-cgroup memory limits.
+fn r615(fixture: &mut Value) {
+    fixture["driver_version"] = json!("615.12.01");
+}
+
+/// A gpud whose workload cgroups go under a directory of this test's own, removed after.
+struct Isolated {
+    d: Daemon,
+    workloads: PathBuf,
+}
+
+impl Isolated {
+    fn start(mount: &Path, name: &str, extra: &str, edit: impl FnOnce(&mut Value)) -> Isolated {
+        let workloads = mount.join(format!("gpud-test-{name}-{}", std::process::id()));
+        let config = format!(
+            "[isolation]\nworkloads = {:?}\n{extra}",
+            workloads.display().to_string()
+        );
+        Isolated {
+            d: Daemon::start_edited("t4-pair", &config, edit),
+            workloads,
+        }
+    }
+
+    /// The workload cgroups that exist now.
+    fn children(&self) -> Vec<String> {
+        std::fs::read_dir(&self.workloads)
+            .map(|dir| {
+                dir.filter_map(|e| {
+                    let e = e.ok()?;
+                    e.file_type()
+                        .ok()?
+                        .is_dir()
+                        .then(|| e.file_name().to_string_lossy().into_owned())
+                })
+                .collect()
+            })
+            .unwrap_or_default()
+    }
+}
+
+impl Drop for Isolated {
+    fn drop(&mut self) {
+        for child in self.children() {
+            let _ = std::fs::remove_dir(self.workloads.join(child));
+        }
+        let _ = std::fs::remove_dir(&self.workloads);
+    }
+}
+
+/// A cgroup made by the test, with a `sleep` in it; removed (sleep killed) on drop.
+struct TestCgroup {
+    path: PathBuf,
+    sleeper: Option<Child>,
+}
+
+impl TestCgroup {
+    fn new(mount: &Path, name: &str) -> TestCgroup {
+        let path = mount.join(format!("gpud-test-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&path).unwrap();
+        let sleeper = Command::new("sleep").arg("600").spawn().unwrap();
+        std::fs::write(path.join("cgroup.procs"), sleeper.id().to_string()).unwrap();
+        TestCgroup {
+            path,
+            sleeper: Some(sleeper),
+        }
+    }
+
+    fn name(&self) -> String {
+        self.path.display().to_string()
+    }
+
+    /// Kills its process: the cgroup becomes empty.
+    fn empty(&mut self) {
+        if let Some(mut s) = self.sleeper.take() {
+            let _ = s.kill();
+            let _ = s.wait();
+        }
+    }
+}
+
+impl Drop for TestCgroup {
+    fn drop(&mut self) {
+        self.empty();
+        let _ = wait_for(Duration::from_secs(5), || {
+            std::fs::remove_dir(&self.path).ok()
+        });
+    }
+}
+
+/// A workload run with `gpuctl reserve --mem 4GiB -- nvml-limits total GPU0`, kept running
+/// (its stdin open) until the test lets it go.
+fn run_workload(python: &Path, d: &Daemon) -> (Child, Value) {
+    let mut child = d
+        .gpuctl()
+        .args(["reserve", "--mem", "4GiB", "--"])
+        .arg(python)
+        .arg("-c")
+        .arg(
+            "import subprocess, sys\n\
+             subprocess.run([sys.executable] + sys.argv[1:], check=True)\n\
+             sys.stdin.read()",
+        )
+        .arg(repo_root().join("tests/scripts/nvml-limits"))
+        .args(["total", GPU0])
+        .env("NVML_LIB", fake_nvml())
+        .env("FAKE_NVML_CONFIG", &d.fixture)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let seen: Value = serde_json::from_str(&line)
+        .unwrap_or_else(|e| panic!("the workload printed {line:?}: {e}"));
+    (child, seen)
+}
+
+/// Lets a workload from [`run_workload`] exit, and reaps it.
+fn finish(mut child: Child) {
+    drop(child.stdin.take());
+    assert!(child.wait().unwrap().success());
+}
+
+#[test]
+fn a_workload_runs_in_its_own_cgroup_and_the_driver_holds_it_to_what_it_reserved() {
+    let Some(mount) = prerequisites() else { return };
+    let Some(python) = python() else { return };
+    let iso = Isolated::start(&mount, "exec", "", r615);
+    let d = &iso.d;
+    let (child, seen) = run_workload(&python, d);
+
+    let active = d.active();
+    assert_eq!(active.len(), 1);
+    let r = &active[0];
+    let id = r["id"].as_str().unwrap();
+    let cgroup = iso.workloads.join(id).display().to_string();
+    assert_eq!(r["isolation"]["mode"], "driver", "{r}");
+    assert_eq!(r["isolation"]["cgroup"], json!(cgroup), "{r}");
+    // Inside its cgroup the workload's card is 4 GiB; it runs in the cgroup named after its
+    // reservation.
+    assert_eq!(seen["total"], json!(4 * GIB), "{seen}");
+    let relative = cgroup.strip_prefix(mount.to_str().unwrap()).unwrap();
+    assert_eq!(seen["cgroup"], json!(relative), "{seen}");
+    // Another process reads the same limits from the driver.
+    assert_eq!(limits_of(&python, d, &cgroup), Some((4 * GIB, 4 * GIB)));
+
+    // Released while it still runs: the limit goes at once; the cgroup, still in use, stays.
+    let released = d.delete(&format!("/v1/reservations/{id}"));
+    assert_eq!(released.status, 200, "{}", released.text);
+    assert_eq!(limits_of(&python, d, &cgroup), None);
+    assert!(Path::new(&cgroup).is_dir());
+    // Once the workload exits its cgroup is removed.
+    finish(child);
+    let gone = wait_for(PATIENCE, || (!Path::new(&cgroup).exists()).then_some(()));
+    assert!(gone.is_some(), "{cgroup} was not removed after its workload exited");
+}
+
+#[test]
+fn a_workload_that_exits_takes_its_limit_and_its_cgroup_with_it() {
+    let Some(mount) = prerequisites() else { return };
+    let Some(python) = python() else { return };
+    let iso = Isolated::start(&mount, "exit", "", r615);
+    let d = &iso.d;
+    let (child, _) = run_workload(&python, d);
+    let cgroup = d.active()[0]["isolation"]["cgroup"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert_eq!(limits_of(&python, d, &cgroup), Some((4 * GIB, 4 * GIB)));
+    finish(child);
+    let ended = wait_for(PATIENCE, || d.active().is_empty().then_some(()));
+    assert!(ended.is_some(), "the reservation outlived its workload");
+    let gone = wait_for(PATIENCE, || (!Path::new(&cgroup).exists()).then_some(()));
+    assert!(gone.is_some(), "{cgroup} was left behind");
+    // Reset before the cgroup went: the driver's map has nothing for it.
+    assert_eq!(limits_left(d), json!({}));
+}
+
+#[test]
+fn a_cgroup_holds_a_reservation_until_it_is_empty() {
+    let Some(mount) = prerequisites() else { return };
+    let Some(python) = python() else { return };
+    let iso = Isolated::start(&mount, "holder", "", r615);
+    let d = &iso.d;
+    let mut job = TestCgroup::new(&mount, "job");
+    let body = json!({"memory": "3GiB", "holder_cgroup": job.name()}).to_string();
+    let r = d.post("/v1/reservations", &body);
+    assert_eq!(r.status, 201, "{}", r.text);
+    assert_eq!(r.body["holder_cgroup"], json!(job.name()));
+    assert_eq!(r.body["isolation"]["mode"], "driver", "{}", r.text);
+    assert_eq!(limits_of(&python, d, &job.name()), Some((3 * GIB, 3 * GIB)));
+
+    // A second reservation of the same cgroup on the same GPU adds up.
+    let body = json!({"memory": "1GiB", "holder_cgroup": job.name()}).to_string();
+    let second = d.post("/v1/reservations", &body);
+    assert_eq!(second.status, 201, "{}", second.text);
+    if second.body["gpus"][0]["uuid"] == GPU0 {
+        assert_eq!(limits_of(&python, d, &job.name()), Some((4 * GIB, 4 * GIB)));
+    }
+
+    job.empty();
+    let ended = wait_for(PATIENCE, || d.active().is_empty().then_some(()));
+    assert!(ended.is_some(), "the reservations outlived their cgroup's processes");
+    let history = d.get("/v1/reservations?state=released");
+    let reason = history.body["reservations"][0]["end_reason"].as_str().unwrap();
+    assert!(reason.contains("is empty"), "{reason}");
+    assert_eq!(limits_of(&python, d, &job.name()), None);
+    // Not gpud's cgroup: it stays for its owner to remove.
+    assert!(job.path.is_dir());
+}
+
+#[test]
+fn only_root_and_admins_name_a_cgroup_that_is_not_theirs() {
+    let Some(mount) = prerequisites() else { return };
+    let iso = Isolated::start(&mount, "perm", "", r615);
+    let d = &iso.d;
+    let job = TestCgroup::new(&mount, "perm-job");
+    let body = json!({"memory": "1GiB", "holder_cgroup": job.name()}).to_string();
+    let (status, reply) = curl_as(
+        65534,
+        &d.socket,
+        &["-X", "POST", "-d", &body, "http://gpud/v1/reservations"],
+    );
+    assert_eq!(status, 403, "{reply}");
+    let message = reply["error"]["message"].as_str().unwrap();
+    assert!(message.contains("cgroup"), "{message}");
+    // Nothing outside the hierarchy, nothing that is not a cgroup.
+    for bad in ["/etc", "../x", "/no-such-cgroup"] {
+        let body = json!({"memory": "1GiB", "holder_cgroup": bad}).to_string();
+        let r = d.post("/v1/reservations", &body);
+        assert_eq!(r.status, 400, "{bad}: {}", r.text);
+    }
+    assert!(d.active().is_empty());
+}
+
+#[test]
+fn a_container_s_cgroup_is_attached_to_a_lease_and_takes_its_limit() {
+    let Some(mount) = prerequisites() else { return };
+    let Some(python) = python() else { return };
+    let iso = Isolated::start(&mount, "attach", "", r615);
+    let d = &iso.d;
+    let lease = d.post("/v1/reservations", r#"{"memory": "2GiB", "ttl_seconds": 600}"#);
+    assert_eq!(lease.status, 201, "{}", lease.text);
+    assert_eq!(lease.body["isolation"]["mode"], "advisory");
+    let id = lease.body["id"].as_str().unwrap();
+    let container = TestCgroup::new(&mount, "container");
+    let pid = container.sleeper.as_ref().unwrap().id();
+    // As a CDI hook does: the container's first process names its cgroup.
+    let r = d.post(
+        &format!("/v1/reservations/{id}/cgroup"),
+        &json!({"pid": pid}).to_string(),
+    );
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(r.body["isolation"]["mode"], "driver", "{}", r.text);
+    assert_eq!(r.body["isolation"]["cgroup"], json!(container.name()));
+    if r.body["gpus"][0]["uuid"] == GPU0 {
+        assert_eq!(
+            limits_of(&python, d, &container.name()),
+            Some((2 * GIB, 2 * GIB))
+        );
+    }
+    // A reservation limits one cgroup.
+    let other = TestCgroup::new(&mount, "container-2");
+    let r = d.post(
+        &format!("/v1/reservations/{id}/cgroup"),
+        &json!({"cgroup": other.name()}).to_string(),
+    );
+    assert_eq!(r.status, 409, "{}", r.text);
+    let r = d.post(&format!("/v1/reservations/{id}/cgroup"), "{}");
+    assert_eq!(r.status, 400, "{}", r.text);
+    assert_eq!(d.delete(&format!("/v1/reservations/{id}")).status, 200);
+    assert_eq!(limits_of(&python, d, &container.name()), None);
+}
+
+#[test]
+fn mig_and_old_drivers_are_advisory_and_refused_when_enforcement_is_required() {
+    let Some(mount) = prerequisites() else { return };
+    // The fixture's own driver, 550: no per-cgroup limits.
+    let old = Isolated::start(&mount, "old", "", |_| {});
+    let gpus = old.d.get("/v1/gpus");
+    let reason = gpus.body["gpus"][0]["isolation"]["reason"].as_str().unwrap();
+    assert_eq!(gpus.body["gpus"][0]["isolation"]["mode"], "advisory");
+    assert!(reason.contains("R615"), "{reason}");
+    let job = TestCgroup::new(&mount, "old-job");
+    let body = json!({"memory": "1GiB", "holder_cgroup": job.name()}).to_string();
+    let r = old.d.post("/v1/reservations", &body);
+    assert_eq!(r.status, 201, "{}", r.text);
+    assert_eq!(r.body["isolation"]["mode"], "advisory");
+    assert!(
+        r.body["isolation"]["reason"]
+            .as_str()
+            .unwrap()
+            .contains("R615"),
+        "{}",
+        r.text
+    );
+    drop(old);
+
+    let strict = Isolated::start(&mount, "strict", "require = true\n", |_| {});
+    let r = strict.d.post("/v1/reservations", &body);
+    assert_eq!(r.status, 422, "{}", r.text);
+    assert_eq!(r.body["error"]["code"], "isolation_unavailable");
+    let message = r.body["error"]["message"].as_str().unwrap();
+    assert!(message.contains("R615"), "{message}");
+    assert!(strict.d.active().is_empty());
+    drop(strict);
+
+    // A MIG instance on an R615 driver: the driver rejects MIG handles.
+    let mig = {
+        let workloads = mount.join(format!("gpud-test-mig-{}", std::process::id()));
+        let config = format!(
+            "[isolation]\nworkloads = {:?}\nrequire = true\n",
+            workloads.display().to_string()
+        );
+        Isolated {
+            d: Daemon::start_edited("a100-mig", &config, r615),
+            workloads,
+        }
+    };
+    let gpus = mig.d.get("/v1/gpus");
+    let modes: Vec<&str> = gpus.body["gpus"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|g| g["isolation"]["mode"].as_str().unwrap())
+        .collect();
+    assert!(modes.contains(&"advisory"), "{modes:?}");
+    let migs = gpus.body["gpus"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|g| !g["mig_instances"].as_array().unwrap().is_empty())
+        .unwrap();
+    assert!(
+        migs["isolation"]["reason"]
+            .as_str()
+            .unwrap()
+            .contains("MIG"),
+        "{migs}"
+    );
+    let mig_size = migs["mig_instances"][0]["memory_total_bytes"].as_u64().unwrap();
+    let free_gpu_size = gpus.body["gpus"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|g| g["mig_instances"].as_array().unwrap().is_empty())
+        .map(|g| g["memory_total_bytes"].as_u64().unwrap())
+        .max()
+        .unwrap_or(0);
+    // Larger than any plain GPU but fits a MIG instance: only MIG can hold it.
+    if mig_size > free_gpu_size {
+        let body = json!({"memory": mig_size, "holder_cgroup": job.name()}).to_string();
+        let r = mig.d.post("/v1/reservations", &body);
+        assert_eq!(r.status, 422, "{}", r.text);
+        assert!(r.body["error"]["message"].as_str().unwrap().contains("MIG"));
+    }
+}
+
+#[test]
+fn a_crash_inside_the_driver_call_is_reconciled_at_the_next_start() {
+    let Some(mount) = prerequisites() else { return };
+    let Some(python) = python() else { return };
+    let mut iso = Isolated::start(&mount, "crash", "", r615);
+    let job = TestCgroup::new(&mount, "crash-job");
+    let marker = iso.d.dir.path().join("inside-set");
+    let mut fixture = iso.d.read_fixture();
+    fixture["stall_memory_limits"] = json!(marker.display().to_string());
+    iso.d.write_fixture(&fixture);
+
+    // Two reservations die with gpud inside the driver call that would limit them: one held
+    // by a live cgroup (committed, so active after the restart), one by a workload whose
+    // gpuctl gives up when gpud goes (so ended by the restart).
+    let socket = iso.d.socket.clone();
+    let body = json!({"memory": "4GiB", "holder_cgroup": job.name()}).to_string();
+    let held = std::thread::spawn(move || gpud_tests::try_http(&socket, "POST", "/v1/reservations", Some(&body)));
+    let entered = wait_for(PATIENCE, || marker.exists().then_some(()));
+    assert!(entered.is_some(), "gpud never called nvmlDeviceSetMemoryLimits_v1");
+    iso.d.kill9();
+    assert!(held.join().unwrap().is_err(), "answered although gpud died before the limit was set");
+
+    fixture
+        .as_object_mut()
+        .unwrap()
+        .remove("stall_memory_limits");
+    iso.d.write_fixture(&fixture);
+    iso.d.spawn();
+    let active = iso.d.active();
+    assert_eq!(active.len(), 1, "{active:?}");
+    assert_eq!(active[0]["holder_cgroup"], json!(job.name()));
+    assert_eq!(active[0]["isolation"]["mode"], "driver");
+    let limit = limits_of(&python, &iso.d, &job.name());
+    if active[0]["gpus"][0]["uuid"] == GPU0 {
+        assert_eq!(limit, Some((4 * GIB, 4 * GIB)));
+    }
+
+    // The other way: killed inside the reset of an ended reservation.
+    fixture["stall_memory_limits"] = json!(marker.display().to_string());
+    std::fs::remove_file(&marker).unwrap();
+    iso.d.write_fixture(&fixture);
+    let id = active[0]["id"].as_str().unwrap().to_owned();
+    let socket = iso.d.socket.clone();
+    let path = format!("/v1/reservations/{id}");
+    let release = std::thread::spawn(move || gpud_tests::try_http(&socket, "DELETE", &path, None));
+    let entered = wait_for(PATIENCE, || marker.exists().then_some(()));
+    assert!(entered.is_some(), "gpud never reset the limit");
+    iso.d.kill9();
+    let _ = release.join();
+    fixture
+        .as_object_mut()
+        .unwrap()
+        .remove("stall_memory_limits");
+    iso.d.write_fixture(&fixture);
+    iso.d.spawn();
+    assert!(iso.d.active().is_empty());
+    // Reset at start: nothing keeps the ended reservation's share.
+    assert_eq!(limits_of(&python, &iso.d, &job.name()), None);
+}
+
+#[test]
+fn a_thousand_workloads_leave_no_limit_and_no_cgroup_behind() {
+    let Some(mount) = prerequisites() else { return };
+    let iso = Isolated::start(&mount, "churn", "", r615);
+    let d = &iso.d;
+    for i in 0..1000 {
+        let out = d
+            .gpuctl()
+            .args(["reserve", "--mem", "1GiB", "--", "true"])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "cycle {i}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let drained = wait_for(PATIENCE, || {
+        (d.active().is_empty() && iso.children().is_empty()).then_some(())
+    });
+    assert!(
+        drained.is_some(),
+        "left behind: {} reservations, cgroups {:?}",
+        d.active().len(),
+        iso.children()
+    );
+    let history = d.get("/v1/reservations?state=released&limit=10");
+    for r in history.body["reservations"].as_array().unwrap() {
+        assert_eq!(r["isolation"]["mode"], "driver", "{r}");
+    }
+    assert_eq!(limits_left(d), json!({}));
+}
