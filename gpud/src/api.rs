@@ -514,7 +514,12 @@ impl Api {
         }
     }
 
-    async fn attach_cgroup(&self, caller: Caller, id: String, body: &[u8]) -> Result<Reply, ApiError> {
+    async fn attach_cgroup(
+        &self,
+        caller: Caller,
+        id: String,
+        body: &[u8],
+    ) -> Result<Reply, ApiError> {
         let wire: schema::AttachCgroupRequest = parse_json(body)?;
         let workloads = self.workloads.clone();
         let admin = self.broker.is_admin(&caller);

@@ -80,8 +80,13 @@ impl GpuError {
     pub fn is_not_found(&self) -> bool {
         matches!(
             self,
-            GpuError::Query { source: NvmlError::NotFound, .. }
-                | GpuError::System { source: NvmlError::NotFound, .. }
+            GpuError::Query {
+                source: NvmlError::NotFound,
+                ..
+            } | GpuError::System {
+                source: NvmlError::NotFound,
+                ..
+            }
         )
     }
 
@@ -89,8 +94,13 @@ impl GpuError {
     pub fn is_not_supported(&self) -> bool {
         matches!(
             self,
-            GpuError::Query { source: NvmlError::NotSupported, .. }
-                | GpuError::System { source: NvmlError::NotSupported, .. }
+            GpuError::Query {
+                source: NvmlError::NotSupported,
+                ..
+            } | GpuError::System {
+                source: NvmlError::NotSupported,
+                ..
+            }
         )
     }
 

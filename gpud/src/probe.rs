@@ -142,7 +142,7 @@ mod tests {
                 cpu_affinity: vec![],
                 mig_instances: vec![],
                 mig_enabled: false,
-            isolation: gpud_schema::GpuIsolation::default(),
+                isolation: gpud_schema::GpuIsolation::default(),
                 healthy: true,
             })
             .collect();

@@ -17,9 +17,8 @@ use gpud_schema::Env;
 use rusqlite::{Connection, OpenFlags, Row, params};
 
 use crate::model::{
-    Event, EventFilter, EventKind, EventPhase, Holder, Millis, Page, Reservation, ReservationIsolation,
-    ReservationState,
-    ReservedUnit,
+    Event, EventFilter, EventKind, EventPhase, Holder, Millis, Page, Reservation,
+    ReservationIsolation, ReservationState, ReservedUnit,
 };
 
 /// The migrations, in order. Number `n` brings the schema to `user_version = n`.

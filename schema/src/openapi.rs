@@ -9,8 +9,8 @@ use schemars::generate::{SchemaGenerator, SchemaSettings};
 use serde_json::{Value, json};
 
 use crate::{
-    AttachCgroupRequest, ErrorBody, EventList, GpuList, Health, RenewRequest, Reservation, ReservationList,
-    ReservationRequest, WaiterList,
+    AttachCgroupRequest, ErrorBody, EventList, GpuList, Health, RenewRequest, Reservation,
+    ReservationList, ReservationRequest, WaiterList,
 };
 
 /// Builds the whole document.

@@ -57,7 +57,9 @@ fn python() -> Option<PathBuf> {
         .status()
         .is_ok_and(|s| s.success());
     if !ok {
-        missing_prerequisite(".venv with nvidia-ml-py (python3 -m venv .venv; .venv/bin/pip install -r tests/conformance/requirements.txt)");
+        missing_prerequisite(
+            ".venv with nvidia-ml-py (python3 -m venv .venv; .venv/bin/pip install -r tests/conformance/requirements.txt)",
+        );
         return None;
     }
     Some(python)
@@ -82,7 +84,12 @@ fn nvml_limits(python: &Path, d: &Daemon, args: &[&str]) -> Value {
 
 /// `cgroup`'s limits on GPU 0 as another process reads them: `None` when it has none.
 fn limits_of(python: &Path, d: &Daemon, cgroup: &str) -> Option<(u64, u64)> {
-    let v = nvml_limits(python, d, &["get", GPU0, cgroup]);
+    limits_on(python, d, GPU0, cgroup)
+}
+
+/// `cgroup`'s limits on GPU `uuid` as another process reads them.
+fn limits_on(python: &Path, d: &Daemon, uuid: &str, cgroup: &str) -> Option<(u64, u64)> {
+    let v = nvml_limits(python, d, &["get", uuid, cgroup]);
     let l = v["limits"].as_array()?;
     Some((l[0].as_u64().unwrap(), l[1].as_u64().unwrap()))
 }
@@ -113,13 +120,23 @@ struct Isolated {
 
 impl Isolated {
     fn start(mount: &Path, name: &str, extra: &str, edit: impl FnOnce(&mut Value)) -> Isolated {
+        Isolated::start_on("t4-pair", mount, name, extra, edit)
+    }
+
+    fn start_on(
+        fixture: &str,
+        mount: &Path,
+        name: &str,
+        extra: &str,
+        edit: impl FnOnce(&mut Value),
+    ) -> Isolated {
         let workloads = mount.join(format!("gpud-test-{name}-{}", std::process::id()));
         let config = format!(
             "[isolation]\nworkloads = {:?}\n{extra}",
             workloads.display().to_string()
         );
         Isolated {
-            d: Daemon::start_edited("t4-pair", &config, edit),
+            d: Daemon::start_edited(fixture, &config, edit),
             workloads,
         }
     }
@@ -257,7 +274,10 @@ fn a_workload_runs_in_its_own_cgroup_and_the_driver_holds_it_to_what_it_reserved
     // Once the workload exits its cgroup is removed.
     finish(child);
     let gone = wait_for(PATIENCE, || (!Path::new(&cgroup).exists()).then_some(()));
-    assert!(gone.is_some(), "{cgroup} was not removed after its workload exited");
+    assert!(
+        gone.is_some(),
+        "{cgroup} was not removed after its workload exited"
+    );
 }
 
 #[test]
@@ -293,23 +313,35 @@ fn a_cgroup_holds_a_reservation_until_it_is_empty() {
     assert_eq!(r.status, 201, "{}", r.text);
     assert_eq!(r.body["holder_cgroup"], json!(job.name()));
     assert_eq!(r.body["isolation"]["mode"], "driver", "{}", r.text);
-    assert_eq!(limits_of(&python, d, &job.name()), Some((3 * GIB, 3 * GIB)));
+    let gpu = r.body["gpus"][0]["uuid"].as_str().unwrap().to_owned();
+    assert_eq!(
+        limits_on(&python, d, &gpu, &job.name()),
+        Some((3 * GIB, 3 * GIB))
+    );
 
-    // A second reservation of the same cgroup on the same GPU adds up.
+    // A second reservation of the same cgroup on the same GPU adds up (binpack puts it
+    // beside the first).
     let body = json!({"memory": "1GiB", "holder_cgroup": job.name()}).to_string();
     let second = d.post("/v1/reservations", &body);
     assert_eq!(second.status, 201, "{}", second.text);
-    if second.body["gpus"][0]["uuid"] == GPU0 {
-        assert_eq!(limits_of(&python, d, &job.name()), Some((4 * GIB, 4 * GIB)));
-    }
+    assert_eq!(second.body["gpus"][0]["uuid"], json!(gpu));
+    assert_eq!(
+        limits_on(&python, d, &gpu, &job.name()),
+        Some((4 * GIB, 4 * GIB))
+    );
 
     job.empty();
     let ended = wait_for(PATIENCE, || d.active().is_empty().then_some(()));
-    assert!(ended.is_some(), "the reservations outlived their cgroup's processes");
+    assert!(
+        ended.is_some(),
+        "the reservations outlived their cgroup's processes"
+    );
     let history = d.get("/v1/reservations?state=released");
-    let reason = history.body["reservations"][0]["end_reason"].as_str().unwrap();
+    let reason = history.body["reservations"][0]["end_reason"]
+        .as_str()
+        .unwrap();
     assert!(reason.contains("is empty"), "{reason}");
-    assert_eq!(limits_of(&python, d, &job.name()), None);
+    assert_eq!(limits_on(&python, d, &gpu, &job.name()), None);
     // Not gpud's cgroup: it stays for its owner to remove.
     assert!(job.path.is_dir());
 }
@@ -344,7 +376,10 @@ fn a_container_s_cgroup_is_attached_to_a_lease_and_takes_its_limit() {
     let Some(python) = python() else { return };
     let iso = Isolated::start(&mount, "attach", "", r615);
     let d = &iso.d;
-    let lease = d.post("/v1/reservations", r#"{"memory": "2GiB", "ttl_seconds": 600}"#);
+    let lease = d.post(
+        "/v1/reservations",
+        r#"{"memory": "2GiB", "ttl_seconds": 600}"#,
+    );
     assert_eq!(lease.status, 201, "{}", lease.text);
     assert_eq!(lease.body["isolation"]["mode"], "advisory");
     let id = lease.body["id"].as_str().unwrap();
@@ -358,12 +393,11 @@ fn a_container_s_cgroup_is_attached_to_a_lease_and_takes_its_limit() {
     assert_eq!(r.status, 200, "{}", r.text);
     assert_eq!(r.body["isolation"]["mode"], "driver", "{}", r.text);
     assert_eq!(r.body["isolation"]["cgroup"], json!(container.name()));
-    if r.body["gpus"][0]["uuid"] == GPU0 {
-        assert_eq!(
-            limits_of(&python, d, &container.name()),
-            Some((2 * GIB, 2 * GIB))
-        );
-    }
+    let gpu = r.body["gpus"][0]["uuid"].as_str().unwrap().to_owned();
+    assert_eq!(
+        limits_on(&python, d, &gpu, &container.name()),
+        Some((2 * GIB, 2 * GIB))
+    );
     // A reservation limits one cgroup.
     let other = TestCgroup::new(&mount, "container-2");
     let r = d.post(
@@ -374,7 +408,7 @@ fn a_container_s_cgroup_is_attached_to_a_lease_and_takes_its_limit() {
     let r = d.post(&format!("/v1/reservations/{id}/cgroup"), "{}");
     assert_eq!(r.status, 400, "{}", r.text);
     assert_eq!(d.delete(&format!("/v1/reservations/{id}")).status, 200);
-    assert_eq!(limits_of(&python, d, &container.name()), None);
+    assert_eq!(limits_on(&python, d, &gpu, &container.name()), None);
 }
 
 #[test]
@@ -383,7 +417,9 @@ fn mig_and_old_drivers_are_advisory_and_refused_when_enforcement_is_required() {
     // The fixture's own driver, 550: no per-cgroup limits.
     let old = Isolated::start(&mount, "old", "", |_| {});
     let gpus = old.d.get("/v1/gpus");
-    let reason = gpus.body["gpus"][0]["isolation"]["reason"].as_str().unwrap();
+    let reason = gpus.body["gpus"][0]["isolation"]["reason"]
+        .as_str()
+        .unwrap();
     assert_eq!(gpus.body["gpus"][0]["isolation"]["mode"], "advisory");
     assert!(reason.contains("R615"), "{reason}");
     let job = TestCgroup::new(&mount, "old-job");
@@ -410,54 +446,46 @@ fn mig_and_old_drivers_are_advisory_and_refused_when_enforcement_is_required() {
     assert!(strict.d.active().is_empty());
     drop(strict);
 
-    // A MIG instance on an R615 driver: the driver rejects MIG handles.
-    let mig = {
-        let workloads = mount.join(format!("gpud-test-mig-{}", std::process::id()));
-        let config = format!(
-            "[isolation]\nworkloads = {:?}\nrequire = true\n",
-            workloads.display().to_string()
+    // A MIG instance on an R615 driver: the driver rejects MIG handles. 9 GiB fits a
+    // 1g.10gb instance best, so that is where it goes.
+    let body = json!({"memory": "9GiB", "holder_cgroup": job.name()}).to_string();
+    for require in [false, true] {
+        let mig = Isolated::start_on(
+            "a100-mig",
+            &mount,
+            "mig",
+            &format!("require = {require}\n"),
+            r615,
         );
-        Isolated {
-            d: Daemon::start_edited("a100-mig", &config, r615),
-            workloads,
+        let gpus = mig.d.get("/v1/gpus");
+        for g in gpus.body["gpus"].as_array().unwrap() {
+            let has_mig = !g["mig_instances"].as_array().unwrap().is_empty();
+            assert_eq!(
+                g["isolation"]["mode"],
+                if has_mig { "advisory" } else { "driver" },
+                "{g}"
+            );
         }
-    };
-    let gpus = mig.d.get("/v1/gpus");
-    let modes: Vec<&str> = gpus.body["gpus"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|g| g["isolation"]["mode"].as_str().unwrap())
-        .collect();
-    assert!(modes.contains(&"advisory"), "{modes:?}");
-    let migs = gpus.body["gpus"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|g| !g["mig_instances"].as_array().unwrap().is_empty())
-        .unwrap();
-    assert!(
-        migs["isolation"]["reason"]
-            .as_str()
-            .unwrap()
-            .contains("MIG"),
-        "{migs}"
-    );
-    let mig_size = migs["mig_instances"][0]["memory_total_bytes"].as_u64().unwrap();
-    let free_gpu_size = gpus.body["gpus"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|g| g["mig_instances"].as_array().unwrap().is_empty())
-        .map(|g| g["memory_total_bytes"].as_u64().unwrap())
-        .max()
-        .unwrap_or(0);
-    // Larger than any plain GPU but fits a MIG instance: only MIG can hold it.
-    if mig_size > free_gpu_size {
-        let body = json!({"memory": mig_size, "holder_cgroup": job.name()}).to_string();
         let r = mig.d.post("/v1/reservations", &body);
-        assert_eq!(r.status, 422, "{}", r.text);
-        assert!(r.body["error"]["message"].as_str().unwrap().contains("MIG"));
+        if require {
+            assert_eq!(r.status, 422, "{}", r.text);
+            let message = r.body["error"]["message"].as_str().unwrap();
+            assert!(message.contains("MIG"), "{message}");
+            assert!(mig.d.active().is_empty());
+        } else {
+            assert_eq!(r.status, 201, "{}", r.text);
+            assert!(
+                r.body["gpus"][0]["uuid"]
+                    .as_str()
+                    .unwrap()
+                    .starts_with("MIG-"),
+                "{}",
+                r.text
+            );
+            assert_eq!(r.body["isolation"]["mode"], "advisory");
+            let reason = r.body["isolation"]["reason"].as_str().unwrap();
+            assert!(reason.contains("MIG"), "{reason}");
+        }
     }
 }
 
@@ -477,11 +505,19 @@ fn a_crash_inside_the_driver_call_is_reconciled_at_the_next_start() {
     // gpuctl gives up when gpud goes (so ended by the restart).
     let socket = iso.d.socket.clone();
     let body = json!({"memory": "4GiB", "holder_cgroup": job.name()}).to_string();
-    let held = std::thread::spawn(move || gpud_tests::try_http(&socket, "POST", "/v1/reservations", Some(&body)));
+    let held = std::thread::spawn(move || {
+        gpud_tests::try_http(&socket, "POST", "/v1/reservations", Some(&body))
+    });
     let entered = wait_for(PATIENCE, || marker.exists().then_some(()));
-    assert!(entered.is_some(), "gpud never called nvmlDeviceSetMemoryLimits_v1");
+    assert!(
+        entered.is_some(),
+        "gpud never called nvmlDeviceSetMemoryLimits_v1"
+    );
     iso.d.kill9();
-    assert!(held.join().unwrap().is_err(), "answered although gpud died before the limit was set");
+    assert!(
+        held.join().unwrap().is_err(),
+        "answered although gpud died before the limit was set"
+    );
 
     fixture
         .as_object_mut()
@@ -493,10 +529,11 @@ fn a_crash_inside_the_driver_call_is_reconciled_at_the_next_start() {
     assert_eq!(active.len(), 1, "{active:?}");
     assert_eq!(active[0]["holder_cgroup"], json!(job.name()));
     assert_eq!(active[0]["isolation"]["mode"], "driver");
-    let limit = limits_of(&python, &iso.d, &job.name());
-    if active[0]["gpus"][0]["uuid"] == GPU0 {
-        assert_eq!(limit, Some((4 * GIB, 4 * GIB)));
-    }
+    let gpu = active[0]["gpus"][0]["uuid"].as_str().unwrap().to_owned();
+    assert_eq!(
+        limits_on(&python, &iso.d, &gpu, &job.name()),
+        Some((4 * GIB, 4 * GIB))
+    );
 
     // The other way: killed inside the reset of an ended reservation.
     fixture["stall_memory_limits"] = json!(marker.display().to_string());
@@ -518,7 +555,8 @@ fn a_crash_inside_the_driver_call_is_reconciled_at_the_next_start() {
     iso.d.spawn();
     assert!(iso.d.active().is_empty());
     // Reset at start: nothing keeps the ended reservation's share.
-    assert_eq!(limits_of(&python, &iso.d, &job.name()), None);
+    assert_eq!(limits_on(&python, &iso.d, &gpu, &job.name()), None);
+    assert_eq!(limits_left(&iso.d), json!({}));
 }
 
 #[test]

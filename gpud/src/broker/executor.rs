@@ -471,13 +471,15 @@ fn answer_patched<T: Patch + Send + 'static>(
     reply: Reply<T>,
     result: Result<T, BrokerError>,
 ) -> Option<Answer> {
-    Some(Box::new(move |failed: Option<&BrokerError>, fixups: &Fixups| {
-        let _ = reply.send(match (result, failed) {
-            (Ok(_), Some(e)) => Err(e.clone()),
-            (Ok(v), None) => v.patch(fixups),
-            (result, _) => result,
-        });
-    }))
+    Some(Box::new(
+        move |failed: Option<&BrokerError>, fixups: &Fixups| {
+            let _ = reply.send(match (result, failed) {
+                (Ok(_), Some(e)) => Err(e.clone()),
+                (Ok(v), None) => v.patch(fixups),
+                (result, _) => result,
+            });
+        },
+    ))
 }
 
 /// Answers `command` with `error` without running it.

@@ -56,10 +56,7 @@ impl Ledger {
     pub(super) fn limits_added(&mut self, r: &Reservation) {
         let pairs = pairs(r);
         if let Some(cgroup) = pairs.first().map(|(c, _)| c.clone()) {
-            self.limited
-                .entry(cgroup)
-                .or_default()
-                .insert(r.id.clone());
+            self.limited.entry(cgroup).or_default().insert(r.id.clone());
         }
         self.effects.limits.extend(pairs);
         if let Some(cgroup) = &r.holder_cgroup {

@@ -369,7 +369,12 @@ impl Ledger {
     }
 
     /// Whether `caller` may release or renew `r`: its owner, root, or an admin.
-    pub(super) fn authorize(&self, caller: &Caller, r: &Reservation, verb: &str) -> Result<(), BrokerError> {
+    pub(super) fn authorize(
+        &self,
+        caller: &Caller,
+        r: &Reservation,
+        verb: &str,
+    ) -> Result<(), BrokerError> {
         if caller.uid == r.owner_uid || self.is_admin(caller) {
             return Ok(());
         }
@@ -380,7 +385,11 @@ impl Ledger {
     }
 
     /// The active reservation `id`, or why there is none.
-    pub(super) fn find_active(&self, txn: &Txn<'_>, id: &str) -> Result<Arc<Reservation>, BrokerError> {
+    pub(super) fn find_active(
+        &self,
+        txn: &Txn<'_>,
+        id: &str,
+    ) -> Result<Arc<Reservation>, BrokerError> {
         if let Some(r) = self.active.get(id) {
             return Ok(r.clone());
         }

@@ -183,7 +183,9 @@ fn unescape_mountinfo(s: &str) -> String {
     let mut rest = s;
     while let Some(i) = rest.find('\\') {
         out.push_str(&rest[..i]);
-        let octal = rest.get(i + 1..i + 4).and_then(|o| u8::from_str_radix(o, 8).ok());
+        let octal = rest
+            .get(i + 1..i + 4)
+            .and_then(|o| u8::from_str_radix(o, 8).ok());
         match octal {
             Some(b) => {
                 out.push(char::from(b));
@@ -339,7 +341,8 @@ mod tests {
         );
         assert_eq!(h.full_path("/"), Path::new("/sys/fs/cgroup/unified"));
         assert_eq!(
-            h.relative(Path::new("/sys/fs/cgroup/unified/x/y")).as_deref(),
+            h.relative(Path::new("/sys/fs/cgroup/unified/x/y"))
+                .as_deref(),
             Some("/x/y")
         );
         assert_eq!(h.relative(Path::new("/elsewhere")), None);

@@ -39,7 +39,11 @@ pub type Limits = (u64, u64);
 
 /// The limits that reservations of `reserved` bytes each (an exclusive one: `None`) give one
 /// cgroup on a GPU of `total` bytes.
-pub fn limits_for(reserved: impl IntoIterator<Item = Option<u64>>, burst: u64, total: u64) -> Limits {
+pub fn limits_for(
+    reserved: impl IntoIterator<Item = Option<u64>>,
+    burst: u64,
+    total: u64,
+) -> Limits {
     let (mut soft, mut hard) = (0u64, 0u64);
     for r in reserved {
         let (s, h) = match r {
@@ -132,7 +136,12 @@ impl Target {
 /// Whether the driver can hold a reservation of `units` (of `gpus`, `all_units`) to its
 /// memory on `target`'s cgroup: driver mode when every GPU allows it and there is a cgroup;
 /// advisory, with the first reason found, otherwise.
-pub fn decide(target: &Target, units: &[ReservedUnit], gpus: &[Gpu], all_units: &[Unit]) -> ReservationIsolation {
+pub fn decide(
+    target: &Target,
+    units: &[ReservedUnit],
+    gpus: &[Gpu],
+    all_units: &[Unit],
+) -> ReservationIsolation {
     let advisory = |reason: String| ReservationIsolation::advisory(target.cgroup.clone(), reason);
     for u in units {
         if all_units.iter().any(|a| a.uuid == u.uuid && a.is_mig()) {
@@ -148,7 +157,10 @@ pub fn decide(target: &Target, units: &[ReservedUnit], gpus: &[Gpu], all_units: 
             return advisory(format!(
                 "GPU {}: {}",
                 g.index,
-                g.isolation.reason.as_deref().unwrap_or("no driver-enforced limits")
+                g.isolation
+                    .reason
+                    .as_deref()
+                    .unwrap_or("no driver-enforced limits")
             ));
         }
     }
@@ -182,7 +194,10 @@ mod tests {
             (6 * GIB, 8 * GIB)
         );
         assert_eq!(limits_for([None], GIB, 16 * GIB), (16 * GIB, 16 * GIB));
-        assert_eq!(limits_for([Some(15 * GIB)], 4 * GIB, 16 * GIB), (15 * GIB, 16 * GIB));
+        assert_eq!(
+            limits_for([Some(15 * GIB)], 4 * GIB, 16 * GIB),
+            (15 * GIB, 16 * GIB)
+        );
         assert_eq!(limits_for([], 0, 16 * GIB), (0, 0));
     }
 }
