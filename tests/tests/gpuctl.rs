@@ -484,20 +484,29 @@ fn gpus_shows_reserved_and_used_memory_that_match_the_fixture() {
             .unwrap()
             .split_whitespace()
             .collect::<Vec<_>>(),
-        ["GPU", "NAME", "RESERVED", "USED", "TOTAL", "RESV", "HEALTH"]
+        [
+            "GPU",
+            "NAME",
+            "RESERVED",
+            "USED",
+            "TOTAL",
+            "RESV",
+            "HEALTH",
+            "ISOLATION"
+        ]
     );
     assert_eq!(
         squeezed(&table, "0"),
-        "0 Tesla T4 5 GiB 3 GiB 15 GiB 2 ok",
+        "0 Tesla T4 5 GiB 3 GiB 15 GiB 2 ok advisory",
         "{table}"
     );
     assert_eq!(
         squeezed(&table, "1"),
-        "1 Tesla T4 0 B 1.5 GiB 15 GiB 0 ok",
+        "1 Tesla T4 0 B 1.5 GiB 15 GiB 0 ok advisory",
         "{table}"
     );
     assert_eq!(
-        table.lines().last().unwrap(),
+        table.lines().nth(3).unwrap(),
         "TOTAL  reserved 5 GiB / 30 GiB (17%), used 4.5 GiB (15%), 4.5 GiB beyond what \
          reservations account for; 2 reservations",
         "{table}"
@@ -512,7 +521,10 @@ fn gpus_shows_reserved_and_used_memory_that_match_the_fixture() {
     })
     .expect("GPU 1 marked lost");
     let table = expect(&d, &["gpus"], 0);
-    assert!(squeezed(&table, "1").ends_with(" UNHEALTHY"), "{table}");
+    assert!(
+        squeezed(&table, "1").ends_with(" UNHEALTHY advisory"),
+        "{table}"
+    );
     for c in [&mut a, &mut b] {
         c.kill().unwrap();
         c.wait().unwrap();
@@ -535,7 +547,16 @@ fn gpus_lists_mig_instances_under_their_gpu() {
         );
     }
     assert!(
-        table.ends_with("TOTAL  reserved 0 B / 160 GiB (0%), used 0 B (0%); 0 reservations\n"),
+        table.contains("\nTOTAL  reserved 0 B / 160 GiB (0%), used 0 B (0%); 0 reservations\n"),
+        "{table}"
+    );
+    // Its driver (550) has no per-cgroup limits, and GPU 0 is in MIG mode: one line each.
+    assert!(
+        table.ends_with(
+            "advisory on GPU 0: MIG mode: the driver does not limit memory per cgroup on MIG \
+             instances\nadvisory on GPU 1: NVIDIA driver 550.54.15 does not support per-cgroup \
+             memory limits on this GPU (R615 or later does, except on MIG)\n"
+        ),
         "{table}"
     );
     // `gpuctl ls` names a reserved instance as `gpuctl gpus` does.

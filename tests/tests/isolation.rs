@@ -4,6 +4,8 @@
 //! Needs root (cgroups are made and processes moved) and cgroup v2 (pure or hybrid); the
 //! pynvml checks need `.venv` with nvidia-ml-py (`.ci/run` makes it).
 
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step should stop with its line
+
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};

@@ -167,6 +167,8 @@ impl From<PinError> for BrokerError {
 }
 
 /// What `reserve` did: placed at once, or queued the request.
+// Moved once, into the answer (as `Admitted`).
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug)]
 pub enum ReserveOutcome {
     /// Placed and committed.
