@@ -13,6 +13,7 @@ pub mod clock;
 pub mod config;
 pub mod gpu;
 pub mod holder;
+pub mod isolation;
 pub mod kubelet;
 pub mod logging;
 pub mod metrics;
