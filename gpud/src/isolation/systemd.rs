@@ -224,46 +224,59 @@ impl Systemd {
             ("CollectMode", Value::from("inactive-or-failed")),
         ];
         let auxiliary: Vec<(&str, Vec<(&str, Value<'_>)>)> = Vec::new();
-        let reply = self
-            .manager_call("StartTransientUnit", &(unit, "fail", properties, auxiliary))
-            .await
-            .map_err(|source| {
-                if unit_exists(&source) {
-                    ScopeError::UnitExists {
-                        unit: unit.to_owned(),
+        let body = (unit, "fail", properties, auxiliary);
+        let start = self.manager_call("StartTransientUnit", &body);
+        tokio::pin!(start);
+        // The stream is read while the call is under way: zbus stops reading the socket
+        // (replies included) while a stream's queue is full, and a busy systemd may remove
+        // many jobs before this reply is read. This unit's are kept: one may be ours.
+        let mut removed_early = Vec::new();
+        let reply = loop {
+            tokio::select! {
+                reply = &mut start => break reply,
+                Some(message) = job_removed.next() => {
+                    if let Some(removed) = job_removed_for(message, unit) {
+                        removed_early.push(removed);
                     }
-                } else {
-                    call("StartTransientUnit")(source)
                 }
-            })?;
+            }
+        };
+        let reply = reply.map_err(|source| {
+            if unit_exists(&source) {
+                ScopeError::UnitExists {
+                    unit: unit.to_owned(),
+                }
+            } else {
+                call("StartTransientUnit")(source)
+            }
+        })?;
         let job: OwnedObjectPath = reply
             .body()
             .deserialize()
             .map_err(call("StartTransientUnit"))?;
 
-        let result = tokio::time::timeout(JOB_TIMEOUT, async {
-            while let Some(message) = job_removed.next().await {
-                let message = message.map_err(call("JobRemoved"))?;
-                let Ok((_id, removed, _unit, result)) =
-                    message
-                        .body()
-                        .deserialize::<(u32, OwnedObjectPath, String, String)>()
-                else {
-                    continue;
-                };
-                if removed == job {
-                    return Ok(result);
+        let early = removed_early
+            .into_iter()
+            .find_map(|(removed, result)| (removed == job).then_some(result));
+        let result = match early {
+            Some(result) => result,
+            None => tokio::time::timeout(JOB_TIMEOUT, async {
+                while let Some(message) = job_removed.next().await {
+                    match job_removed_for(message, unit) {
+                        Some((removed, result)) if removed == job => return Ok(result),
+                        _ => {}
+                    }
                 }
-            }
-            Err(call("JobRemoved")(zbus::Error::Failure(
-                "the bus connection closed".to_owned(),
-            )))
-        })
-        .await
-        .map_err(|_| ScopeError::JobTimeout {
-            unit: unit.to_owned(),
-            waited: JOB_TIMEOUT,
-        })??;
+                Err(call("JobRemoved")(zbus::Error::Failure(
+                    "the bus connection closed".to_owned(),
+                )))
+            })
+            .await
+            .map_err(|_| ScopeError::JobTimeout {
+                unit: unit.to_owned(),
+                waited: JOB_TIMEOUT,
+            })??,
+        };
         drop(job_removed);
         if result != "done" {
             return Err(ScopeError::JobFailed {
@@ -343,6 +356,18 @@ impl Systemd {
             )
             .await
     }
+}
+
+/// The job path and result of a `JobRemoved(u id, o job, s unit, s result)` signal about
+/// `unit`; `None` for another unit's, or a message that is not one.
+fn job_removed_for(
+    message: zbus::Result<zbus::Message>,
+    unit: &str,
+) -> Option<(OwnedObjectPath, String)> {
+    let message = message.ok()?;
+    let (_id, job, removed_unit, result): (u32, OwnedObjectPath, String, String) =
+        message.body().deserialize().ok()?;
+    (removed_unit == unit).then_some((job, result))
 }
 
 /// The D-Bus error name of a method error, if it is one.
