@@ -232,6 +232,11 @@ fn the_spec_keeps_the_rules_the_schema_does_not_state() {
     }
 }
 
+/// Writes the spec of [`reservation`]`(id)` to `dir`, as gpud does by default.
+fn write(dir: &Path, id: &str) -> io::Result<PathBuf> {
+    write_spec(dir, &reservation(id), Path::new(HOOK), Path::new(SOCKET))
+}
+
 fn mode(path: &Path) -> u32 {
     fs::metadata(path).unwrap().permissions().mode() & 0o7777
 }
@@ -269,13 +274,7 @@ fn write_spec_creates_the_directory_and_replaces_the_file_whole() {
     assert_eq!(names(&dir), ["gpud-19a2b3c4d5e00001.json"]);
 
     // An id that is no device name writes nothing.
-    let e = write_spec(
-        &dir,
-        &reservation("../x"),
-        Path::new(HOOK),
-        Path::new(SOCKET),
-    )
-    .unwrap_err();
+    let e = write(&dir, "../x").unwrap_err();
     assert_eq!(e.kind(), io::ErrorKind::InvalidInput);
     assert_eq!(names(&dir), ["gpud-19a2b3c4d5e00001.json"]);
 }
@@ -287,7 +286,7 @@ fn a_failed_write_names_the_path_and_leaves_nothing_behind() {
     let dir = root.path();
     fs::create_dir(dir.join("gpud-a1.json")).unwrap();
     fs::write(dir.join("gpud-a1.json/x"), "").unwrap();
-    let e = write_spec(dir, &reservation("a1"), Path::new(HOOK), Path::new(SOCKET)).unwrap_err();
+    let e = write(dir, "a1").unwrap_err();
     let text = e.to_string();
     assert!(
         text.starts_with(&format!(
@@ -309,13 +308,7 @@ fn a_failed_write_names_the_path_and_leaves_nothing_behind() {
     // The directory is a file.
     let file = root.path().join("file");
     fs::write(&file, "").unwrap();
-    let e = write_spec(
-        &file,
-        &reservation("a1"),
-        Path::new(HOOK),
-        Path::new(SOCKET),
-    )
-    .unwrap_err();
+    let e = write(&file, "a1").unwrap_err();
     assert!(e.to_string().contains(&file.display().to_string()), "{e}");
 }
 
@@ -323,13 +316,7 @@ fn a_failed_write_names_the_path_and_leaves_nothing_behind() {
 fn remove_spec_removes_one_and_an_absent_one_is_fine() {
     let dir = tempfile::tempdir().unwrap();
     for id in ["a1", "b2"] {
-        write_spec(
-            dir.path(),
-            &reservation(id),
-            Path::new(HOOK),
-            Path::new(SOCKET),
-        )
-        .unwrap();
+        write(dir.path(), id).unwrap();
     }
     remove_spec(dir.path(), "a1").unwrap();
     assert_eq!(names(dir.path()), ["gpud-b2.json"]);
@@ -349,13 +336,7 @@ fn remove_spec_removes_one_and_an_absent_one_is_fine() {
 fn remove_stale_keeps_the_active_and_other_vendors_specs() {
     let dir = tempfile::tempdir().unwrap();
     for id in ["a1", "b2", "c3"] {
-        write_spec(
-            dir.path(),
-            &reservation(id),
-            Path::new(HOOK),
-            Path::new(SOCKET),
-        )
-        .unwrap();
+        write(dir.path(), id).unwrap();
     }
     for other in [
         "nvidia.yaml",
