@@ -94,13 +94,15 @@ pub fn hook(args: &CdiHookArgs, socket: &Path, rt: &Runtime) -> Result<ExitCode,
         )
         .await
     });
-    let reservation = answer.map_err(|_| CliError::Unreachable {
-        socket: socket.to_owned(),
-        source: io::Error::new(
-            io::ErrorKind::TimedOut,
-            format!("no answer within {}s", ANSWER_WITHIN.as_secs()),
-        ),
-    })??;
+    let reservation = answer
+        .map_err(|_| CliError::Unreachable {
+            socket: socket.to_owned(),
+            source: io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("no answer within {}s", ANSWER_WITHIN.as_secs()),
+            ),
+        })?
+        .map_err(|e| refused(e, &args.reservation))?;
     if reservation.isolation.mode == IsolationMode::Advisory {
         eprintln!(
             "gpuctl: reservation {}: memory limits are advisory, not enforced by the driver: {}",
@@ -115,6 +117,23 @@ pub fn hook(args: &CdiHookArgs, socket: &Path, rt: &Runtime) -> Result<ExitCode,
     Ok(ExitCode::SUCCESS)
 }
 
+/// gpud's refusal, saying what was refused: the runtime shows only this line, after the
+/// hook's path.
+fn refused(e: CliError, id: &str) -> CliError {
+    match e {
+        CliError::Api {
+            status,
+            code,
+            message,
+        } => CliError::Api {
+            status,
+            code,
+            message: format!("cdi-hook --reservation {id}: {message}"),
+        },
+        other => other,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -127,6 +146,25 @@ mod tests {
             }
             Ok(pid) => panic!("{json}: took pid {pid}"),
         }
+    }
+
+    #[test]
+    fn gpuds_refusal_says_which_reservation_and_keeps_its_exit_status() {
+        let e = refused(
+            CliError::Api {
+                status: 422,
+                code: gpud_schema::codes::ISOLATION_UNAVAILABLE.into(),
+                message: "GPU 0: the driver cannot enforce memory limits".into(),
+            },
+            "19a2b3c4d5e00001",
+        );
+        assert_eq!(
+            e.to_string(),
+            "cdi-hook --reservation 19a2b3c4d5e00001: GPU 0: the driver cannot enforce memory \
+             limits"
+        );
+        assert_ne!(e.exit_code(), 0);
+        assert_eq!(e.code(), Some(gpud_schema::codes::ISOLATION_UNAVAILABLE));
     }
 
     #[test]
