@@ -47,6 +47,21 @@ Exit status:
   5    --wait timed out     6  forbidden / quota     1  other errors
   126  COMMAND not executable    127  COMMAND not found    130  interrupted";
 
+const CDI_HOOK_AFTER_HELP: &str = "\
+Container runtimes run this, not people. With [cdi] enabled in gpud.toml, gpud writes a CDI
+spec for each reservation: the device gpud.io/reservation=ID carries the reservation's
+environment and this command as its createContainer hook. `docker run --device
+gpud.io/reservation=ID` (podman, containerd and CRI-O alike, and pods through gpud's kubelet
+plugin) then runs it once the container and its cgroup exist, before the container's first
+instruction, with the container's OCI state (JSON) on stdin. It asks gpud to put
+reservation ID's memory limits on the cgroup of the state's pid.
+
+Exit status:
+  0    gpud attached the container (one line on stderr if its limits are only advisory)
+  non-zero, with one line on stderr: anything else, and the runtime does not start the
+       container (gpud refuses with isolation_unavailable under [isolation] require when
+       the driver cannot enforce the limits)";
+
 /// gpuctl: reserve GPU memory or whole GPUs from gpud, the node's GPU broker.
 #[derive(Debug, Parser)]
 #[command(
@@ -108,6 +123,10 @@ pub enum Command {
     /// GPUs lost and recovered.
     #[command(after_help = EXIT_CODES_HELP)]
     Events(EventsArgs),
+    /// The CDI hook of a reservation's device: puts its memory limits on a new container's
+    /// cgroup.
+    #[command(after_help = CDI_HOOK_AFTER_HELP)]
+    CdiHook(CdiHookArgs),
     /// Print a shell completion script to stdout.
     #[command(
         after_help = "Examples:\n  gpuctl completions bash > /etc/bash_completion.d/gpuctl\n  \
@@ -239,6 +258,14 @@ pub struct IdArgs {
     /// Output format.
     #[arg(short, long, value_enum, default_value_t)]
     pub output: Output,
+}
+
+/// `gpuctl cdi-hook`.
+#[derive(Debug, Args)]
+pub struct CdiHookArgs {
+    /// The reservation whose CDI device the container was given.
+    #[arg(long, value_name = "ID", value_parser = parse_id)]
+    pub reservation: String,
 }
 
 /// `gpuctl renew`.
@@ -546,6 +573,27 @@ mod tests {
         ] {
             assert!(reserve(args).is_err(), "{args:?}");
         }
+    }
+
+    #[test]
+    fn the_cdi_hook_parses_as_gpud_writes_it() {
+        // The hook's args in the spec gpud writes (gpud::cdi::spec).
+        let cli = Cli::try_parse_from([
+            "gpuctl",
+            "--socket",
+            "/run/gpud/gpud.sock",
+            "cdi-hook",
+            "--reservation",
+            "19a2b3c4d5e00001",
+        ])
+        .unwrap();
+        assert_eq!(cli.socket, PathBuf::from("/run/gpud/gpud.sock"));
+        let Command::CdiHook(args) = cli.command else {
+            panic!("not cdi-hook");
+        };
+        assert_eq!(args.reservation, "19a2b3c4d5e00001");
+        assert!(Cli::try_parse_from(["gpuctl", "cdi-hook"]).is_err());
+        assert!(Cli::try_parse_from(["gpuctl", "cdi-hook", "--reservation", "../x"]).is_err());
     }
 
     #[test]

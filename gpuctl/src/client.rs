@@ -17,8 +17,8 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use gpud_schema::{
-    ErrorBody, EventList, GpuList, RenewRequest, Reservation, ReservationList, ReservationRequest,
-    WaiterList,
+    AttachCgroupRequest, ErrorBody, EventList, GpuList, RenewRequest, Reservation, ReservationList,
+    ReservationRequest, WaiterList,
 };
 
 use crate::error::CliError;
@@ -57,6 +57,20 @@ impl Client {
             Method::POST,
             &format!("/v1/reservations/{id}/renew"),
             Some(&RenewRequest { ttl_seconds }),
+        )
+        .await
+    }
+
+    /// `POST /v1/reservations/{id}/cgroup`: the memory limits go on that cgroup.
+    pub async fn attach_cgroup(
+        &self,
+        id: &str,
+        request: &AttachCgroupRequest,
+    ) -> Result<Reservation, CliError> {
+        self.call(
+            Method::POST,
+            &format!("/v1/reservations/{id}/cgroup"),
+            Some(request),
         )
         .await
     }

@@ -93,6 +93,12 @@ pub enum CliError {
         #[source]
         source: io::Error,
     },
+    /// `cdi-hook` found no container to attach on stdin.
+    #[error(
+        "cdi-hook: {0}; gpuctl cdi-hook is a CDI createContainer hook: the container runtime \
+         runs it with the container's OCI state on stdin"
+    )]
+    OciState(String),
     /// Could not start the I/O runtime.
     #[error("cannot start: {0}")]
     Runtime(#[source] io::Error),
@@ -120,6 +126,7 @@ impl CliError {
                 _ => exit::NOT_EXECUTABLE,
             },
             CliError::Protocol { .. }
+            | CliError::OciState(_)
             | CliError::Runtime(_)
             | CliError::Output(_)
             | CliError::WriteFile(_) => exit::FAILURE,

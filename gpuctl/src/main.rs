@@ -3,11 +3,13 @@
 //! `main` parses the command line (clap exits 2 on a usage error), runs one command and
 //! turns a failure into one `gpuctl: …` line on stderr and the documented exit status.
 //! Modules: `cli` (flags), `client` (HTTP over the Unix socket), `reserve` (the reserve
-//! command, exec and eval forms), `commands` (the others), `output` (tables and `export`
-//! lines), `manual` (man pages and completion scripts), `error` (messages and exit codes).
+//! command, exec and eval forms), `cdi` (the CDI hook), `commands` (the others), `output`
+//! (tables and `export` lines), `manual` (man pages and completion scripts), `error`
+//! (messages and exit codes).
 //! gpuctl depends on the schema crate for every wire type and never on rusqlite or
 //! nvml-wrapper.
 
+mod cdi;
 mod cli;
 mod client;
 mod commands;
@@ -71,6 +73,7 @@ fn run(cli: &Cli) -> Result<ExitCode, CliError> {
         Command::Gpus(args) => commands::gpus(args, socket, &rt),
         Command::Events(args) => commands::events(args, socket, &rt, now),
         Command::Waiters(args) => commands::waiters(args, socket, &rt, now),
+        Command::CdiHook(args) => cdi::hook(args, socket, &rt),
         Command::Completions { shell } => commands::completions(*shell),
         Command::Man { subcommand } => commands::man(subcommand.as_deref()),
         Command::PackageFiles { dir } => commands::package_files(dir),

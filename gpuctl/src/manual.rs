@@ -76,13 +76,15 @@ mod tests {
 
         for name in subcommands() {
             let page = std::fs::read_to_string(man1.join(format!("gpuctl-{name}.1"))).unwrap();
-            // The whatis line `man -k` indexes, and the synopsis as it is typed.
+            // The whatis line `man -k` indexes, and the synopsis as it is typed (roff
+            // escapes the dashes of `cdi-hook`).
+            let roff = name.replace('-', "\\-");
             assert!(
-                page.contains(&format!("gpuctl\\-{name} \\- ")),
+                page.contains(&format!("gpuctl\\-{roff} \\- ")),
                 "{name}:\n{page}"
             );
             assert!(
-                page.contains(&format!("\\fBgpuctl {name}\\fR")),
+                page.contains(&format!("\\fBgpuctl {roff}\\fR")),
                 "{name}:\n{page}"
             );
         }

@@ -78,6 +78,8 @@ pub struct Config {
     pub limits: LimitsConfig,
     /// Driver-enforced memory limits per workload cgroup.
     pub isolation: IsolationConfig,
+    /// CDI specs for container runtimes (off unless enabled).
+    pub cdi: CdiConfig,
 }
 
 impl Default for Config {
@@ -99,6 +101,7 @@ impl Default for Config {
             history: HistoryConfig::default(),
             limits: LimitsConfig::default(),
             isolation: IsolationConfig::default(),
+            cdi: CdiConfig::default(),
         }
     }
 }
@@ -416,6 +419,30 @@ impl KubeletConfig {
     }
 }
 
+/// CDI (`gpud::cdi`): a spec per active reservation in the container runtimes' spec
+/// directory, so that `--device gpud.io/reservation=<id>` (and pods, through `Allocate`)
+/// get its environment and a hook that puts its memory limits on the container's cgroup.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CdiConfig {
+    /// Write the specs, and name the device in the kubelet plugin's `Allocate` answers.
+    pub enabled: bool,
+    /// The directory the runtimes read specs from (as the host sees it).
+    pub spec_dir: PathBuf,
+    /// gpuctl's absolute path as the runtime sees it: the hook it runs.
+    pub hook: PathBuf,
+}
+
+impl Default for CdiConfig {
+    fn default() -> CdiConfig {
+        CdiConfig {
+            enabled: false,
+            spec_dir: PathBuf::from("/var/run/cdi"),
+            hook: PathBuf::from("/usr/bin/gpuctl"),
+        }
+    }
+}
+
 /// A limit on what one uid, or all uids of one primary gid, may hold at once.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -505,6 +532,19 @@ impl Config {
                 "kubelet.gpuctl_dir must be an absolute path, not {}",
                 dir.display()
             ));
+        }
+        // CDI wants a hook's path absolute; a relative spec directory would follow gpud's
+        // working directory, which no runtime reads.
+        for (key, path) in [
+            ("cdi.spec_dir", &self.cdi.spec_dir),
+            ("cdi.hook", &self.cdi.hook),
+        ] {
+            if !path.is_absolute() {
+                return Err(format!(
+                    "{key} must be an absolute path, not {}",
+                    path.display()
+                ));
+            }
         }
         Ok(())
     }
@@ -946,6 +986,28 @@ mod tests {
             Config::parse("[kubelet]\nenable = true\n")
                 .unwrap_err()
                 .contains("enable")
+        );
+    }
+
+    #[test]
+    fn cdi_section_parses_and_wants_absolute_paths() {
+        let c =
+            Config::parse("[cdi]\nenabled = true\nhook = \"/var/lib/gpud/bin/gpuctl\"\n").unwrap();
+        assert!(c.cdi.enabled);
+        assert_eq!(c.cdi.spec_dir, PathBuf::from("/var/run/cdi"));
+        assert_eq!(c.cdi.hook, PathBuf::from("/var/lib/gpud/bin/gpuctl"));
+        assert_eq!(
+            Config::parse("[cdi]\nhook = \"gpuctl\"\n").unwrap_err(),
+            "cdi.hook must be an absolute path, not gpuctl"
+        );
+        assert_eq!(
+            Config::parse("[cdi]\nspec_dir = \"cdi\"\n").unwrap_err(),
+            "cdi.spec_dir must be an absolute path, not cdi"
+        );
+        assert!(
+            Config::parse("[cdi]\nspecdir = \"/etc/cdi\"\n")
+                .unwrap_err()
+                .contains("specdir")
         );
     }
 

@@ -4,11 +4,13 @@
 //! `placement` (pure), `gpu` (NVML), `store` (SQLite) and `holder` (process liveness) use
 //! only `model`; `broker` is the application on top of them; `audit` checks what runs
 //! against it through `gpu` and `holder`; `api` serves it over HTTP and `kubelet` over the
-//! kubelet's device-plugin gRPC API; `server` wires everything together for `main.rs`.
+//! kubelet's device-plugin gRPC API; `cdi` writes the container runtimes' device specs of
+//! reservations; `server` wires everything together for `main.rs`.
 
 pub mod api;
 pub mod audit;
 pub mod broker;
+pub mod cdi;
 pub mod clock;
 pub mod config;
 pub mod gpu;

@@ -452,6 +452,10 @@ async fn registers_advertises_binpacks_allocates_and_releases_when_the_pod_is_go
     let socket_dir = d.socket.parent().unwrap().to_str().unwrap();
     let bin = gpuctl_dir.to_str().unwrap();
     assert_eq!(mounts, [(socket_dir, socket_dir, true), (bin, bin, true)]);
+    assert!(
+        container.cdi_devices.is_empty(),
+        "no CDI device unless [cdi] is enabled"
+    );
 
     // What the pod then runs: gpuctl from the mounted directory, with only the environment
     // Allocate gave it, shows the pod's reservation.
@@ -596,7 +600,11 @@ async fn a_gpu_turning_unhealthy_is_streamed_and_so_is_its_recovery() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn whole_gpus_are_preferred_by_topology() {
     let kubelet = FakeKubelet::start();
-    let d = start_gpud("dgx1-v100", kubelet.config(true)).await;
+    let cdi = format!(
+        "[cdi]\nenabled = true\nspec_dir = \"{}\"\n",
+        kubelet.dir.path().join("cdi").display()
+    );
+    let d = start_gpud("dgx1-v100", format!("{}{cdi}", kubelet.config(true))).await;
     let uuids = uuids(&d);
     kubelet.wait_registered(WHOLE, 1).await;
     let mut plugin = kubelet.plugin("gpud-gpu.sock").await;
@@ -624,6 +632,19 @@ async fn whole_gpus_are_preferred_by_topology() {
         .into_inner();
     let env = &allocated.container_responses[0].envs;
     assert_eq!(env["CUDA_VISIBLE_DEVICES"], chosen.join(","));
+    // [cdi] enabled: the runtime is told the reservation's CDI device.
+    let cdi_devices: Vec<&str> = allocated.container_responses[0]
+        .cdi_devices
+        .iter()
+        .map(|c| c.name.as_str())
+        .collect();
+    assert_eq!(
+        cdi_devices,
+        [format!(
+            "gpud.io/reservation={}",
+            env["GPUD_RESERVATION_ID"]
+        )]
+    );
     assert_eq!(
         allocated.container_responses[0].mounts.len(),
         1,

@@ -50,6 +50,9 @@
 //!   `gpuctl_dir`, a read-only mount of that host directory at the same path, so that the
 //!   pod runs gpuctl from there whatever its image. The binary gets a directory of its own,
 //!   not the socket's: `/run` is often mounted `noexec`.
+//!   With `[cdi] enabled`, the reply also names the reservation's CDI device
+//!   (`gpud.io/reservation=<id>`): the runtime then runs its hook, which puts the
+//!   reservation's memory limits on the container's cgroup before the container starts.
 //! - **Reconciliation** every `reconcile_interval`: a reservation is released ("pod gone")
 //!   when none of its device ids is held by any pod, but only once it is older than
 //!   `allocation_grace` (pod-resources lists a pod's devices only once its containers
@@ -130,6 +133,8 @@ pub(crate) struct Shared {
     socket_host_dir: PathBuf,
     /// The host directory holding gpuctl, mounted read-only at the same path in pods.
     gpuctl_dir: Option<PathBuf>,
+    /// `[cdi] enabled`: `Allocate` names each reservation's CDI device.
+    cdi: bool,
 }
 
 impl Shared {
@@ -152,6 +157,7 @@ impl Shared {
             gpud_socket: config.socket.clone(),
             socket_host_dir: config.kubelet.socket_host_dir.clone().unwrap_or(socket_dir),
             gpuctl_dir: config.kubelet.gpuctl_dir.clone(),
+            cdi: config.cdi.enabled,
         }
     }
 

@@ -16,7 +16,7 @@ use tonic::{Request, Response, Status};
 use super::Shared;
 use super::devices::{self, Advertised, Resource};
 use super::proto::v1beta1::{
-    AllocateRequest, AllocateResponse, ContainerAllocateResponse,
+    AllocateRequest, AllocateResponse, CdiDevice, ContainerAllocateResponse,
     ContainerPreferredAllocationResponse, Device, DevicePluginOptions, DeviceSpec, Empty,
     ListAndWatchResponse, Mount, NumaNode, PreStartContainerRequest, PreStartContainerResponse,
     PreferredAllocationRequest, PreferredAllocationResponse, TopologyInfo,
@@ -24,6 +24,7 @@ use super::proto::v1beta1::{
 };
 use super::proto::{HEALTHY, UNHEALTHY};
 use crate::broker::{self, BrokerError, ExactRequest};
+use crate::cdi;
 use crate::clock::now_millis;
 use crate::model::Reservation;
 
@@ -171,7 +172,19 @@ impl Plugin {
             mounts,
             devices,
             annotations: HashMap::new(),
-            cdi_devices: Vec::new(),
+            cdi_devices: self.cdi_devices(r),
+        }
+    }
+
+    /// The reservation's CDI device when `[cdi]` is enabled (its spec is in the runtime's
+    /// spec directory by the time the kubelet creates the container), none otherwise.
+    fn cdi_devices(&self, r: &Reservation) -> Vec<CdiDevice> {
+        if self.shared.cdi {
+            vec![CdiDevice {
+                name: cdi::device_name(&r.id),
+            }]
+        } else {
+            Vec::new()
         }
     }
 }

@@ -1,4 +1,5 @@
-//! Device ids, advertising with withholding, claims, preferred allocations and staleness,
+//! Device ids, advertising with withholding, claims, preferred allocations, staleness and
+//! the CDI device in `Allocate` answers,
 //! on a real broker (in-memory SQLite) so that the loads and labels are the ones gpud makes.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
@@ -494,4 +495,54 @@ fn exact_reservations_never_overcommit_and_end_with_a_reason() {
     set_health(&b, 0, false);
     let e = exact(&b, request("k8s-f", 1)).unwrap_err();
     assert!(e.to_string().contains("unhealthy"), "{e}");
+}
+
+/// `Allocate` through the plugin, as the kubelet calls it: with `[cdi] enabled` the reply
+/// names the reservation's CDI device, so the runtime runs its hook; without, none.
+#[test]
+fn allocate_names_the_cdi_device_only_when_cdi_is_enabled() {
+    use crate::kubelet::proto::v1beta1::device_plugin_server::DevicePlugin;
+    use crate::kubelet::proto::v1beta1::{
+        AllocateRequest as KubeletAllocate, ContainerAllocateRequest,
+    };
+    // The broker's start and commands block: only the gRPC handler runs on the runtime.
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    for enabled in [false, true] {
+        let b = broker(2, 16);
+        let mut config = Config::default();
+        config.cdi.enabled = enabled;
+        let (_epoch, epoch_rx) = tokio::sync::watch::channel(());
+        let plugin = crate::kubelet::plugin::Plugin {
+            resource: MEM,
+            shared: Arc::new(crate::kubelet::Shared::new(
+                b.broker.clone(),
+                &config,
+                &[MEM],
+            )),
+            epoch: epoch_rx,
+        };
+        let request = tonic::Request::new(KubeletAllocate {
+            container_requests: vec![ContainerAllocateRequest {
+                devices_ids: mem_ids(0, 0..2),
+            }],
+        });
+        let answer = runtime
+            .block_on(plugin.allocate(request))
+            .unwrap()
+            .into_inner();
+        let container = &answer.container_responses[0];
+        let id = &container.envs["GPUD_RESERVATION_ID"];
+        let named: Vec<&str> = container
+            .cdi_devices
+            .iter()
+            .map(|d| d.name.as_str())
+            .collect();
+        if enabled {
+            assert_eq!(named, [format!("gpud.io/reservation={id}")]);
+        } else {
+            assert!(named.is_empty(), "{named:?}");
+        }
+    }
 }
