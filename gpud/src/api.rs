@@ -521,31 +521,44 @@ impl Api {
         body: &[u8],
     ) -> Result<Reply, ApiError> {
         let wire: schema::AttachCgroupRequest = parse_json(body)?;
+        if wire.cgroup.is_some() == wire.pid.is_some() {
+            return Err(ApiError::invalid(
+                "give the cgroup (\"cgroup\": \"/kubepods/…\") or a process in it \
+                 (\"pid\": 4242), one of the two",
+            ));
+        }
+        // Not active: the broker says which (404 or 409) before any cgroup is looked at.
+        if self.broker.snapshot().reservation(&id).is_none() {
+            let r = self
+                .broker
+                .attach_cgroup(caller, id, crate::isolation::Target::default())
+                .await?;
+            return Ok(json(StatusCode::OK, &to_wire(r)));
+        }
         let workloads = self.workloads.clone();
         let admin = self.broker.is_admin(&caller);
         let target = tokio::task::spawn_blocking(move || {
-            let h = workloads.hierarchy().ok_or_else(|| {
-                TargetError::Invalid("this host has no cgroup v2 hierarchy mounted".to_owned())
-            })?;
-            let full = match (wire.cgroup, wire.pid) {
-                (Some(named), None) => workloads.named(h, &caller, admin, &named)?,
-                (None, Some(pid)) => {
-                    let full = h.cgroup_of(pid)?;
-                    let named = full.display().to_string();
-                    workloads.named(h, &caller, admin, &named)?
-                }
-                _ => {
-                    return Err(TargetError::Invalid(
-                        "give the cgroup (\"cgroup\": \"/kubepods/…\") or a process in it \
-                         (\"pid\": 4242), one of the two"
-                            .to_owned(),
-                    ));
-                }
+            let Some(h) = workloads.hierarchy() else {
+                return Ok(crate::isolation::Target::none(
+                    "this host has no cgroup v2 hierarchy mounted",
+                ));
             };
-            Ok(crate::isolation::Target {
-                cgroup: Some(full.display().to_string()),
-                ..crate::isolation::Target::default()
-            })
+            let target = match (wire.cgroup, wire.pid) {
+                (Some(named), _) => {
+                    let full = workloads.named(h, &caller, admin, &named)?;
+                    crate::isolation::Target {
+                        cgroup: Some(full.display().to_string()),
+                        ..crate::isolation::Target::default()
+                    }
+                }
+                (None, Some(pid)) => workloads.of_process(h, pid)?,
+                (None, None) => crate::isolation::Target::default(),
+            };
+            // Whoever names a process may only limit a cgroup they could name.
+            if let Some(cgroup) = &target.cgroup {
+                workloads.named(h, &caller, admin, cgroup)?;
+            }
+            Ok(target)
         })
         .await
         .map_err(|_| BrokerError::Internal("finding the cgroup panicked"))?

@@ -4,7 +4,7 @@
 //! `createContainer` hook, `gpuctl cdi-hook`, that has gpud put the reservation's memory
 //! limits on the container's cgroup before its first instruction.
 //!
-//! Depends on the schema crate's [`Reservation`] and std only; the broker decides when a
+//! Depends on the schema crate's [`Env`] and std only; the broker decides when a
 //! spec is written or removed, this module only how.
 //!
 //! # Decisions
@@ -29,7 +29,7 @@ use std::io::{self, Write};
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
-use gpud_schema::Reservation;
+use gpud_schema::Env;
 use serde_json::{Value, json};
 
 /// The CDI kind (`vendor/class`) of gpud's devices.
@@ -73,16 +73,16 @@ pub fn device_name(id: &str) -> String {
     format!("{KIND}={id}")
 }
 
-/// The CDI spec of reservation `r`: one device, named after the reservation, whose edits
-/// are the reservation's environment and a `createContainer` hook running `hook` (gpuctl's
+/// The CDI spec of reservation `id`: one device, named after the reservation, whose edits
+/// are the reservation's environment `env` and a `createContainer` hook running `hook` (gpuctl's
 /// absolute path as the runtime sees it) against gpud's `socket` (as the runtime sees it).
-pub fn spec(r: &Reservation, hook: &Path, socket: &Path) -> Value {
-    let env: Vec<String> = r.env.iter().map(|(k, v)| format!("{k}={v}")).collect();
+pub fn spec(id: &str, env: &Env, hook: &Path, socket: &Path) -> Value {
+    let env: Vec<String> = env.iter().map(|(k, v)| format!("{k}={v}")).collect();
     json!({
         "cdiVersion": CDI_VERSION,
         "kind": KIND,
         "devices": [{
-            "name": r.id,
+            "name": id,
             "containerEdits": {
                 "env": env,
                 "hooks": [{
@@ -94,12 +94,21 @@ pub fn spec(r: &Reservation, hook: &Path, socket: &Path) -> Value {
                         socket.to_string_lossy(),
                         HOOK_SUBCOMMAND,
                         "--reservation",
-                        r.id,
+                        id,
                     ],
                 }],
             },
         }],
     })
+}
+
+/// gpud's socket as container runtimes (and so the hook) see it: under
+/// `[kubelet] socket_host_dir` when gpud runs in a pod, else where gpud serves it.
+pub fn socket_as_runtimes_see_it(config: &crate::config::Config) -> PathBuf {
+    match (&config.kubelet.socket_host_dir, config.socket.file_name()) {
+        (Some(dir), Some(name)) => dir.join(name),
+        _ => config.socket.clone(),
+    }
 }
 
 /// Refuses an id that is not a valid CDI device name, or that could leave `dir`. gpud
@@ -133,15 +142,22 @@ fn spec_path(dir: &Path, id: &str) -> PathBuf {
 
 /// Writes the spec of `r` to `<dir>/gpud-<id>.json` atomically (mode 0644), creating `dir`
 /// (mode 0755) if it is missing, and returns the file's path. Blocking.
-pub fn write_spec(dir: &Path, r: &Reservation, hook: &Path, socket: &Path) -> io::Result<PathBuf> {
-    check_id(&r.id)?;
+pub fn write_spec(
+    dir: &Path,
+    id: &str,
+    env: &Env,
+    hook: &Path,
+    socket: &Path,
+) -> io::Result<PathBuf> {
+    check_id(id)?;
     if !dir.is_dir() {
         fs::create_dir_all(dir).map_err(at("create", dir))?;
         fs::set_permissions(dir, fs::Permissions::from_mode(0o755)).map_err(at("chmod", dir))?;
     }
-    let path = spec_path(dir, &r.id);
-    let temp = dir.join(format!(".gpud-{}.json.tmp", r.id));
-    let mut text = serde_json::to_vec_pretty(&spec(r, hook, socket)).map_err(io::Error::other)?;
+    let path = spec_path(dir, id);
+    let temp = dir.join(format!(".gpud-{id}.json.tmp"));
+    let mut text =
+        serde_json::to_vec_pretty(&spec(id, env, hook, socket)).map_err(io::Error::other)?;
     text.push(b'\n');
     let written = fs::OpenOptions::new()
         .write(true)

@@ -409,8 +409,114 @@ fn a_container_s_cgroup_is_attached_to_a_lease_and_takes_its_limit() {
     assert_eq!(r.status, 409, "{}", r.text);
     let r = d.post(&format!("/v1/reservations/{id}/cgroup"), "{}");
     assert_eq!(r.status, 400, "{}", r.text);
+    let r = d.post("/v1/reservations/0123456789abcdef/cgroup", r#"{"pid": 1}"#);
+    assert_eq!(r.status, 404, "{}", r.text);
+    let r = d.post(
+        &format!("/v1/reservations/{id}/cgroup"),
+        r#"{"pid": 999999999}"#,
+    );
+    assert_eq!(r.status, 400, "{}", r.text);
     assert_eq!(d.delete(&format!("/v1/reservations/{id}")).status, 200);
     assert_eq!(limits_on(&python, d, &gpu, &container.name()), None);
+}
+
+#[test]
+fn a_process_in_the_root_cgroup_leaves_its_reservation_advisory() {
+    let Some(mount) = prerequisites() else { return };
+    let iso = Isolated::start(&mount, "rootcg", "", r615);
+    let d = &iso.d;
+    let mut sleeper = Command::new("sleep").arg("600").spawn().unwrap();
+    std::fs::write(mount.join("cgroup.procs"), sleeper.id().to_string()).unwrap();
+    let lease = d.post(
+        "/v1/reservations",
+        r#"{"memory": "1GiB", "ttl_seconds": 600}"#,
+    );
+    let id = lease.body["id"].as_str().unwrap();
+    let r = d.post(
+        &format!("/v1/reservations/{id}/cgroup"),
+        &json!({"pid": sleeper.id()}).to_string(),
+    );
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(r.body["isolation"]["mode"], "advisory");
+    let reason = r.body["isolation"]["reason"].as_str().unwrap();
+    assert!(reason.contains("root cgroup"), "{reason}");
+    sleeper.kill().unwrap();
+    sleeper.wait().unwrap();
+}
+
+#[test]
+fn a_cdi_device_runs_gpud_s_hook_which_puts_the_limit_on_the_container_s_cgroup() {
+    let Some(mount) = prerequisites() else { return };
+    let Some(python) = python() else { return };
+    let specs = tempfile::tempdir().unwrap();
+    let config = format!(
+        "[cdi]\nenabled = true\nspec_dir = {:?}\nhook = {:?}\n",
+        specs.path().display().to_string(),
+        gpud_tests::gpuctl_bin().display().to_string()
+    );
+    let workloads = mount.join(format!("gpud-test-cdi-{}", std::process::id()));
+    let d = Daemon::start_edited(
+        "t4-pair",
+        &format!(
+            "{config}[isolation]\nworkloads = {:?}\n",
+            workloads.display().to_string()
+        ),
+        r615,
+    );
+    let lease = d.post(
+        "/v1/reservations",
+        r#"{"memory": "2GiB", "ttl_seconds": 600}"#,
+    );
+    assert_eq!(lease.status, 201, "{}", lease.text);
+    let id = lease.body["id"].as_str().unwrap();
+    let gpu = lease.body["gpus"][0]["uuid"].as_str().unwrap();
+    // The spec exists before the answer: what a runtime reads for `--device
+    // gpud.io/reservation=<id>`.
+    let path = specs.path().join(format!("gpud-{id}.json"));
+    let spec: Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    assert_eq!(spec["kind"], "gpud.io/reservation");
+    assert_eq!(spec["devices"][0]["name"], json!(id));
+    let hook = &spec["devices"][0]["containerEdits"]["hooks"][0];
+    assert_eq!(hook["hookName"], "createContainer");
+
+    // The runtime runs the hook with the container's state on stdin, its first process
+    // already in the container's cgroup.
+    let container = TestCgroup::new(&mount, "cdi-container");
+    let state = json!({"ociVersion": "1.2.0", "id": "c1", "status": "creating",
+        "pid": container.sleeper.as_ref().unwrap().id(), "bundle": "/tmp/c1"});
+    let args: Vec<String> = hook["args"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .skip(1)
+        .map(|a| a.as_str().unwrap().to_owned())
+        .collect();
+    let mut run = Command::new(hook["path"].as_str().unwrap())
+        .args(&args)
+        .stdin(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::io::Write::write_all(run.stdin.as_mut().unwrap(), state.to_string().as_bytes()).unwrap();
+    drop(run.stdin.take());
+    let out = run.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "the hook failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        limits_on(&python, &d, gpu, &container.name()),
+        Some((2 * GIB, 2 * GIB))
+    );
+    let r = d.get(&format!("/v1/reservations/{id}"));
+    assert_eq!(r.body["isolation"]["mode"], "driver", "{}", r.text);
+
+    // Released: the limit is reset and the spec is gone.
+    assert_eq!(d.delete(&format!("/v1/reservations/{id}")).status, 200);
+    assert_eq!(limits_on(&python, &d, gpu, &container.name()), None);
+    assert!(!path.exists());
+    let _ = std::fs::remove_dir(&workloads);
 }
 
 #[test]

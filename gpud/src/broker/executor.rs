@@ -300,6 +300,7 @@ impl Executor {
     /// reservation given back in the next group.
     fn after_commit(&mut self, mut effects: Effects) -> Fixups {
         let fixups = self.apply_limits(&mut effects);
+        self.write_cdi_specs(&mut effects);
         for (id, cgroup) in std::mem::take(&mut effects.cgroup_watches) {
             self.watch_cgroup(id, cgroup);
         }
@@ -390,6 +391,24 @@ impl Executor {
             self.carry.push(Command::LimitsSettled { cleared, refused });
         }
         fixups
+    }
+
+    /// Writes the CDI specs of new reservations and removes those of ended ones, before
+    /// anyone hears of them: the kubelet passes a device name on to the runtime at once.
+    fn write_cdi_specs(&self, effects: &mut Effects) {
+        let config = &self.ledger.settings.config;
+        let (dir, hook) = (&config.cdi.spec_dir, &config.cdi.hook);
+        let socket = crate::cdi::socket_as_runtimes_see_it(config);
+        for (id, env) in std::mem::take(&mut effects.cdi_written) {
+            if let Err(e) = crate::cdi::write_spec(dir, &id, &env, hook, &socket) {
+                tracing::error!(reservation = %id, error = %e, "could not write the CDI spec");
+            }
+        }
+        for id in std::mem::take(&mut effects.cdi_removed) {
+            if let Err(e) = crate::cdi::remove_spec(dir, &id) {
+                tracing::warn!(reservation = %id, error = %e, "could not remove the CDI spec");
+            }
+        }
     }
 
     /// Ends reservation `id` once `cgroup`, which holds it, is empty or removed.

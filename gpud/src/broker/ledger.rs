@@ -70,6 +70,10 @@ pub(super) struct Effects {
     pub ended_limited: Vec<Reservation>,
     /// Cgroups that hold reservations, to watch: `(reservation id, cgroup)`.
     pub cgroup_watches: Vec<(String, String)>,
+    /// Reservations whose CDI spec is to be written (`[cdi] enabled`): `(id, env)`.
+    pub cdi_written: Vec<(String, gpud_schema::Env)>,
+    /// Ended reservations whose CDI spec is to be removed.
+    pub cdi_removed: Vec<String>,
 }
 
 /// What one uid, or the members of one group, hold at once (for quotas).
@@ -811,6 +815,9 @@ impl Ledger {
             self.expiries.insert((at, r.id.clone()));
         }
         self.limits_added(&r);
+        if self.settings.config.cdi.enabled {
+            self.effects.cdi_written.push((r.id.clone(), r.env.clone()));
+        }
         self.replace_active(r);
     }
 
@@ -857,6 +864,9 @@ impl Ledger {
                 self.expiries.remove(&(at, id.clone()));
             }
             self.limits_removed(&r);
+            if self.settings.config.cdi.enabled {
+                self.effects.cdi_removed.push(id.clone());
+            }
             let mut r = Arc::unwrap_or_clone(r);
             r.state = *state;
             r.ended_at = Some(now);

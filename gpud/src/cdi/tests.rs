@@ -9,6 +9,7 @@ use std::os::unix::fs::PermissionsExt;
 use serde_json::{Value, json};
 
 use super::*;
+use gpud_schema::Reservation;
 
 const HOOK: &str = "/usr/bin/gpuctl";
 const SOCKET: &str = "/run/gpud/gpud.sock";
@@ -48,7 +49,8 @@ fn reservation(id: &str) -> Reservation {
 }
 
 fn spec_of(id: &str) -> Value {
-    spec(&reservation(id), Path::new(HOOK), Path::new(SOCKET))
+    let r = reservation(id);
+    spec(&r.id, &r.env, Path::new(HOOK), Path::new(SOCKET))
 }
 
 #[test]
@@ -234,7 +236,8 @@ fn the_spec_keeps_the_rules_the_schema_does_not_state() {
 
 /// Writes the spec of [`reservation`]`(id)` to `dir`, as gpud does by default.
 fn write(dir: &Path, id: &str) -> io::Result<PathBuf> {
-    write_spec(dir, &reservation(id), Path::new(HOOK), Path::new(SOCKET))
+    let r = reservation(id);
+    write_spec(dir, &r.id, &r.env, Path::new(HOOK), Path::new(SOCKET))
 }
 
 fn mode(path: &Path) -> u32 {
@@ -255,7 +258,7 @@ fn write_spec_creates_the_directory_and_replaces_the_file_whole() {
     let root = tempfile::tempdir().unwrap();
     let dir = root.path().join("run/cdi");
     let r = reservation("19a2b3c4d5e00001");
-    let path = write_spec(&dir, &r, Path::new(HOOK), Path::new(SOCKET)).unwrap();
+    let path = write_spec(&dir, &r.id, &r.env, Path::new(HOOK), Path::new(SOCKET)).unwrap();
     assert_eq!(path, dir.join("gpud-19a2b3c4d5e00001.json"));
     assert_eq!(mode(&dir), 0o755);
     assert_eq!(mode(&path), 0o644);
@@ -264,7 +267,14 @@ fn write_spec_creates_the_directory_and_replaces_the_file_whole() {
 
     // Written again (another socket path): replaced, and no temporary file is left.
     fs::set_permissions(&path, fs::Permissions::from_mode(0o600)).unwrap();
-    write_spec(&dir, &r, Path::new(HOOK), Path::new("/tmp/g.sock")).unwrap();
+    write_spec(
+        &dir,
+        &r.id,
+        &r.env,
+        Path::new(HOOK),
+        Path::new("/tmp/g.sock"),
+    )
+    .unwrap();
     let read: Value = serde_json::from_slice(&fs::read(&path).unwrap()).unwrap();
     assert_eq!(
         read["devices"][0]["containerEdits"]["hooks"][0]["args"][2],

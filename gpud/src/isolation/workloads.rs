@@ -61,10 +61,11 @@ pub enum TargetError {
 impl From<CgroupError> for TargetError {
     fn from(e: CgroupError) -> TargetError {
         match e {
-            CgroupError::NotACgroup { .. } => TargetError::Invalid(e.to_string()),
-            CgroupError::Process { .. } | CgroupError::Io { .. } => {
-                TargetError::Failed(e.to_string())
+            // A process named in the request that is not there: the request is wrong.
+            CgroupError::NotACgroup { .. } | CgroupError::Process { .. } => {
+                TargetError::Invalid(e.to_string())
             }
+            CgroupError::Io { .. } => TargetError::Failed(e.to_string()),
         }
     }
 }

@@ -231,6 +231,24 @@ async fn serve(config: Config, config_path: Option<PathBuf>) -> anyhow::Result<(
         .await??
     };
 
+    if config.cdi.enabled {
+        let active: std::collections::HashSet<String> = broker
+            .snapshot()
+            .reservations
+            .iter()
+            .map(|r| r.id.clone())
+            .collect();
+        match crate::cdi::remove_stale(&config.cdi.spec_dir, &active) {
+            Ok(removed) if !removed.is_empty() => {
+                tracing::info!(
+                    removed = removed.len(),
+                    "removed the CDI specs of ended reservations"
+                );
+            }
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %e, "could not clean the CDI spec directory"),
+        }
+    }
     let Listening {
         listener,
         activated,
