@@ -15,6 +15,8 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
+use gpud_schema::IsolationMode;
+
 use crate::broker::Snapshot;
 
 // Static strings: counting a request allocates nothing.
@@ -52,6 +54,11 @@ struct StateLabels {
     state: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ModeLabels {
+    mode: &'static str,
+}
+
 /// All of gpud's metrics.
 pub struct Metrics {
     registry: Registry,
@@ -62,6 +69,8 @@ pub struct Metrics {
     memory_used: Family<GpuLabels, Gauge>,
     memory_unaccounted: Family<GpuLabels, Gauge>,
     healthy: Family<GpuLabels, Gauge>,
+    isolation: Family<GpuLabels, Gauge>,
+    isolated: Family<ModeLabels, Gauge>,
     reservations: Family<StateLabels, Gauge>,
     waiting: Gauge,
     events: Family<KindLabels, Counter>,
@@ -136,6 +145,18 @@ impl Metrics {
             "1 when the GPU may receive placements",
             healthy.clone(),
         );
+        let isolation = Family::<GpuLabels, Gauge>::default();
+        registry.register(
+            "gpu_memory_isolation_driver",
+            "1 when the driver enforces reservations' memory on this GPU (R615 limits), 0 when advisory",
+            isolation.clone(),
+        );
+        let isolated = Family::<ModeLabels, Gauge>::default();
+        registry.register(
+            "reservations_isolation",
+            "Active reservations by isolation mode (driver: a limit the driver enforces)",
+            isolated.clone(),
+        );
         let reservations = Family::<StateLabels, Gauge>::default();
         registry.register(
             "reservations",
@@ -201,6 +222,8 @@ impl Metrics {
             memory_used,
             memory_unaccounted,
             healthy,
+            isolation,
+            isolated,
             reservations,
             waiting,
             events,
@@ -308,12 +331,28 @@ impl Metrics {
             self.healthy
                 .get_or_create(&labels)
                 .set(i64::from(gpu.healthy));
+            self.isolation
+                .get_or_create(&labels)
+                .set(i64::from(gpu.isolation.mode == IsolationMode::Driver));
         }
         self.reservations
             .get_or_create(&StateLabels {
                 state: "active".to_owned(),
             })
             .set(gauge(snap.active() as u64));
+        let driver = snap
+            .reservations
+            .iter()
+            .filter(|r| r.isolation.is_driver())
+            .count();
+        for (mode, n) in [
+            ("driver", driver),
+            ("advisory", snap.active().saturating_sub(driver)),
+        ] {
+            self.isolated
+                .get_or_create(&ModeLabels { mode })
+                .set(gauge(n as u64));
+        }
         self.waiting.set(gauge(snap.waiting() as u64));
         let (open, limit) = open_files();
         self.open_files.set(gauge(open));

@@ -267,6 +267,24 @@ fn a_workload_runs_in_its_own_cgroup_and_the_driver_holds_it_to_what_it_reserved
     assert_eq!(seen["cgroup"], json!(relative), "{seen}");
     // Another process reads the same limits from the driver.
     assert_eq!(limits_of(&python, d, &cgroup), Some((4 * GIB, 4 * GIB)));
+    // gpuctl and the metrics say so.
+    let show = d.gpuctl().args(["show", id]).output().unwrap();
+    let show = String::from_utf8_lossy(&show.stdout);
+    assert!(
+        show.contains(&format!("isolation: driver-enforced on {cgroup}")),
+        "{show}"
+    );
+    let metrics = d.get("/metrics").text;
+    assert!(
+        metrics.contains("gpud_reservations_isolation{mode=\"driver\"} 1\n"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains(&format!(
+            "gpud_gpu_memory_isolation_driver{{gpu=\"0\",uuid=\"{GPU0}\"}} 1\n"
+        )),
+        "{metrics}"
+    );
 
     // Released while it still runs: the limit goes at once; the cgroup, still in use, stays.
     let released = d.delete(&format!("/v1/reservations/{id}"));
