@@ -1077,7 +1077,13 @@ fn findings(
             .iter()
             .find(|(u, _)| u == unit)
             .map_or(0, |(_, b)| *b);
-        if r.exclusive || *bytes <= config.over_limit_tolerance.limit(reserved) {
+        // With a driver limit the driver refuses allocations beyond reserved + burst: the
+        // finding is then that it did not.
+        let allowed = match &r.driver_limit {
+            Some((_, burst)) => reserved.saturating_add(*burst),
+            None => config.over_limit_tolerance.limit(reserved),
+        };
+        if r.exclusive || *bytes <= allowed {
             continue;
         }
         let key = FindingKey {
@@ -1099,13 +1105,23 @@ fn findings(
             used_bytes: Some(*bytes),
             reserved_bytes: Some(reserved),
             action: String::new(),
-            message: format!(
-                "reservation {} uses {} on GPU {}, more than the {} it reserved",
-                r.id,
-                format_bytes(*bytes),
-                gpu_index,
-                format_bytes(reserved)
-            ),
+            message: match &r.driver_limit {
+                None => format!(
+                    "reservation {} uses {} on GPU {}, more than the {} it reserved",
+                    r.id,
+                    format_bytes(*bytes),
+                    gpu_index,
+                    format_bytes(reserved)
+                ),
+                Some((cgroup, _)) => format!(
+                    "reservation {} uses {} on GPU {}, beyond the hard limit of {} the driver \
+                     was to enforce on {cgroup}: the driver did not hold it",
+                    r.id,
+                    format_bytes(*bytes),
+                    gpu_index,
+                    format_bytes(allowed)
+                ),
+            },
         };
         current.insert(key, (event, targets.clone()));
     }
@@ -1793,6 +1809,7 @@ mod tests {
             holder_pid,
             exclusive: false,
             units: vec![(unit.to_owned(), gib * GIB)],
+            driver_limit: None,
         }
     }
 
@@ -1911,6 +1928,43 @@ mod tests {
                 (EventKind::WrongGpu, Some(101)),
                 (EventKind::OverLimit, None),
             ])
+        );
+    }
+
+    #[test]
+    fn with_a_driver_limit_over_limit_means_the_driver_let_it_through() {
+        let listed = [(0, vec![process(100, "GPU-0", 5)])];
+        let facts = Facts {
+            processes: HashMap::from([(
+                100,
+                ProcessFacts {
+                    uid: Some(ME),
+                    start_time: Some(1),
+                    ..ProcessFacts::default()
+                },
+            )]),
+            ..Facts::default()
+        };
+        let over = |burst_gib: u64| {
+            let reservations = [AuditedReservation {
+                driver_limit: Some(("/sys/fs/cgroup/gpud/a".to_owned(), burst_gib * GIB)),
+                ..audited("a", Some(100), "GPU-0", 4)
+            }];
+            let attribution = attribute(&reservations, &inventory().units(), &listed, &facts);
+            findings(&reservations, &attribution, &AuditConfig::default(), 1)
+                .into_values()
+                .map(|(e, _)| e.message)
+                .collect::<Vec<_>>()
+        };
+        // 5 GiB used against 4 reserved: within a 1 GiB burst the driver allowed it.
+        assert!(over(1).is_empty(), "{:?}", over(1));
+        let found = over(0);
+        assert_eq!(found.len(), 1);
+        assert!(
+            found[0].contains(
+                "beyond the hard limit of 4 GiB the driver was to enforce on /sys/fs/cgroup/gpud/a"
+            ),
+            "{found:?}"
         );
     }
 

@@ -612,12 +612,21 @@ pub struct AuditedReservation {
     pub exclusive: bool,
     /// Units held and the memory reserved on each.
     pub units: Vec<(String, u64)>,
+    /// When the driver holds it to a limit: the cgroup, and what the hard limit adds to the
+    /// reserved memory (`[isolation] burst`).
+    pub driver_limit: Option<(String, u64)>,
 }
 
 impl AuditedReservation {
-    /// The part of `r` the audit reads.
-    pub fn of(r: &Reservation) -> AuditedReservation {
+    /// The part of `r` the audit reads; `burst`: `[isolation] burst`.
+    pub fn of(r: &Reservation, burst: u64) -> AuditedReservation {
         AuditedReservation {
+            driver_limit: r
+                .isolation
+                .cgroup
+                .clone()
+                .filter(|_| r.isolation.is_driver())
+                .map(|cgroup| (cgroup, burst)),
             id: r.id.clone(),
             owner_uid: r.owner_uid,
             holder_pid: r.holder.as_ref().map(|h| h.pid),

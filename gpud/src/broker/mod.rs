@@ -294,7 +294,7 @@ impl Snapshot {
             reservations: self
                 .reservations
                 .iter()
-                .map(|r| AuditedReservation::of(r))
+                .map(|r| AuditedReservation::of(r, self.settings.config.isolation.burst))
                 .collect(),
         }
     }
