@@ -333,6 +333,8 @@ pub enum EventKindArg {
     /// A GPU lost or failing.
     #[value(alias = "gpu-unhealthy")]
     GpuUnhealthy,
+    /// A memory limit the driver refused, or could not reset.
+    Isolation,
 }
 
 impl EventKindArg {
@@ -343,6 +345,7 @@ impl EventKindArg {
             EventKindArg::WrongGpu => "wrong_gpu",
             EventKindArg::OverLimit => "over_limit",
             EventKindArg::GpuUnhealthy => "gpu_unhealthy",
+            EventKindArg::Isolation => "isolation",
         }
     }
 }
@@ -519,6 +522,7 @@ mod tests {
             ("over_limit", "over_limit"),
             ("gpu-unhealthy", "gpu_unhealthy"),
             ("unreserved", "unreserved"),
+            ("isolation", "isolation"),
         ] {
             let cli = Cli::try_parse_from(["gpuctl", "events", "--kind", arg]).unwrap();
             let Command::Events(e) = cli.command else {

@@ -465,15 +465,18 @@ pub enum EventKind {
     OverLimit,
     /// A GPU NVML reports lost, or whose queries keep failing.
     GpuUnhealthy,
+    /// The driver refused a reservation's memory limit, or could not reset one.
+    Isolation,
 }
 
 impl EventKind {
     /// Every kind.
-    pub const ALL: [EventKind; 4] = [
+    pub const ALL: [EventKind; 5] = [
         EventKind::Unreserved,
         EventKind::WrongGpu,
         EventKind::OverLimit,
         EventKind::GpuUnhealthy,
+        EventKind::Isolation,
     ];
 
     /// The stored and wire name.
@@ -483,6 +486,7 @@ impl EventKind {
             EventKind::WrongGpu => "wrong_gpu",
             EventKind::OverLimit => "over_limit",
             EventKind::GpuUnhealthy => "gpu_unhealthy",
+            EventKind::Isolation => "isolation",
         }
     }
 

@@ -380,7 +380,7 @@ pub struct Event {
     pub id: u64,
     /// When, RFC 3339 UTC.
     pub at: String,
-    /// `unreserved`, `wrong_gpu`, `over_limit` or `gpu_unhealthy`.
+    /// `unreserved`, `wrong_gpu`, `over_limit`, `gpu_unhealthy` or `isolation`.
     pub kind: String,
     /// `start` (the finding began), `end` (it is over) or `point` (one enforcement step).
     pub phase: String,

@@ -87,7 +87,7 @@ pub fn document() -> Value {
                         "408": error_reply("Waited wait_seconds without capacity (wait_timeout), or the body did not arrive in time (body_timeout)"),
                         "409": error_reply("No capacity now"),
                         "413": error_reply("Body too large"),
-                        "422": error_reply("Can never fit on this machine"),
+                        "422": error_reply("Can never fit on this machine (unsatisfiable), or [isolation] require is set and the driver cannot enforce it (isolation_unavailable)"),
                         "429": error_reply("Changes faster than [limits] allows (rate_limited), or too many connections (too_many_connections)"),
                         "503": error_reply("State cannot be written (storage_unavailable), gpud is stopping (shutting_down), or gpud is out of open files or memory (out_of_resources)")
                     }
@@ -160,7 +160,7 @@ pub fn document() -> Value {
                      "description": "Only events with a larger id (to follow)",
                      "schema": {"type": "integer", "format": "uint64", "minimum": 0}},
                     {"name": "kind", "in": "query", "required": false,
-                     "schema": {"type": "string", "enum": ["unreserved", "wrong_gpu", "over_limit", "gpu_unhealthy"]}},
+                     "schema": {"type": "string", "enum": ["unreserved", "wrong_gpu", "over_limit", "gpu_unhealthy", "isolation"]}},
                     {"name": "reservation", "in": "query", "required": false, "schema": {"type": "string"}},
                     {"name": "limit", "in": "query", "required": false,
                      "schema": {"type": "integer", "format": "uint32", "minimum": 1, "maximum": 10000}}

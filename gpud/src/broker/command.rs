@@ -77,6 +77,8 @@ pub enum Command {
         cleared: Vec<String>,
         /// `(reservation id, reason)`.
         refused: Vec<(String, String)>,
+        /// Ended reservations whose limits could not be reset: `(reservation id, reason)`.
+        unreset: Vec<(String, String)>,
     },
     /// A holder process exited.
     HolderExited {

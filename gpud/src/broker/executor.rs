@@ -335,7 +335,7 @@ impl Executor {
         }
         let require = self.ledger.settings.config.isolation.require;
         let mut refused: Vec<(String, String)> = Vec::new();
-        let mut unreset: std::collections::HashSet<(String, String)> = Default::default();
+        let mut unreset: HashMap<(String, String), String> = HashMap::new();
         for (cgroup, uuid) in std::mem::take(&mut effects.limits) {
             let (soft, hard) = self.ledger.desired_limits(&cgroup, &uuid);
             let path = std::path::Path::new(&cgroup);
@@ -353,7 +353,7 @@ impl Executor {
                 }
                 Err(e) if soft == 0 && hard == NO_LIMIT => {
                     tracing::error!(%cgroup, gpu = %uuid, error = %e, "could not reset memory limits; gpud tries again at its next start");
-                    unreset.insert((cgroup, uuid));
+                    unreset.insert((cgroup, uuid), e);
                 }
                 Err(e) => {
                     tracing::error!(%cgroup, gpu = %uuid, error = %e, "the driver refused memory limits");
@@ -369,12 +369,13 @@ impl Executor {
                 }
             }
         }
-        let mut cleared = Vec::new();
+        let (mut cleared, mut failed_resets) = (Vec::new(), Vec::new());
         for r in std::mem::take(&mut effects.ended_limited) {
             let pending = super::isolation::pairs(&r)
                 .into_iter()
-                .any(|pair| unreset.contains(&pair));
-            if pending {
+                .find_map(|pair| unreset.get(&pair));
+            if let Some(e) = pending {
+                failed_resets.push((r.id, e.clone()));
                 continue;
             }
             if let (Some(cgroup), Some(owned)) = (&r.isolation.cgroup, &r.isolation.owned)
@@ -387,8 +388,12 @@ impl Executor {
         }
         refused.sort();
         refused.dedup();
-        if !cleared.is_empty() || !refused.is_empty() {
-            self.carry.push(Command::LimitsSettled { cleared, refused });
+        if !cleared.is_empty() || !refused.is_empty() || !failed_resets.is_empty() {
+            self.carry.push(Command::LimitsSettled {
+                cleared,
+                refused,
+                unreset: failed_resets,
+            });
         }
         fixups
     }
@@ -566,8 +571,12 @@ fn execute(
             target,
             reply,
         } => answer_patched(reply, ledger.attach_cgroup(txn, &caller, &id, &target)),
-        Command::LimitsSettled { cleared, refused } => {
-            if let Err(e) = ledger.limits_settled(txn, &cleared, &refused, now) {
+        Command::LimitsSettled {
+            cleared,
+            refused,
+            unreset,
+        } => {
+            if let Err(e) = ledger.limits_settled(txn, &cleared, &refused, &unreset, now) {
                 tracing::error!(error = %e, "could not record what the driver did with the memory limits");
             }
             None

@@ -14,11 +14,33 @@ use std::sync::Arc;
 use super::ledger::Ledger;
 use super::{BrokerError, Caller};
 use crate::isolation::{self, Limits, NO_LIMIT, Target};
-use crate::model::{Reservation, ReservationIsolation, ReservedUnit};
+use crate::model::{
+    Event, EventKind, EventPhase, Millis, Reservation, ReservationIsolation, ReservedUnit,
+};
 use crate::store::Txn;
 
 /// A pair whose limits must be made what the ledger says: `(cgroup, GPU uuid)`.
 pub(super) type Pair = (String, String);
+
+/// An event about reservation `id`'s limits.
+fn isolation_event(now: Millis, id: &str, action: &str, message: String) -> Event {
+    tracing::warn!(reservation = %id, action, "{message}");
+    Event {
+        id: 0,
+        at: now,
+        kind: EventKind::Isolation,
+        phase: EventPhase::Point,
+        gpu_index: None,
+        unit_uuid: None,
+        pid: None,
+        uid: None,
+        reservation_id: Some(id.to_owned()),
+        used_bytes: None,
+        reserved_bytes: None,
+        action: action.to_owned(),
+        message,
+    }
+}
 
 /// The pairs a driver-mode reservation limits.
 pub(super) fn pairs(r: &Reservation) -> Vec<Pair> {
@@ -158,16 +180,54 @@ impl Ledger {
         txn: &mut Txn<'_>,
         cleared: &[String],
         refused: &[(String, String)],
-        now: crate::model::Millis,
+        unreset: &[(String, String)],
+        now: Millis,
     ) -> Result<(), BrokerError> {
         if !cleared.is_empty() {
             txn.limits_cleared(cleared)?;
         }
+        let require = self.settings.config.isolation.require;
+        let mut events: Vec<Event> = unreset
+            .iter()
+            .map(|(id, reason)| {
+                isolation_event(
+                    now,
+                    id,
+                    "retry at start",
+                    format!(
+                        "the memory limits of ended reservation {id} could not be reset \
+                         ({reason}); gpud tries again at its next start"
+                    ),
+                )
+            })
+            .collect();
         for (id, reason) in refused {
             let Some(r) = self.active.get(id).cloned() else {
                 continue;
             };
-            if self.settings.config.isolation.require {
+            let cgroup = r.isolation.cgroup.as_deref().unwrap_or("its cgroup");
+            events.push(if require {
+                isolation_event(
+                    now,
+                    id,
+                    "ended",
+                    format!(
+                        "the driver refused reservation {id}'s memory limit on {cgroup} \
+                         ({reason}); ended, as [isolation] require says"
+                    ),
+                )
+            } else {
+                isolation_event(
+                    now,
+                    id,
+                    "advisory",
+                    format!(
+                        "the driver refused reservation {id}'s memory limit on {cgroup} \
+                         ({reason}); it stays, advisory"
+                    ),
+                )
+            });
+            if require {
                 self.end_by_gpud(
                     txn,
                     id,
@@ -185,6 +245,9 @@ impl Ledger {
             let mut updated = Reservation::clone(&r);
             updated.isolation = isolation;
             self.replace_active(updated);
+        }
+        if !events.is_empty() {
+            txn.insert_events(&events)?;
         }
         Ok(())
     }
