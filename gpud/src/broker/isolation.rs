@@ -227,15 +227,8 @@ impl Ledger {
                     ),
                 )
             });
-            if require {
-                self.end_by_gpud(
-                    txn,
-                    id,
-                    &format!("the driver refused its memory limit: {reason}"),
-                    now,
-                )?;
-                continue;
-            }
+            // Advisory first: its pairs are set to what the others of its cgroup hold
+            // (the driver may have taken the limit on another of its GPUs).
             let isolation = ReservationIsolation::advisory(
                 r.isolation.cgroup.clone(),
                 format!("the driver refused the memory limit: {reason}"),
@@ -245,6 +238,14 @@ impl Ledger {
             let mut updated = Reservation::clone(&r);
             updated.isolation = isolation;
             self.replace_active(updated);
+            if require {
+                self.end_by_gpud(
+                    txn,
+                    id,
+                    &format!("the driver refused its memory limit: {reason}"),
+                    now,
+                )?;
+            }
         }
         if !events.is_empty() {
             txn.insert_events(&events)?;
@@ -280,3 +281,6 @@ impl Ledger {
         self.active.values().flat_map(|r| pairs(r)).collect()
     }
 }
+
+#[cfg(test)]
+mod tests;

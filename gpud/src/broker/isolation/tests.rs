@@ -1,0 +1,241 @@
+//! The limits the broker thread has the driver set: sums per cgroup and GPU, resets at the
+//! end, what a refusal does to the answer, and the reconciliation at start. A recording
+//! limiter stands in for NVML.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+use gpud_schema::{GpuIsolation, IsolationMode};
+
+use super::super::*;
+use crate::isolation::{Limiter, NO_LIMIT, Target};
+use crate::model::{EventFilter, EventKind};
+
+const GIB: u64 = 1 << 30;
+const ROOT: Caller = Caller {
+    uid: 0,
+    gid: 0,
+    pid: None,
+};
+
+/// Records every call; refuses those naming a cgroup in `refuse`.
+#[derive(Debug, Default)]
+struct Recorder {
+    calls: Mutex<Vec<(String, String, u64, u64)>>,
+    refuse: Mutex<Vec<String>>,
+}
+
+impl Limiter for Recorder {
+    fn set(&self, gpu: &str, cgroup: &Path, soft: u64, hard: u64) -> Result<(), String> {
+        let cgroup = cgroup.display().to_string();
+        if self.refuse.lock().unwrap().contains(&cgroup) {
+            return Err("NVML: Insufficient Permissions".to_owned());
+        }
+        self.calls
+            .lock()
+            .unwrap()
+            .push((gpu.to_owned(), cgroup, soft, hard));
+        Ok(())
+    }
+}
+
+impl Recorder {
+    fn take(&self) -> Vec<(String, String, u64, u64)> {
+        std::mem::take(&mut self.calls.lock().unwrap())
+    }
+}
+
+/// Two 16 GiB GPUs whose driver enforces limits.
+fn inventory() -> GpuInventory {
+    let mut inventory = GpuInventory::test_machine(2, 16);
+    for g in &mut inventory.gpus {
+        g.isolation = GpuIsolation::driver();
+    }
+    inventory
+}
+
+fn start(store: Store, config: Config, limiter: &Arc<Recorder>) -> Arc<Broker> {
+    let limiter: Arc<dyn Limiter> = limiter.clone();
+    Broker::start_with(
+        store,
+        &inventory(),
+        BrokerSettings {
+            admin_gids: vec![],
+            config,
+            groups: GroupLookup::default(),
+        },
+        crate::clock::wall(),
+        Some(limiter),
+    )
+    .unwrap()
+}
+
+/// A lease of `gib` GiB whose limits go on `cgroup`.
+fn on(cgroup: &Path, gib: u64) -> ReserveRequest {
+    ReserveRequest {
+        gpus: 1,
+        memory: MemoryAsk::Bytes(gib * GIB),
+        policy: None,
+        wait: None,
+        ttl_seconds: Some(600),
+        holder_pid: None,
+        labels: BTreeMap::new(),
+        id: None,
+        target: Target {
+            cgroup: Some(cgroup.display().to_string()),
+            ..Target::default()
+        },
+    }
+}
+
+fn reserve(b: &Broker, request: ReserveRequest) -> Result<Reservation, BrokerError> {
+    match b.reserve(ROOT, request, None).wait()? {
+        ReserveOutcome::Reserved(r) => Ok(r),
+        ReserveOutcome::Queued(_) => panic!("queued"),
+    }
+}
+
+#[test]
+fn a_cgroup_s_limits_are_the_sum_of_its_reservations_and_are_reset_when_none_is_left() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = Config {
+        isolation: crate::config::IsolationConfig {
+            burst: GIB,
+            ..Default::default()
+        },
+        ..Config::default()
+    };
+    let limiter = Arc::new(Recorder::default());
+    let b = start(Store::open_in_memory().unwrap(), config, &limiter);
+    let cg = dir.path().display().to_string();
+
+    let first = reserve(&b, on(dir.path(), 4)).unwrap();
+    assert_eq!(first.isolation.mode, IsolationMode::Driver);
+    assert_eq!(first.isolation.cgroup.as_deref(), Some(cg.as_str()));
+    let gpu = first.units[0].uuid.clone();
+    // Set before the answer: soft = reserved, hard = reserved + burst.
+    assert_eq!(
+        limiter.take(),
+        [(gpu.clone(), cg.clone(), 4 * GIB, 5 * GIB)]
+    );
+    let second = reserve(&b, on(dir.path(), 2)).unwrap();
+    assert_eq!(
+        second.units[0].uuid, gpu,
+        "binpack puts it beside the first"
+    );
+    assert_eq!(
+        limiter.take(),
+        [(gpu.clone(), cg.clone(), 6 * GIB, 8 * GIB)]
+    );
+
+    b.release(ROOT, first.id).wait().unwrap();
+    assert_eq!(
+        limiter.take(),
+        [(gpu.clone(), cg.clone(), 2 * GIB, 3 * GIB)]
+    );
+    b.release(ROOT, second.id).wait().unwrap();
+    assert_eq!(limiter.take(), [(gpu, cg, 0, NO_LIMIT)]);
+}
+
+#[test]
+fn an_exclusive_reservation_gets_the_whole_card() {
+    let dir = tempfile::tempdir().unwrap();
+    let limiter = Arc::new(Recorder::default());
+    let b = start(
+        Store::open_in_memory().unwrap(),
+        Config::default(),
+        &limiter,
+    );
+    let r = reserve(
+        &b,
+        ReserveRequest {
+            memory: MemoryAsk::Exclusive,
+            ..on(dir.path(), 0)
+        },
+    )
+    .unwrap();
+    let calls = limiter.take();
+    assert_eq!(calls.len(), 1);
+    assert_eq!((calls[0].2, calls[0].3), (16 * GIB, 16 * GIB), "{r:?}");
+}
+
+#[test]
+fn a_refused_limit_leaves_the_reservation_advisory_or_under_require_refuses_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let cg = dir.path().display().to_string();
+    for require in [false, true] {
+        let limiter = Arc::new(Recorder::default());
+        limiter.refuse.lock().unwrap().push(cg.clone());
+        let config = Config {
+            isolation: crate::config::IsolationConfig {
+                require,
+                ..Default::default()
+            },
+            ..Config::default()
+        };
+        let b = start(Store::open_in_memory().unwrap(), config, &limiter);
+        let answer = reserve(&b, on(dir.path(), 4));
+        b.ping().wait().unwrap();
+        let events = b
+            .read_history(|s| s.events(&EventFilter::default()))
+            .unwrap();
+        assert_eq!(events.len(), 1, "{events:?}");
+        assert_eq!(events[0].kind, EventKind::Isolation);
+        if require {
+            let e = answer.unwrap_err();
+            assert!(matches!(e, BrokerError::IsolationUnavailable(_)), "{e}");
+            assert!(e.to_string().contains("Insufficient Permissions"), "{e}");
+            assert_eq!(b.snapshot().active(), 0);
+            assert_eq!(events[0].action, "ended");
+        } else {
+            let r = answer.unwrap();
+            assert_eq!(r.isolation.mode, IsolationMode::Advisory);
+            assert!(
+                r.isolation
+                    .reason
+                    .as_deref()
+                    .unwrap()
+                    .contains("Insufficient Permissions")
+            );
+            // The ledger says so too, from the next group on.
+            let listed = b.snapshot().reservation(&r.id).unwrap().isolation.clone();
+            assert_eq!(listed.mode, IsolationMode::Advisory);
+            assert_eq!(events[0].action, "advisory");
+        }
+    }
+}
+
+#[test]
+fn limits_left_by_a_failed_reset_are_reset_at_the_next_start() {
+    let state = tempfile::tempdir().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let cg = dir.path().display().to_string();
+    let limiter = Arc::new(Recorder::default());
+    let b = start(
+        Store::open(state.path()).unwrap(),
+        Config::default(),
+        &limiter,
+    );
+    let r = reserve(&b, on(dir.path(), 4)).unwrap();
+    let gpu = r.units[0].uuid.clone();
+    // The driver fails the reset: the reservation ends, its limits stay pending.
+    limiter.refuse.lock().unwrap().push(cg.clone());
+    b.release(ROOT, r.id.clone()).wait().unwrap();
+    b.ping().wait().unwrap();
+    let pending = b.read_history(|s| s.limits_pending()).unwrap();
+    assert_eq!(pending.len(), 1);
+    drop(b);
+
+    let limiter = Arc::new(Recorder::default());
+    let b = start(
+        Store::open(state.path()).unwrap(),
+        Config::default(),
+        &limiter,
+    );
+    b.ping().wait().unwrap();
+    assert_eq!(limiter.take(), [(gpu, cg, 0, NO_LIMIT)]);
+    assert!(b.read_history(|s| s.limits_pending()).unwrap().is_empty());
+}
