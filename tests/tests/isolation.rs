@@ -109,6 +109,21 @@ fn limits_left(d: &Daemon) -> Value {
         .collect()
 }
 
+/// Root, cgroup v2 and pynvml, and a gpud on an R615 t4-pair named `name`; `None` (the
+/// test returns) when a prerequisite is missing.
+fn r615_with_python(name: &str) -> Option<(PathBuf, PathBuf, Isolated)> {
+    let mount = prerequisites()?;
+    let python = python()?;
+    let iso = Isolated::start(&mount, name, "", r615);
+    Some((mount, python, iso))
+}
+
+/// Waits until `cgroup` is removed; fails the test if it stays.
+fn wait_removed(cgroup: &str) {
+    let gone = wait_for(PATIENCE, || (!Path::new(cgroup).exists()).then_some(()));
+    assert!(gone.is_some(), "{cgroup} was left behind");
+}
+
 /// The fixture's driver becomes R615, which has per-cgroup memory limits.
 fn r615(fixture: &mut Value) {
     fixture["driver_version"] = json!("615.12.01");
@@ -247,9 +262,9 @@ fn finish(mut child: Child) {
 
 #[test]
 fn a_workload_runs_in_its_own_cgroup_and_the_driver_holds_it_to_what_it_reserved() {
-    let Some(mount) = prerequisites() else { return };
-    let Some(python) = python() else { return };
-    let iso = Isolated::start(&mount, "exec", "", r615);
+    let Some((mount, python, iso)) = r615_with_python("exec") else {
+        return;
+    };
     let d = &iso.d;
     let (child, seen) = run_workload(&python, d);
 
@@ -293,18 +308,14 @@ fn a_workload_runs_in_its_own_cgroup_and_the_driver_holds_it_to_what_it_reserved
     assert!(Path::new(&cgroup).is_dir());
     // Once the workload exits its cgroup is removed.
     finish(child);
-    let gone = wait_for(PATIENCE, || (!Path::new(&cgroup).exists()).then_some(()));
-    assert!(
-        gone.is_some(),
-        "{cgroup} was not removed after its workload exited"
-    );
+    wait_removed(&cgroup);
 }
 
 #[test]
 fn a_workload_that_exits_takes_its_limit_and_its_cgroup_with_it() {
-    let Some(mount) = prerequisites() else { return };
-    let Some(python) = python() else { return };
-    let iso = Isolated::start(&mount, "exit", "", r615);
+    let Some((_, python, iso)) = r615_with_python("exit") else {
+        return;
+    };
     let d = &iso.d;
     let (child, _) = run_workload(&python, d);
     let cgroup = d.active()[0]["isolation"]["cgroup"]
@@ -315,17 +326,16 @@ fn a_workload_that_exits_takes_its_limit_and_its_cgroup_with_it() {
     finish(child);
     let ended = wait_for(PATIENCE, || d.active().is_empty().then_some(()));
     assert!(ended.is_some(), "the reservation outlived its workload");
-    let gone = wait_for(PATIENCE, || (!Path::new(&cgroup).exists()).then_some(()));
-    assert!(gone.is_some(), "{cgroup} was left behind");
+    wait_removed(&cgroup);
     // Reset before the cgroup went: the driver's map has nothing for it.
     assert_eq!(limits_left(d), json!({}));
 }
 
 #[test]
 fn a_cgroup_holds_a_reservation_until_it_is_empty() {
-    let Some(mount) = prerequisites() else { return };
-    let Some(python) = python() else { return };
-    let iso = Isolated::start(&mount, "holder", "", r615);
+    let Some((mount, python, iso)) = r615_with_python("holder") else {
+        return;
+    };
     let d = &iso.d;
     let mut job = TestCgroup::new(&mount, "job");
     let body = json!({"memory": "3GiB", "holder_cgroup": job.name()}).to_string();
@@ -392,9 +402,9 @@ fn only_root_and_admins_name_a_cgroup_that_is_not_theirs() {
 
 #[test]
 fn a_container_s_cgroup_is_attached_to_a_lease_and_takes_its_limit() {
-    let Some(mount) = prerequisites() else { return };
-    let Some(python) = python() else { return };
-    let iso = Isolated::start(&mount, "attach", "", r615);
+    let Some((mount, python, iso)) = r615_with_python("attach") else {
+        return;
+    };
     let d = &iso.d;
     let lease = d.post(
         "/v1/reservations",
