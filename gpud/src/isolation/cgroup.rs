@@ -42,6 +42,17 @@ pub enum CgroupError {
         /// What failed.
         detail: String,
     },
+    /// The process's cgroup is outside gpud's cgroup namespace (gpud in a container).
+    #[error(
+        "process {pid} runs in a cgroup outside gpud's cgroup namespace ({relative}): gpud \
+         cannot name it to the driver"
+    )]
+    Outside {
+        /// The pid.
+        pid: u32,
+        /// Its cgroup as gpud sees it (`/../..`).
+        relative: String,
+    },
     /// Creating, joining or removing a cgroup failed.
     #[error("cannot {action} {path}: {source}")]
     Io {
@@ -154,10 +165,7 @@ impl Hierarchy {
                 detail: e.to_string(),
             }
         })?;
-        let relative = unified_line(&text).ok_or_else(|| CgroupError::Process {
-            pid,
-            detail: "no cgroup v2 line (0::) in /proc/PID/cgroup".to_owned(),
-        })?;
+        let relative = cgroup_line(pid, &text)?;
         Ok(self.full_path(relative))
     }
 
@@ -165,6 +173,25 @@ impl Hierarchy {
     pub fn is_root(&self, full: &Path) -> bool {
         full == self.mount
     }
+}
+
+/// The cgroup v2 path in a `/proc/PID/cgroup` text, refused when it lies outside the
+/// reader's cgroup namespace (`/../..`: gpud runs in a container of its own).
+fn cgroup_line(pid: u32, text: &str) -> Result<&str, CgroupError> {
+    let relative = unified_line(text).ok_or_else(|| CgroupError::Process {
+        pid,
+        detail: "no cgroup v2 line (0::) in /proc/PID/cgroup".to_owned(),
+    })?;
+    if Path::new(relative)
+        .components()
+        .any(|c| matches!(c, Component::ParentDir))
+    {
+        return Err(CgroupError::Outside {
+            pid,
+            relative: relative.to_owned(),
+        });
+    }
+    Ok(relative)
 }
 
 /// Whether `inner` is `outer` or a cgroup below it.
@@ -364,6 +391,14 @@ mod tests {
             let e = h.resolve(bad).unwrap_err().to_string();
             assert!(e.contains("is not a cgroup v2 directory"), "{bad}: {e}");
         }
+    }
+
+    #[test]
+    fn a_cgroup_outside_the_namespace_is_refused_not_guessed() {
+        assert_eq!(cgroup_line(1, "0::/a/b\n").unwrap(), "/a/b");
+        let e = cgroup_line(1, "0::/../../kubepods/pod1/c\n").unwrap_err();
+        assert!(matches!(e, CgroupError::Outside { .. }), "{e}");
+        assert!(cgroup_line(1, "4:memory:/x\n").is_err());
     }
 
     #[test]

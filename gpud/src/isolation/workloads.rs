@@ -62,9 +62,9 @@ impl From<CgroupError> for TargetError {
     fn from(e: CgroupError) -> TargetError {
         match e {
             // A process named in the request that is not there: the request is wrong.
-            CgroupError::NotACgroup { .. } | CgroupError::Process { .. } => {
-                TargetError::Invalid(e.to_string())
-            }
+            CgroupError::NotACgroup { .. }
+            | CgroupError::Process { .. }
+            | CgroupError::Outside { .. } => TargetError::Invalid(e.to_string()),
             CgroupError::Io { .. } => TargetError::Failed(e.to_string()),
         }
     }
@@ -254,7 +254,10 @@ impl Workloads {
     /// The cgroup process `pid` runs in, as a target (or none, when that is the root's or
     /// gpud's).
     pub fn of_process(&self, h: &Hierarchy, pid: u32) -> Result<Target, TargetError> {
-        let full = h.cgroup_of(pid)?;
+        let full = match h.cgroup_of(pid) {
+            Err(e @ CgroupError::Outside { .. }) => return Ok(Target::none(e.to_string())),
+            r => r?,
+        };
         if h.is_root(&full) {
             return Ok(Target::none(format!(
                 "the holder (process {pid}) runs in the root cgroup, which cannot be limited; \
