@@ -66,6 +66,8 @@ pub fn plan_reload(running: &Config, at_start: &Config, file: &Config) -> Reload
     restart_only!(server);
     restart_only!(metrics);
     restart_only!(kubelet);
+    restart_only!(isolation);
+    restart_only!(cdi);
     rest.quotas = at_start.quotas.clone();
     rest.admin_groups = at_start.admin_groups.clone();
     rest.placement = at_start.placement.clone();
@@ -207,10 +209,14 @@ mod tests {
     fn restart_only_keys_are_reported_and_not_applied() {
         let at_start = parse("");
         let file = parse(
-            "socket = \"/run/other.sock\"\n[server]\nmax_body_bytes = 1024\n[kubelet]\nenabled = true\n",
+            "socket = \"/run/other.sock\"\n[server]\nmax_body_bytes = 1024\n[kubelet]\nenabled = true\n\
+             [isolation]\nrequire = true\n",
         );
         let plan = plan_reload(&at_start, &at_start, &file);
-        assert_eq!(plan.needs_restart, ["socket", "server", "kubelet"]);
+        assert_eq!(
+            plan.needs_restart,
+            ["socket", "server", "kubelet", "isolation"]
+        );
         assert_eq!(plan.config, at_start);
         assert!(plan.changed.is_empty());
     }
