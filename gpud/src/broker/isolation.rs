@@ -9,7 +9,6 @@
 //! limits follow the database again.
 
 use std::collections::BTreeSet;
-use std::sync::Arc;
 
 use super::ledger::Ledger;
 use super::{BrokerError, Caller};
@@ -91,9 +90,17 @@ impl Ledger {
     /// Records that `r` (now ended) no longer limits its pairs: they are set to what the
     /// others of its cgroup reserve, or reset, after the commit.
     pub(super) fn limits_removed(&mut self, r: &Reservation) {
+        if self.limits_released(r) {
+            self.effects.ended_limited.push(r.clone());
+        }
+    }
+
+    /// Drops `r`'s claim on its pairs, which are set anew after the commit; whether it had
+    /// any.
+    fn limits_released(&mut self, r: &Reservation) -> bool {
         let pairs = pairs(r);
         let Some(cgroup) = pairs.first().map(|(c, _)| c.clone()) else {
-            return;
+            return false;
         };
         if let Some(ids) = self.limited.get_mut(&cgroup) {
             ids.remove(&r.id);
@@ -102,7 +109,7 @@ impl Ledger {
             }
         }
         self.effects.limits.extend(pairs);
-        self.effects.ended_limited.push(r.clone());
+        true
     }
 
     /// The limits `cgroup` is to have on GPU `uuid` now: the sum of its active
@@ -164,7 +171,7 @@ impl Ledger {
             return Ok(Reservation::clone(&r));
         }
         txn.set_isolation(id, &isolation)?;
-        self.limits_removed_quietly(&r);
+        self.limits_released(&r);
         let mut updated = Reservation::clone(&r);
         updated.isolation = isolation;
         self.limits_added(&updated);
@@ -234,7 +241,7 @@ impl Ledger {
                 format!("the driver refused the memory limit: {reason}"),
             );
             txn.set_isolation(id, &isolation)?;
-            self.limits_removed_quietly(&r);
+            self.limits_released(&r);
             let mut updated = Reservation::clone(&r);
             updated.isolation = isolation;
             self.replace_active(updated);
@@ -251,13 +258,6 @@ impl Ledger {
             txn.insert_events(&events)?;
         }
         Ok(())
-    }
-
-    /// Like [`Ledger::limits_removed`] for a reservation that stays active: its pairs are
-    /// set again, but nothing ended.
-    fn limits_removed_quietly(&mut self, r: &Arc<Reservation>) {
-        self.limits_removed(r);
-        self.effects.ended_limited.pop();
     }
 
     /// The ended reservations whose limits may still be set (a crash between an end and
