@@ -32,8 +32,15 @@ Durations: 30s, 5m, 1h30m, or plain seconds.
 Who holds the reservation:
   with -- COMMAND   COMMAND itself (gpuctl execs it in its own process): released when it
                     exits, however it exits
-  without COMMAND   the calling shell (gpuctl's parent), or --holder-pid PID; with --ttl
-                    alone, nobody: a lease released unless renewed (gpuctl renew)
+  without COMMAND   the calling shell (gpuctl's parent), or --holder-pid PID, or
+                    --holder-cgroup CGROUP (released when it is empty); with --ttl alone,
+                    nobody: a lease released unless renewed (gpuctl renew)
+
+Hard isolation: with -- COMMAND, gpud first moves gpuctl into a cgroup of its own (a systemd
+scope gpud-ID.scope, or a child of gpud's cgroup), so COMMAND starts there; where the NVIDIA
+driver is R615 or later, that cgroup's GPU memory is limited to the reservation, and an
+allocation beyond it fails with out-of-memory. `gpuctl show ID` says driver-enforced or
+advisory, and why.
 
 Examples:
   gpuctl reserve --mem 6GiB -- python serve.py
