@@ -696,6 +696,18 @@ fn a_crash_inside_the_driver_call_is_reconciled_at_the_next_start() {
 }
 
 #[test]
+fn a_workload_cgroup_left_by_a_crash_is_removed_at_the_next_start() {
+    let Some(mount) = prerequisites() else { return };
+    let mut iso = Isolated::start(&mount, "stale", "", r615);
+    // As a crash between making a workload's cgroup and the commit leaves it.
+    let stale = iso.workloads.join("0123456789abcdef");
+    std::fs::create_dir_all(&stale).unwrap();
+    iso.d.kill9();
+    iso.d.spawn();
+    wait_removed(&stale.display().to_string());
+}
+
+#[test]
 fn a_thousand_workloads_leave_no_limit_and_no_cgroup_behind() {
     let Some(mount) = prerequisites() else { return };
     let iso = Isolated::start(&mount, "churn", "", r615);

@@ -308,6 +308,26 @@ impl Workloads {
         })
     }
 
+    /// Removes the cgroups gpud made under its directory that no active reservation uses
+    /// (`in_use`, full paths): left by a crash, or by a restart while one still ran. Those
+    /// still running are removed once they empty.
+    pub fn sweep(&self, in_use: &std::collections::HashSet<String>) {
+        let Place::Directory(dir) = &self.place else {
+            return;
+        };
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            return;
+        };
+        for entry in entries.flatten() {
+            let path = entry.path();
+            if entry.file_type().is_ok_and(|t| t.is_dir())
+                && !in_use.contains(&path.display().to_string())
+            {
+                remove_owned(&path);
+            }
+        }
+    }
+
     /// Undoes [`Workloads::prepare`] for a request that failed: the holder goes back where
     /// it was, and the cgroup made for it is removed.
     pub fn undo(&self, prepared: &Prepared) {

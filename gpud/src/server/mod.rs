@@ -231,6 +231,16 @@ async fn serve(config: Config, config_path: Option<PathBuf>) -> anyhow::Result<(
         .await??
     };
 
+    {
+        let in_use: std::collections::HashSet<String> = broker
+            .snapshot()
+            .reservations
+            .iter()
+            .filter_map(|r| r.isolation.cgroup.clone())
+            .collect();
+        let workloads = workloads.clone();
+        tokio::task::spawn_blocking(move || workloads.sweep(&in_use)).await?;
+    }
     if config.cdi.enabled {
         let active: std::collections::HashSet<String> = broker
             .snapshot()
