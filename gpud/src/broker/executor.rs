@@ -19,7 +19,7 @@ use super::ledger::{Admitted, Effects, Ledger};
 use super::{BrokerError, ReserveOutcome, Snapshot};
 use crate::clock::Clock;
 use crate::holder::PinnedProcess;
-use crate::isolation::{Limiter, NO_LIMIT};
+use crate::isolation::{Enforcement, NO_LIMIT};
 use crate::model::{Millis, OwnedCgroup, Reservation, ReservationIsolation};
 use crate::store::{Store, Txn};
 
@@ -94,7 +94,7 @@ pub(super) fn start(
     queue: mpsc::Receiver<Command>,
     commands: mpsc::Sender<Command>,
     clock: Clock,
-    limiter: Option<Arc<dyn Limiter>>,
+    isolation: Enforcement,
 ) -> Result<Arc<ArcSwap<Snapshot>>, BrokerError> {
     let published = Arc::new(ArcSwap::from_pointee(ledger.snapshot((0, 0))));
     let executor = Executor {
@@ -106,7 +106,7 @@ pub(super) fn start(
         runtime: tokio::runtime::Handle::try_current().ok(),
         carry: Vec::new(),
         clock,
-        limiter,
+        isolation,
         hold_off_until: 0,
         groups_committed: 0,
         grouped_calls: 0,
@@ -130,8 +130,8 @@ struct Executor {
     carry: Vec<Command>,
     /// The time, for every rule the commands run.
     clock: Clock,
-    /// Sets the driver's memory limits; `None`: every GPU is advisory.
-    limiter: Option<Arc<dyn Limiter>>,
+    /// Sets the driver's memory limits, and lets workload cgroups go.
+    isolation: Enforcement,
     /// No deadline is acted on before this (see [`RETRY_AFTER`]).
     hold_off_until: Millis,
     groups_committed: u64,
@@ -343,7 +343,7 @@ impl Executor {
             if soft == 0 && hard == NO_LIMIT && !path.is_dir() {
                 continue;
             }
-            let result = match &self.limiter {
+            let result = match &self.isolation.limiter {
                 Some(limiter) => limiter.set(&uuid, path, soft, hard),
                 None => Err("gpud has no NVML memory-limit functions".to_owned()),
             };
@@ -380,9 +380,8 @@ impl Executor {
             }
             if let (Some(cgroup), Some(owned)) = (&r.isolation.cgroup, &r.isolation.owned)
                 && !self.ledger.cgroup_in_use(cgroup)
-                && matches!(owned, OwnedCgroup::Directory)
             {
-                crate::isolation::workloads::remove_owned(std::path::Path::new(cgroup));
+                self.release_owned(cgroup, owned);
             }
             cleared.push(r.id);
         }
@@ -413,6 +412,22 @@ impl Executor {
             if let Err(e) = crate::cdi::remove_spec(dir, &id) {
                 tracing::warn!(reservation = %id, error = %e, "could not remove the CDI spec");
             }
+        }
+    }
+
+    /// Lets go of a cgroup gpud made, now that its limits are reset: off this thread (a
+    /// scope's reference is a D-Bus call to systemd).
+    fn release_owned(&self, cgroup: &str, owned: &OwnedCgroup) {
+        let path = std::path::PathBuf::from(cgroup);
+        match (&self.isolation.workloads, &self.runtime) {
+            (Some(workloads), Some(runtime)) => {
+                let (workloads, owned) = (workloads.clone(), owned.clone());
+                drop(runtime.spawn_blocking(move || workloads.release_owned(&path, &owned)));
+            }
+            _ if *owned == OwnedCgroup::Directory => {
+                crate::isolation::workloads::remove_owned(&path);
+            }
+            _ => {}
         }
     }
 

@@ -338,22 +338,22 @@ impl Broker {
         settings: BrokerSettings,
         clock: Clock,
     ) -> Result<Arc<Broker>, BrokerError> {
-        Broker::start_with(store, inventory, settings, clock, None)
+        Broker::start_with(store, inventory, settings, clock, Default::default())
     }
 
-    /// [`Broker::start_with_clock`], with `limiter` setting the driver's memory limits on
+    /// [`Broker::start_with_clock`], with `isolation` setting the driver's memory limits on
     /// the GPUs whose `isolation` allows them.
     pub fn start_with(
         store: Store,
         inventory: &GpuInventory,
         settings: BrokerSettings,
         clock: Clock,
-        limiter: Option<Arc<dyn crate::isolation::Limiter>>,
+        isolation: crate::isolation::Enforcement,
     ) -> Result<Arc<Broker>, BrokerError> {
         let reader = store.reader()?.map(|r| Arc::new(Mutex::new(r)));
         let ledger = Ledger::new(inventory, settings);
         let (commands, queue) = mpsc::channel();
-        let published = executor::start(store, ledger, queue, commands.clone(), clock, limiter)?;
+        let published = executor::start(store, ledger, queue, commands.clone(), clock, isolation)?;
         let broker = Arc::new(Broker {
             commands,
             published,

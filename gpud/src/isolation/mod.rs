@@ -34,6 +34,17 @@ pub trait Limiter: Send + Sync + std::fmt::Debug {
     fn set(&self, gpu_uuid: &str, cgroup: &Path, soft: u64, hard: u64) -> Result<(), String>;
 }
 
+/// What the broker thread enforces limits with: the driver (`None`: every GPU is
+/// advisory), and the host's workload cgroups, to let go of those gpud made (`None`:
+/// directories are removed in place, scopes left to systemd).
+#[derive(Debug, Clone, Default)]
+pub struct Enforcement {
+    /// Sets the limits.
+    pub limiter: Option<std::sync::Arc<dyn Limiter>>,
+    /// The host's workload cgroups.
+    pub workloads: Option<std::sync::Arc<Workloads>>,
+}
+
 /// The limits one cgroup is to have on one GPU: `(soft, hard)`.
 pub type Limits = (u64, u64);
 

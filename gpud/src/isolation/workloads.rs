@@ -27,12 +27,15 @@ enum Place {
 }
 
 /// What gpud knows about the host's cgroups, made once at start.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct Workloads {
     hierarchy: Option<Hierarchy>,
     place: Place,
     /// gpud's own cgroup: a holder in it shares gpud's, which is not the workload's.
     gpud_cgroup: Option<PathBuf>,
+    /// The connection to systemd, made at the first scope and kept: it holds the
+    /// references that keep ended scopes until their limits are reset.
+    systemd: std::sync::Mutex<Option<super::systemd::Systemd>>,
 }
 
 /// A request's target, and how to undo what was done for it if the request fails.
@@ -108,6 +111,7 @@ impl Workloads {
             hierarchy,
             place,
             gpud_cgroup,
+            systemd: std::sync::Mutex::new(None),
         }
     }
 
@@ -290,8 +294,8 @@ impl Workloads {
             }
             Place::Systemd { slice } => {
                 let unit = super::systemd::scope_name(id);
-                let relative = super::systemd::Systemd::connect()
-                    .and_then(|s| {
+                let relative = self
+                    .with_systemd(|s| {
                         s.start_scope(&unit, slice, pid, &format!("gpud reservation {id}"))
                     })
                     .map_err(|e| TargetError::Failed(e.to_string()))?;
@@ -306,6 +310,51 @@ impl Workloads {
             },
             moved: Some((pid, before)),
         })
+    }
+
+    /// Runs `f` on the kept connection to systemd, connecting first if there is none; a
+    /// failure drops the connection, so that the next call connects anew.
+    fn with_systemd<T>(
+        &self,
+        f: impl FnOnce(&super::systemd::Systemd) -> Result<T, super::systemd::ScopeError>,
+    ) -> Result<T, super::systemd::ScopeError> {
+        let mut kept = self
+            .systemd
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let systemd = match kept.take() {
+            Some(s) => s,
+            None => super::systemd::Systemd::connect()?,
+        };
+        let result = f(&systemd);
+        if result.is_ok() {
+            *kept = Some(systemd);
+        }
+        result
+    }
+
+    /// Lets a cgroup gpud made for an ended reservation go, once its limits are reset: a
+    /// directory is removed (when empty), a scope's reference dropped (systemd removes it
+    /// when empty). Blocking.
+    pub fn release_owned(&self, cgroup: &Path, owned: &OwnedCgroup) {
+        match owned {
+            OwnedCgroup::Directory => remove_owned(cgroup),
+            OwnedCgroup::Scope { unit } => {
+                if let Err(e) = self.with_systemd(|s| s.unref_unit(unit)) {
+                    tracing::warn!(%unit, error = %e, "could not let systemd remove a workload scope");
+                }
+            }
+        }
+    }
+
+    /// Takes the references again on the scopes of active reservations (gpud's start: the
+    /// previous connection's went with it). Blocking.
+    pub fn adopt_scopes<'a>(&self, units: impl IntoIterator<Item = &'a str>) {
+        for unit in units {
+            if let Err(e) = self.with_systemd(|s| s.ref_unit(unit)) {
+                tracing::warn!(%unit, error = %e, "could not keep a workload scope until its limits are reset");
+            }
+        }
     }
 
     /// Removes the cgroups gpud made under its directory that no active reservation uses

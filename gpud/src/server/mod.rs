@@ -219,14 +219,12 @@ async fn serve(config: Config, config_path: Option<PathBuf>) -> anyhow::Result<(
     let broker = {
         let inventory = inventory.clone();
         let limiter: Arc<dyn crate::isolation::Limiter> = nvml.clone();
+        let isolation = crate::isolation::Enforcement {
+            limiter: Some(limiter),
+            workloads: Some(workloads.clone()),
+        };
         tokio::task::spawn_blocking(move || {
-            Broker::start_with(
-                store,
-                &inventory,
-                settings,
-                crate::clock::wall(),
-                Some(limiter),
-            )
+            Broker::start_with(store, &inventory, settings, crate::clock::wall(), isolation)
         })
         .await??
     };
@@ -238,8 +236,21 @@ async fn serve(config: Config, config_path: Option<PathBuf>) -> anyhow::Result<(
             .iter()
             .filter_map(|r| r.isolation.cgroup.clone())
             .collect();
+        let scopes: Vec<String> = broker
+            .snapshot()
+            .reservations
+            .iter()
+            .filter_map(|r| match &r.isolation.owned {
+                Some(crate::model::OwnedCgroup::Scope { unit }) => Some(unit.clone()),
+                _ => None,
+            })
+            .collect();
         let workloads = workloads.clone();
-        tokio::task::spawn_blocking(move || workloads.sweep(&in_use)).await?;
+        tokio::task::spawn_blocking(move || {
+            workloads.sweep(&in_use);
+            workloads.adopt_scopes(scopes.iter().map(String::as_str));
+        })
+        .await?;
     }
     if config.cdi.enabled {
         let active: std::collections::HashSet<String> = broker

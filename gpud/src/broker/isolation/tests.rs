@@ -68,7 +68,10 @@ fn start(store: Store, config: Config, limiter: &Arc<Recorder>) -> Arc<Broker> {
             groups: GroupLookup::default(),
         },
         crate::clock::wall(),
-        Some(limiter),
+        crate::isolation::Enforcement {
+            limiter: Some(limiter),
+            workloads: None,
+        },
     )
     .unwrap()
 }
