@@ -13,30 +13,13 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 
+use gpud_tests::isolation::{Isolated, cgroup_mount, r615};
 use gpud_tests::{
     Daemon, GIB, PATIENCE, curl_as, fake_nvml, is_root, missing_prerequisite, repo_root, wait_for,
 };
 
 /// The fixture's GPU 0.
 const GPU0: &str = "GPU-2122b5ee-2cae-5e78-818c-5e541ba1b242";
-
-/// The cgroup v2 mount (`/sys/fs/cgroup`, or `/sys/fs/cgroup/unified` on a hybrid host).
-fn cgroup_mount() -> Option<PathBuf> {
-    let text = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
-    let mounts: Vec<PathBuf> = text
-        .lines()
-        .filter_map(|l| {
-            let (left, right) = l.split_once(" - ")?;
-            let mountpoint = left.split_whitespace().nth(4)?;
-            (right.split_whitespace().next()? == "cgroup2").then(|| PathBuf::from(mountpoint))
-        })
-        .collect();
-    mounts
-        .iter()
-        .find(|m| *m == Path::new("/sys/fs/cgroup"))
-        .or(mounts.first())
-        .cloned()
-}
 
 /// Root and a cgroup v2 mount, or why not.
 fn prerequisites() -> Option<PathBuf> {
@@ -107,66 +90,6 @@ fn limits_left(d: &Daemon) -> Value {
     map.into_iter()
         .filter(|(_, per_cgroup)| per_cgroup.as_object().is_some_and(|m| !m.is_empty()))
         .collect()
-}
-
-/// The fixture's driver becomes R615, which has per-cgroup memory limits.
-fn r615(fixture: &mut Value) {
-    fixture["driver_version"] = json!("615.12.01");
-}
-
-/// A gpud whose workload cgroups go under a directory of this test's own, removed after.
-struct Isolated {
-    d: Daemon,
-    workloads: PathBuf,
-}
-
-impl Isolated {
-    fn start(mount: &Path, name: &str, extra: &str, edit: impl FnOnce(&mut Value)) -> Isolated {
-        Isolated::start_on("t4-pair", mount, name, extra, edit)
-    }
-
-    fn start_on(
-        fixture: &str,
-        mount: &Path,
-        name: &str,
-        extra: &str,
-        edit: impl FnOnce(&mut Value),
-    ) -> Isolated {
-        let workloads = mount.join(format!("gpud-test-{name}-{}", std::process::id()));
-        let config = format!(
-            "[isolation]\nworkloads = {:?}\n{extra}",
-            workloads.display().to_string()
-        );
-        Isolated {
-            d: Daemon::start_edited(fixture, &config, edit),
-            workloads,
-        }
-    }
-
-    /// The workload cgroups that exist now.
-    fn children(&self) -> Vec<String> {
-        std::fs::read_dir(&self.workloads)
-            .map(|dir| {
-                dir.filter_map(|e| {
-                    let e = e.ok()?;
-                    e.file_type()
-                        .ok()?
-                        .is_dir()
-                        .then(|| e.file_name().to_string_lossy().into_owned())
-                })
-                .collect()
-            })
-            .unwrap_or_default()
-    }
-}
-
-impl Drop for Isolated {
-    fn drop(&mut self) {
-        for child in self.children() {
-            let _ = std::fs::remove_dir(self.workloads.join(child));
-        }
-        let _ = std::fs::remove_dir(&self.workloads);
-    }
 }
 
 /// A cgroup made by the test, with a `sleep` in it; removed (sleep killed) on drop.
