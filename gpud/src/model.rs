@@ -429,14 +429,23 @@ impl ReservationIsolation {
         self.mode == gpud_schema::IsolationMode::Driver
     }
 
-    /// Advisory, for `reason`, keeping the cgroup.
-    pub fn advisory(cgroup: Option<String>, reason: String) -> ReservationIsolation {
+    /// Advisory, for `reason`, on `cgroup` (which gpud made, when `owned`).
+    pub fn advisory(
+        cgroup: Option<String>,
+        owned: Option<OwnedCgroup>,
+        reason: String,
+    ) -> ReservationIsolation {
         ReservationIsolation {
             mode: gpud_schema::IsolationMode::Advisory,
             cgroup,
             reason: Some(reason),
-            owned: None,
+            owned,
         }
+    }
+
+    /// This isolation made advisory for `reason`, on the same cgroup.
+    pub fn made_advisory(&self, reason: String) -> ReservationIsolation {
+        ReservationIsolation::advisory(self.cgroup.clone(), self.owned.clone(), reason)
     }
 }
 

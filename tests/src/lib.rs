@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
+pub mod isolation;
 pub mod manifests;
 pub mod openapi;
 
@@ -68,6 +69,19 @@ pub fn gpud_bin() -> PathBuf {
 /// The gpuctl binary.
 pub fn gpuctl_bin() -> PathBuf {
     built("gpuctl")
+}
+
+/// `monotonic-now` (tests/src/bin/monotonic-now.rs), which prints [`monotonic_ns`] and exits.
+pub fn monotonic_now_bin() -> PathBuf {
+    built("monotonic-now")
+}
+
+/// CLOCK_MONOTONIC in nanoseconds, read with `clock_gettime`: a time that can be compared
+/// across processes (`Instant` reads the same clock but cannot be printed). `monotonic-now`
+/// reads it this way too.
+pub fn monotonic_ns() -> nix::Result<i64> {
+    use nix::sys::time::TimeValLike;
+    nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC).map(|t| t.num_nanoseconds())
 }
 
 /// The fake NVML library. `cargo build` puts it in `target/debug`; `cargo test` builds it

@@ -13,30 +13,13 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 
+use gpud_tests::isolation::{Isolated, cgroup_mount, r615};
 use gpud_tests::{
     Daemon, GIB, PATIENCE, curl_as, fake_nvml, is_root, missing_prerequisite, repo_root, wait_for,
 };
 
 /// The fixture's GPU 0.
 const GPU0: &str = "GPU-2122b5ee-2cae-5e78-818c-5e541ba1b242";
-
-/// The cgroup v2 mount (`/sys/fs/cgroup`, or `/sys/fs/cgroup/unified` on a hybrid host).
-fn cgroup_mount() -> Option<PathBuf> {
-    let text = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
-    let mounts: Vec<PathBuf> = text
-        .lines()
-        .filter_map(|l| {
-            let (left, right) = l.split_once(" - ")?;
-            let mountpoint = left.split_whitespace().nth(4)?;
-            (right.split_whitespace().next()? == "cgroup2").then(|| PathBuf::from(mountpoint))
-        })
-        .collect();
-    mounts
-        .iter()
-        .find(|m| *m == Path::new("/sys/fs/cgroup"))
-        .or(mounts.first())
-        .cloned()
-}
 
 /// Root and a cgroup v2 mount, or why not.
 fn prerequisites() -> Option<PathBuf> {
@@ -122,66 +105,6 @@ fn r615_with_python(name: &str) -> Option<(PathBuf, PathBuf, Isolated)> {
 fn wait_removed(cgroup: &str) {
     let gone = wait_for(PATIENCE, || (!Path::new(cgroup).exists()).then_some(()));
     assert!(gone.is_some(), "{cgroup} was left behind");
-}
-
-/// The fixture's driver becomes R615, which has per-cgroup memory limits.
-fn r615(fixture: &mut Value) {
-    fixture["driver_version"] = json!("615.12.01");
-}
-
-/// A gpud whose workload cgroups go under a directory of this test's own, removed after.
-struct Isolated {
-    d: Daemon,
-    workloads: PathBuf,
-}
-
-impl Isolated {
-    fn start(mount: &Path, name: &str, extra: &str, edit: impl FnOnce(&mut Value)) -> Isolated {
-        Isolated::start_on("t4-pair", mount, name, extra, edit)
-    }
-
-    fn start_on(
-        fixture: &str,
-        mount: &Path,
-        name: &str,
-        extra: &str,
-        edit: impl FnOnce(&mut Value),
-    ) -> Isolated {
-        let workloads = mount.join(format!("gpud-test-{name}-{}", std::process::id()));
-        let config = format!(
-            "[isolation]\nworkloads = {:?}\n{extra}",
-            workloads.display().to_string()
-        );
-        Isolated {
-            d: Daemon::start_edited(fixture, &config, edit),
-            workloads,
-        }
-    }
-
-    /// The workload cgroups that exist now.
-    fn children(&self) -> Vec<String> {
-        std::fs::read_dir(&self.workloads)
-            .map(|dir| {
-                dir.filter_map(|e| {
-                    let e = e.ok()?;
-                    e.file_type()
-                        .ok()?
-                        .is_dir()
-                        .then(|| e.file_name().to_string_lossy().into_owned())
-                })
-                .collect()
-            })
-            .unwrap_or_default()
-    }
-}
-
-impl Drop for Isolated {
-    fn drop(&mut self) {
-        for child in self.children() {
-            let _ = std::fs::remove_dir(self.workloads.join(child));
-        }
-        let _ = std::fs::remove_dir(&self.workloads);
-    }
 }
 
 /// A cgroup made by the test, with a `sleep` in it; removed (sleep killed) on drop.
@@ -693,6 +616,36 @@ fn a_crash_inside_the_driver_call_is_reconciled_at_the_next_start() {
     // Reset at start: nothing keeps the ended reservation's share.
     assert_eq!(limits_on(&python, &iso.d, &gpu, &job.name()), None);
     assert_eq!(limits_left(&iso.d), json!({}));
+}
+
+#[test]
+fn an_advisory_workload_s_cgroup_goes_with_it_too() {
+    let Some(mount) = prerequisites() else { return };
+    // The fixture's own driver, 550: advisory, but the workload still gets its own cgroup.
+    let iso = Isolated::start(&mount, "advisory", "", |_| {});
+    let out = iso
+        .d
+        .gpuctl()
+        .args(["reserve", "--mem", "1GiB", "--", "cat", "/proc/self/cgroup"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let seen = String::from_utf8_lossy(&out.stdout);
+    let dir = iso
+        .workloads
+        .file_name()
+        .unwrap()
+        .to_string_lossy()
+        .into_owned();
+    assert!(seen.contains(&format!("0::/{dir}/")), "{seen}");
+    let drained = wait_for(PATIENCE, || {
+        (iso.d.active().is_empty() && iso.children().is_empty()).then_some(())
+    });
+    assert!(drained.is_some(), "left behind: {:?}", iso.children());
 }
 
 #[test]

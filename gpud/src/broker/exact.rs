@@ -200,6 +200,7 @@ impl Ledger {
             holder_cgroup: None,
             isolation: crate::model::ReservationIsolation::advisory(
                 None,
+                None,
                 "no cgroup yet: the container's is attached by the CDI hook when it starts"
                     .to_owned(),
             ),

@@ -20,7 +20,7 @@ use super::{BrokerError, ReserveOutcome, Snapshot};
 use crate::clock::Clock;
 use crate::holder::PinnedProcess;
 use crate::isolation::{Enforcement, NO_LIMIT};
-use crate::model::{Millis, OwnedCgroup, Reservation, ReservationIsolation};
+use crate::model::{Millis, OwnedCgroup, Reservation};
 use crate::store::{Store, Txn};
 
 /// Most commands one group commit takes.
@@ -59,8 +59,7 @@ impl Patch for Reservation {
         match fixups.get(&self.id) {
             None => Ok(self),
             Some(Fix::Advisory(reason)) => {
-                self.isolation =
-                    ReservationIsolation::advisory(self.isolation.cgroup.take(), reason.clone());
+                self.isolation = self.isolation.made_advisory(reason.clone());
                 Ok(self)
             }
             Some(Fix::Refused(reason)) => Err(BrokerError::IsolationUnavailable(format!(

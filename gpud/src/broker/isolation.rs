@@ -90,7 +90,8 @@ impl Ledger {
     /// Records that `r` (now ended) no longer limits its pairs: they are set to what the
     /// others of its cgroup reserve, or reset, after the commit.
     pub(super) fn limits_removed(&mut self, r: &Reservation) {
-        if self.limits_released(r) {
+        // A cgroup gpud made goes too, limited or not (an advisory workload's as well).
+        if self.limits_released(r) || r.isolation.owned.is_some() {
             self.effects.ended_limited.push(r.clone());
         }
     }
@@ -236,10 +237,9 @@ impl Ledger {
             });
             // Advisory first: its pairs are set to what the others of its cgroup hold
             // (the driver may have taken the limit on another of its GPUs).
-            let isolation = ReservationIsolation::advisory(
-                r.isolation.cgroup.clone(),
-                format!("the driver refused the memory limit: {reason}"),
-            );
+            let isolation = r
+                .isolation
+                .made_advisory(format!("the driver refused the memory limit: {reason}"));
             txn.set_isolation(id, &isolation)?;
             self.limits_released(&r);
             let mut updated = Reservation::clone(&r);

@@ -153,7 +153,9 @@ pub fn decide(
     gpus: &[Gpu],
     all_units: &[Unit],
 ) -> ReservationIsolation {
-    let advisory = |reason: String| ReservationIsolation::advisory(target.cgroup.clone(), reason);
+    let advisory = |reason: String| {
+        ReservationIsolation::advisory(target.cgroup.clone(), target.owned.clone(), reason)
+    };
     for u in units {
         if all_units.iter().any(|a| a.uuid == u.uuid && a.is_mig()) {
             return advisory(format!(
