@@ -491,8 +491,22 @@ impl Api {
             let admin = self.broker.is_admin(&caller);
             let holder_pid = holder.as_ref().map(|h| h.holder.pid);
             let id = request.id.clone().unwrap_or_default();
+            let enforceable = self
+                .broker
+                .snapshot()
+                .gpus
+                .iter()
+                .any(|g| g.isolation.mode == schema::IsolationMode::Driver);
             tokio::task::spawn_blocking(move || {
-                workloads.prepare(&caller, admin, named.as_deref(), own, holder_pid, &id)
+                workloads.prepare(
+                    &caller,
+                    admin,
+                    named.as_deref(),
+                    own,
+                    enforceable,
+                    holder_pid,
+                    &id,
+                )
             })
             .await
             .map_err(|_| BrokerError::Internal("finding the request's cgroup panicked"))?

@@ -618,15 +618,13 @@ fn a_crash_inside_the_driver_call_is_reconciled_at_the_next_start() {
     assert_eq!(limits_left(&iso.d), json!({}));
 }
 
-#[test]
-fn an_advisory_workload_s_cgroup_goes_with_it_too() {
-    let Some(mount) = prerequisites() else { return };
-    // The fixture's own driver, 550: advisory, but the workload still gets its own cgroup.
-    let iso = Isolated::start(&mount, "advisory", "", |_| {});
+/// `gpuctl reserve --mem MEM -- cat /proc/self/cgroup` against `iso`: the workload's cgroup
+/// v2 path; waits until its reservation and any cgroup made for it are gone.
+fn workload_cgroup(iso: &Isolated, mem: &str) -> String {
     let out = iso
         .d
         .gpuctl()
-        .args(["reserve", "--mem", "1GiB", "--", "cat", "/proc/self/cgroup"])
+        .args(["reserve", "--mem", mem, "--", "cat", "/proc/self/cgroup"])
         .output()
         .unwrap();
     assert!(
@@ -634,18 +632,46 @@ fn an_advisory_workload_s_cgroup_goes_with_it_too() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let seen = String::from_utf8_lossy(&out.stdout);
-    let dir = iso
+    let seen = String::from_utf8_lossy(&out.stdout).into_owned();
+    let drained = wait_for(PATIENCE, || {
+        (iso.d.active().is_empty() && iso.children().is_empty()).then_some(())
+    });
+    assert!(drained.is_some(), "left behind: {:?}", iso.children());
+    seen.lines()
+        .find_map(|l| l.strip_prefix("0::"))
+        .unwrap()
+        .to_owned()
+}
+
+#[test]
+fn a_workload_gets_a_cgroup_of_its_own_only_where_a_driver_can_limit_it() {
+    let Some(mount) = prerequisites() else { return };
+    // The fixture's own driver, 550, on every GPU: no cgroup to make, no move to pay for.
+    let old = Isolated::start(&mount, "nomove", "", |_| {});
+    let mine = std::fs::read_to_string("/proc/self/cgroup").unwrap();
+    let mine = mine.lines().find_map(|l| l.strip_prefix("0::")).unwrap();
+    assert_eq!(workload_cgroup(&old, "1GiB"), mine);
+    drop(old);
+    // R615, where GPU 0 is in MIG mode: a 9 GiB workload lands on a MIG instance, advisory,
+    // in the cgroup made for it, which goes when it ends all the same.
+    let mig = Isolated::start_on("a100-mig", &mount, "migmove", "", r615);
+    let dir = mig
         .workloads
         .file_name()
         .unwrap()
         .to_string_lossy()
         .into_owned();
-    assert!(seen.contains(&format!("0::/{dir}/")), "{seen}");
-    let drained = wait_for(PATIENCE, || {
-        (iso.d.active().is_empty() && iso.children().is_empty()).then_some(())
-    });
-    assert!(drained.is_some(), "left behind: {:?}", iso.children());
+    assert!(
+        workload_cgroup(&mig, "9GiB").starts_with(&format!("/{dir}/")),
+        "not in a cgroup of its own"
+    );
+    let ended = mig.d.get("/v1/reservations?state=released");
+    let r = &ended.body["reservations"][0];
+    assert_eq!(r["isolation"]["mode"], "advisory", "{r}");
+    assert!(
+        r["gpus"][0]["uuid"].as_str().unwrap().starts_with("MIG-"),
+        "{r}"
+    );
 }
 
 #[test]

@@ -139,13 +139,17 @@ impl Workloads {
     }
 
     /// The target of a request. `named`: its `holder_cgroup`; `own`: its `own_cgroup`, for
-    /// reservation `id`; `holder`: its holder's pid (in gpud's namespace, pinned already).
+    /// reservation `id`, honoured only when `enforceable` (some GPU's driver can limit
+    /// memory: otherwise a cgroup of its own would only cost the workload's start a move);
+    /// `holder`: its holder's pid (in gpud's namespace, pinned already).
+    #[allow(clippy::too_many_arguments)]
     pub fn prepare(
         &self,
         caller: &Caller,
         admin: bool,
         named: Option<&str>,
         own: bool,
+        enforceable: bool,
         holder: Option<u32>,
         id: &str,
     ) -> Result<Prepared, TargetError> {
@@ -185,7 +189,7 @@ impl Workloads {
             )),
             // A holder in a container keeps the container's cgroup: moving it out would take
             // it from under the container's CPU and memory limits.
-            (Some(pid), true) if in_container(pid) => Ok(Prepared {
+            (Some(pid), true) if !enforceable || in_container(pid) => Ok(Prepared {
                 target: self.of_process(h, pid)?,
                 moved: None,
             }),
