@@ -222,10 +222,6 @@ impl Systemd {
             ("Slice", Value::from(slice)),
             ("PIDs", Value::from(vec![pid])),
             ("CollectMode", Value::from("inactive-or-failed")),
-            // Kept (not garbage-collected once empty) while this connection holds the
-            // reference: gpud resets the scope's memory limits first, then lets it go
-            // ([`Systemd::unref_unit`]). A gpud that dies drops it with its connection.
-            ("AddRef", Value::from(true)),
         ];
         let auxiliary: Vec<(&str, Vec<(&str, Value<'_>)>)> = Vec::new();
         let body = (unit, "fail", properties, auxiliary);
@@ -340,32 +336,6 @@ impl Systemd {
                 Err(source) => Err(ScopeError::Call {
                     unit: unit.to_owned(),
                     method: "StopUnit",
-                    source: Box::new(source),
-                }),
-            }
-        })
-    }
-
-    /// Takes a reference to `unit` for this connection (after a restart, for a scope made
-    /// before it), so that systemd keeps it until [`Systemd::unref_unit`].
-    pub fn ref_unit(&self, unit: &str) -> Result<(), ScopeError> {
-        self.unit_ref_call("RefUnit", unit)
-    }
-
-    /// Drops this connection's reference to `unit`: systemd removes it once it is empty
-    /// (at once, if it is). Not an error when the unit is already gone.
-    pub fn unref_unit(&self, unit: &str) -> Result<(), ScopeError> {
-        self.unit_ref_call("UnrefUnit", unit)
-    }
-
-    fn unit_ref_call(&self, method: &'static str, unit: &str) -> Result<(), ScopeError> {
-        self.runtime.block_on(async {
-            match self.manager_call(method, &(unit,)).await {
-                Ok(_) => Ok(()),
-                Err(source) if no_such_unit(&source) => Ok(()),
-                Err(source) => Err(ScopeError::Call {
-                    unit: unit.to_owned(),
-                    method,
                     source: Box::new(source),
                 }),
             }

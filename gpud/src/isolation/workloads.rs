@@ -43,8 +43,8 @@ pub struct Workloads {
 pub struct Prepared {
     /// Where the limits go.
     pub target: Target,
-    /// The holder was moved into a new cgroup: `(pid, where it was)`.
-    moved: Option<(u32, PathBuf)>,
+    /// The holder was moved into a new cgroup: `(pid, where it was, when gpud can name it)`.
+    moved: Option<(u32, Option<PathBuf>)>,
 }
 
 /// Why a request's cgroup cannot be used: the message is for the caller.
@@ -285,7 +285,9 @@ impl Workloads {
 
     /// Makes a cgroup for reservation `id` and moves `pid` into it.
     fn own(&self, h: &Hierarchy, pid: u32, id: &str) -> Result<Prepared, TargetError> {
-        let before = h.cgroup_of(pid)?;
+        // Where to move it back if the request fails; a cgroup gpud cannot name (outside
+        // its cgroup namespace) is not one to go back to.
+        let before = h.cgroup_of(pid).ok();
         let (full, owned) = match &self.place {
             Place::Directory(dir) => {
                 let full = dir.join(id);
@@ -338,26 +340,13 @@ impl Workloads {
     }
 
     /// Lets a cgroup gpud made for an ended reservation go, once its limits are reset: a
-    /// directory is removed (when empty), a scope's reference dropped (systemd removes it
-    /// when empty). Blocking.
+    /// directory is removed (when empty). A scope is systemd's to remove, which it does as
+    /// soon as the scope is empty (removing a cgroup clears its limits in the driver).
+    /// Blocking.
     pub fn release_owned(&self, cgroup: &Path, owned: &OwnedCgroup) {
         match owned {
             OwnedCgroup::Directory => remove_owned(cgroup),
-            OwnedCgroup::Scope { unit } => {
-                if let Err(e) = self.with_systemd(|s| s.unref_unit(unit)) {
-                    tracing::warn!(%unit, error = %e, "could not let systemd remove a workload scope");
-                }
-            }
-        }
-    }
-
-    /// Takes the references again on the scopes of active reservations (gpud's start: the
-    /// previous connection's went with it). Blocking.
-    pub fn adopt_scopes<'a>(&self, units: impl IntoIterator<Item = &'a str>) {
-        for unit in units {
-            if let Err(e) = self.with_systemd(|s| s.ref_unit(unit)) {
-                tracing::warn!(%unit, error = %e, "could not keep a workload scope until its limits are reset");
-            }
+            OwnedCgroup::Scope { .. } => {}
         }
     }
 
@@ -387,13 +376,13 @@ impl Workloads {
         let Some((pid, before)) = &prepared.moved else {
             return;
         };
-        if let Err(e) = cgroup::move_process(before, *pid) {
+        if let Some(before) = before
+            && let Err(e) = cgroup::move_process(before, *pid)
+        {
             tracing::debug!(pid, error = %e, "could not move a holder back (it may have exited)");
         }
-        if let (Some(cgroup), Some(OwnedCgroup::Directory)) =
-            (&prepared.target.cgroup, &prepared.target.owned)
-        {
-            remove_owned(Path::new(cgroup));
+        if let (Some(cgroup), Some(owned)) = (&prepared.target.cgroup, &prepared.target.owned) {
+            self.release_owned(Path::new(cgroup), owned);
         }
     }
 }

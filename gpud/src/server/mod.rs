@@ -236,21 +236,8 @@ async fn serve(config: Config, config_path: Option<PathBuf>) -> anyhow::Result<(
             .iter()
             .filter_map(|r| r.isolation.cgroup.clone())
             .collect();
-        let scopes: Vec<String> = broker
-            .snapshot()
-            .reservations
-            .iter()
-            .filter_map(|r| match &r.isolation.owned {
-                Some(crate::model::OwnedCgroup::Scope { unit }) => Some(unit.clone()),
-                _ => None,
-            })
-            .collect();
         let workloads = workloads.clone();
-        tokio::task::spawn_blocking(move || {
-            workloads.sweep(&in_use);
-            workloads.adopt_scopes(scopes.iter().map(String::as_str));
-        })
-        .await?;
+        tokio::task::spawn_blocking(move || workloads.sweep(&in_use)).await?;
     }
     if config.cdi.enabled {
         let active: std::collections::HashSet<String> = broker
