@@ -88,6 +88,7 @@ fn bench_audit(c: &mut Criterion) {
             labels: BTreeMap::new(),
             id: None,
             target: Default::default(),
+            owner_uid: None,
         };
         assert!(matches!(
             broker

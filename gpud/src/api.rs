@@ -756,6 +756,7 @@ pub fn to_request(wire: schema::ReservationRequest) -> Result<ReserveRequest, Ap
         labels: wire.labels,
         id: None,
         target: crate::isolation::Target::default(),
+        owner_uid: wire.owner_uid,
     })
 }
 

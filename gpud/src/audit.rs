@@ -1284,6 +1284,7 @@ mod tests {
             labels: BTreeMap::new(),
             id: None,
             target: Default::default(),
+            owner_uid: None,
         };
         let caller = Caller {
             uid: 0,
@@ -1352,6 +1353,7 @@ mod tests {
             labels: BTreeMap::new(),
             id: None,
             target: Default::default(),
+            owner_uid: None,
         };
         let e = b
             .reserve(

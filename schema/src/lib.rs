@@ -110,6 +110,10 @@ pub struct ReservationRequest {
     /// one below it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub holder_cgroup: Option<String>,
+    /// Reserve on behalf of this uid (root and the admin groups only): the reservation is
+    /// that user's, who may release and renew it, and counts against that user's quotas.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner_uid: Option<u32>,
     /// Move the holder process into a cgroup of its own (a transient systemd scope, or a child
     /// of the cgroup gpud is delegated) before answering, and put the memory limits there.
     /// `gpuctl reserve -- COMMAND` asks for this. Needs `holder_pid`.

@@ -222,6 +222,52 @@ fn churn_is_slowed_down_to_the_rate_limit() {
     }
 }
 
+#[test]
+fn only_root_and_admins_reserve_on_another_user_s_behalf() {
+    if !is_root() {
+        missing_prerequisite("root (to act as another uid)");
+        return;
+    }
+    let d = Daemon::start("t4-pair", "");
+    // nobody (65534) is in every user database.
+    let r = d.post(
+        "/v1/reservations",
+        r#"{"memory": "1GiB", "ttl_seconds": 600, "owner_uid": 65534}"#,
+    );
+    assert_eq!(r.status, 201, "{}", r.text);
+    assert_eq!(r.body["owner_uid"], 65534);
+    let id = r.body["id"].as_str().unwrap();
+    // It is nobody's: listed as theirs, and theirs to release.
+    let listed = d.get("/v1/reservations?owner=65534");
+    assert_eq!(listed.body["reservations"][0]["id"], id);
+    let (status, body) = curl_as(
+        65534,
+        &d.socket,
+        &["-X", "DELETE", &format!("http://gpud/v1/reservations/{id}")],
+    );
+    assert_eq!(status, 200, "{body}");
+    // nobody may not reserve for root.
+    let (status, body) = curl_as(
+        65534,
+        &d.socket,
+        &[
+            "-X",
+            "POST",
+            "-d",
+            r#"{"memory": "1GiB", "ttl_seconds": 600, "owner_uid": 0}"#,
+            "http://gpud/v1/reservations",
+        ],
+    );
+    assert_eq!(status, 403, "{body}");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("owner_uid")
+    );
+    assert!(d.active().is_empty());
+}
+
 /// Runs `command` as root, and fails the test if it fails.
 fn as_root(command: &str) {
     let ok = Command::new("sh")

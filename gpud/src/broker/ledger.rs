@@ -340,6 +340,38 @@ impl Ledger {
         self.unit_by_uuid.get(uuid).copied()
     }
 
+    /// Who a request reserves for: `caller`, or with `owner_uid` (root and the admin groups
+    /// only) that user, with their primary group, so that the reservation is theirs and
+    /// counts against their quotas. The caller's pid stays: it names the holder.
+    fn on_behalf_of(
+        &mut self,
+        caller: Caller,
+        owner_uid: Option<u32>,
+    ) -> Result<Caller, BrokerError> {
+        let Some(uid) = owner_uid.filter(|uid| *uid != caller.uid) else {
+            return Ok(caller);
+        };
+        if !self.is_admin(&caller) {
+            return Err(BrokerError::Forbidden(format!(
+                "only root and the admin groups may reserve for another user (owner_uid {uid}); \
+                 leave owner_uid out to reserve for yourself (uid {})",
+                caller.uid
+            )));
+        }
+        let gid = self
+            .settings
+            .groups
+            .of(uid)
+            .first()
+            .copied()
+            .ok_or_else(|| {
+                BrokerError::Invalid(format!(
+                    "owner_uid {uid}: no such user in this machine's user database"
+                ))
+            })?;
+        Ok(Caller { uid, gid, ..caller })
+    }
+
     /// Whether `caller` may act on every reservation: root, or a member of an admin group.
     pub fn is_admin(&self, caller: &Caller) -> bool {
         crate::holder::is_admin(caller, &self.settings.admin_gids)
@@ -453,6 +485,7 @@ impl Ledger {
             return Err(BrokerError::ShuttingDown);
         }
         self.take_change(&caller, now)?;
+        let caller = self.on_behalf_of(caller, request.owner_uid)?;
         // A chosen id must be new: not active, not in the history, not asked for by a
         // request already waiting.
         if let Some(id) = &request.id

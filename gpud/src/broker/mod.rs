@@ -79,6 +79,8 @@ pub struct ReserveRequest {
     pub id: Option<String>,
     /// Where its memory limits go (and whether that cgroup holds it).
     pub target: crate::isolation::Target,
+    /// Whom it is for, when root or an admin reserves on another user's behalf.
+    pub owner_uid: Option<u32>,
 }
 
 /// A request waiting for capacity, as [`Snapshot::waiters`] lists it.

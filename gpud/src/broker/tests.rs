@@ -48,6 +48,7 @@ fn lease(memory: MemoryAsk, ttl: u64) -> ReserveRequest {
         labels: BTreeMap::new(),
         id: None,
         target: Default::default(),
+        owner_uid: None,
     }
 }
 
@@ -161,6 +162,61 @@ const NO_QUOTA: Quota = Quota {
     max_memory: None,
     max_reservations: None,
 };
+
+#[test]
+fn root_reserves_on_a_user_s_behalf_and_it_counts_as_theirs() {
+    let settings = BrokerSettings {
+        admin_gids: vec![],
+        config: quota(Quota {
+            uid: Some(ALICE.uid),
+            max_reservations: Some(1),
+            ..NO_QUOTA
+        }),
+        // Alice's primary group, as the user database would say.
+        groups: GroupLookup::from_fn(|uid| {
+            if uid == ALICE.uid {
+                vec![ALICE.gid]
+            } else {
+                vec![]
+            }
+        }),
+    };
+    let mut rules = Rules::on(GpuInventory::test_machine(2, 16), settings);
+    let for_alice = ReserveRequest {
+        owner_uid: Some(ALICE.uid),
+        ..lease(gib(4), 60)
+    };
+    let r = rules.reserved(ROOT, for_alice.clone(), 0);
+    assert_eq!((r.owner_uid, r.owner_gid), (ALICE.uid, ALICE.gid));
+    // Hers: she releases it, and it is her quota that is full.
+    let e = rules.reserve(ROOT, for_alice.clone(), 0).unwrap_err();
+    assert!(matches!(e, BrokerError::QuotaExceeded(_)), "{e}");
+    rules.release(ALICE, &r.id, 0).unwrap();
+    rules.reserved(ROOT, for_alice, 0);
+    // Nobody else may reserve for another, and the uid must be a user.
+    let e = rules
+        .reserve(
+            BOB,
+            ReserveRequest {
+                owner_uid: Some(ALICE.uid),
+                ..lease(gib(1), 60)
+            },
+            0,
+        )
+        .unwrap_err();
+    assert!(matches!(e, BrokerError::Forbidden(_)), "{e}");
+    let e = rules
+        .reserve(
+            ROOT,
+            ReserveRequest {
+                owner_uid: Some(4242),
+                ..lease(gib(1), 60)
+            },
+            0,
+        )
+        .unwrap_err();
+    assert!(e.to_string().contains("no such user"), "{e}");
+}
 
 #[test]
 fn a_uid_quota_counts_gpus_memory_and_reservations_and_frees_on_release() {
@@ -428,6 +484,7 @@ fn a_chosen_id_must_be_new_even_against_a_waiter() {
     let named = |id: &str| ReserveRequest {
         id: Some(id.to_owned()),
         target: Default::default(),
+        owner_uid: None,
         ..waiting(gib(16), 60, Duration::from_secs(60))
     };
     assert!(matches!(

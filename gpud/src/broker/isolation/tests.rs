@@ -91,6 +91,7 @@ fn on(cgroup: &Path, gib: u64) -> ReserveRequest {
             cgroup: Some(cgroup.display().to_string()),
             ..Target::default()
         },
+        owner_uid: None,
     }
 }
 

@@ -162,6 +162,7 @@ fn bare_metal(b: &Broker, memory: MemoryAsk) -> Reservation {
         labels: BTreeMap::new(),
         id: None,
         target: Default::default(),
+        owner_uid: None,
     };
     match b.reserve(ROOT, request, None).wait().unwrap() {
         ReserveOutcome::Reserved(r) => r,
