@@ -417,6 +417,7 @@ impl Api {
     async fn list(&self, query: &str) -> Result<Reply, ApiError> {
         let mut state = Some(ReservationState::Active);
         let mut owner = None;
+        let mut label = None;
         let mut page = Page::default();
         for pair in query.split('&').filter(|p| !p.is_empty()) {
             let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
@@ -444,15 +445,28 @@ impl Api {
                         })?;
                 }
                 "after" => page.after = Some(parse_cursor(value)?),
+                "label" => {
+                    let decoded = percent_decoded(value).ok_or_else(|| {
+                        ApiError::invalid(format!(
+                            "label: {value:?} is not valid percent-encoded UTF-8"
+                        ))
+                    })?;
+                    let (k, v) = decoded.split_once('=').ok_or_else(|| {
+                        ApiError::invalid(format!(
+                            "label must be KEY=VALUE (label=job%3Dasr, or label=job=asr); got {decoded:?}"
+                        ))
+                    })?;
+                    label = Some((k.to_owned(), v.to_owned()));
+                }
                 _ => {
                     return Err(ApiError::invalid(format!(
-                        "unknown query parameter {key:?}; use state, owner, limit or after"
+                        "unknown query parameter {key:?}; use state, owner, label, limit or after"
                     )));
                 }
             }
         }
         let forward = page.after.is_some();
-        let (rows, more) = self.broker.list(state, owner, page).await?;
+        let (rows, more) = self.broker.list(state, owner, label, page).await?;
         let next = rows
             .last()
             .filter(|_| more && forward)
@@ -592,6 +606,24 @@ fn target_error(e: TargetError) -> ApiError {
             ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, codes::INTERNAL, m)
         }
     }
+}
+
+/// `value` with its `%XX` escapes decoded; `None` for a broken escape or invalid UTF-8.
+fn percent_decoded(value: &str) -> Option<String> {
+    let bytes = value.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            let hex = std::str::from_utf8(bytes.get(i + 1..i + 3)?).ok()?;
+            out.push(u8::from_str_radix(hex, 16).ok()?);
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).ok()
 }
 
 /// A listing cursor, `CREATED_MS.ID` as `next` gives it (`0` for the beginning).

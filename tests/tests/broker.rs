@@ -20,6 +20,42 @@ fn id(r: &Reply) -> String {
 }
 
 #[test]
+fn reservations_are_listed_by_label_active_or_ended() {
+    let d = Daemon::start("t4-pair", "");
+    let make = |job: &str| {
+        id(&reserve(
+            &d,
+            json!({"memory": "1GiB", "ttl_seconds": 600, "labels": {"job": job}}),
+        ))
+    };
+    let (asr, tts, asr2) = (make("asr"), make("tts"), make("asr"));
+    let listed = |query: &str| -> Vec<String> {
+        let r = d.get(&format!("/v1/reservations?{query}"));
+        assert_eq!(r.status, 200, "{}", r.text);
+        r.body["reservations"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r["id"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    assert_eq!(listed("label=job=asr"), [asr.clone(), asr2.clone()]);
+    assert_eq!(listed("label=job%3Dtts"), [tts.clone()]);
+    assert!(listed("label=team=asr").is_empty());
+    assert_eq!(d.delete(&format!("/v1/reservations/{asr}")).status, 200);
+    assert_eq!(listed("label=job=asr"), [asr2]);
+    assert_eq!(listed("state=released&label=job=asr"), [asr]);
+    let r = d.get("/v1/reservations?label=job");
+    assert_eq!(r.status, 400, "{}", r.text);
+    assert!(
+        r.body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("KEY=VALUE")
+    );
+}
+
+#[test]
 fn four_gpu_requests_on_dgx1_get_the_nvlink_quads() {
     let d = Daemon::start("dgx1-v100", "");
     let a = reserve(
