@@ -40,7 +40,7 @@ fn reservations_are_listed_by_label_active_or_ended() {
             .collect()
     };
     assert_eq!(listed("label=job=asr"), [asr.clone(), asr2.clone()]);
-    assert_eq!(listed("label=job%3Dtts"), [tts.clone()]);
+    assert_eq!(listed("label=job%3Dtts"), [tts]);
     assert!(listed("label=team=asr").is_empty());
     assert_eq!(d.delete(&format!("/v1/reservations/{asr}")).status, 200);
     assert_eq!(listed("label=job=asr"), [asr2]);
