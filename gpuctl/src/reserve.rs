@@ -164,6 +164,7 @@ pub fn request(args: &ReserveArgs, holder: Holder, wait: Option<Duration>) -> Re
         // The exec form's command gets a cgroup of its own, which the limits go on.
         own_cgroup: matches!(holder, Holder::SelfThenExec(_)),
         owner_uid: None,
+        id: None,
     }
 }
 

@@ -496,8 +496,9 @@ impl Api {
             }
             None => None,
         };
-        // A cgroup made for the holder is named after the reservation: its id is chosen here.
-        if own {
+        // A cgroup made for the holder is named after the reservation: its id is chosen here,
+        // unless the client chose it.
+        if own && request.id.is_none() {
             request.id = Some(crate::broker::new_reservation_id());
         }
         let prepared = {
@@ -528,12 +529,16 @@ impl Api {
         };
         request.target = prepared.target.clone();
         let outcome = match self.broker.reserve(caller, request, holder).await {
-            Ok(ReserveOutcome::Reserved(r)) => Ok(r),
-            Ok(ReserveOutcome::Queued(ticket)) => ticket.wait().await,
+            Ok(ReserveOutcome::Reserved(r)) => Ok((StatusCode::CREATED, r)),
+            // A retry: what the first request made, unchanged.
+            Ok(ReserveOutcome::Existing(r)) => Ok((StatusCode::OK, r)),
+            Ok(ReserveOutcome::Queued(ticket)) => {
+                ticket.wait().await.map(|r| (StatusCode::CREATED, r))
+            }
             Err(e) => Err(e),
         };
         match outcome {
-            Ok(r) => Ok(json(StatusCode::CREATED, &to_wire(r))),
+            Ok((status, r)) => Ok(json(status, &to_wire(r))),
             Err(e) => {
                 let workloads = self.workloads.clone();
                 let _ = tokio::task::spawn_blocking(move || workloads.undo(&prepared)).await;
@@ -786,7 +791,7 @@ pub fn to_request(wire: schema::ReservationRequest) -> Result<ReserveRequest, Ap
         ttl_seconds: wire.ttl_seconds,
         holder_pid: wire.holder_pid,
         labels: wire.labels,
-        id: None,
+        id: wire.id.as_deref().map(valid_id).transpose()?,
         target: crate::isolation::Target::default(),
         owner_uid: wire.owner_uid,
     })

@@ -1294,7 +1294,7 @@ mod tests {
         let holder = Some(crate::holder::pin_holder(&caller, std::process::id()).unwrap());
         match b.reserve(caller, request, holder).wait().unwrap() {
             ReserveOutcome::Reserved(r) => (r.id, r.units.into_iter().map(|u| u.uuid).collect()),
-            ReserveOutcome::Queued(_) => panic!("queued"),
+            other => panic!("not reserved: {other:?}"),
         }
     }
 

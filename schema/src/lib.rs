@@ -110,6 +110,12 @@ pub struct ReservationRequest {
     /// one below it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub holder_cgroup: Option<String>,
+    /// A client-chosen id (letters, digits, `-`, `_`, `.`): asking again with the same id
+    /// and body answers the reservation the first request made (200), so a retry after a
+    /// lost answer reserves nothing twice; the same id with another body, or the id of an
+    /// ended reservation, is 409 `conflict`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
     /// Reserve on behalf of this uid (root and the admin groups only): the reservation is
     /// that user's, who may release and renew it, and counts against that user's quotas.
     #[serde(default, skip_serializing_if = "Option::is_none")]

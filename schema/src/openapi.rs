@@ -84,11 +84,12 @@ pub fn document() -> Value {
                     "summary": "Reserve GPU memory or whole GPUs; may wait (long-poll) for capacity",
                     "requestBody": {"required": true, "content": body(&reservation_request)["content"]},
                     "responses": {
+                        "200": reply("The reservation an earlier request with the same id and body made (a retry)", &reservation),
                         "201": reply("Reserved", &reservation),
                         "400": error_reply("Malformed request"),
                         "403": error_reply("Forbidden or over quota"),
                         "408": error_reply("Waited wait_seconds without capacity (wait_timeout), or the body did not arrive in time (body_timeout)"),
-                        "409": error_reply("No capacity now"),
+                        "409": error_reply("No capacity now (no_capacity), or the id is taken (conflict)"),
                         "413": error_reply("Body too large"),
                         "422": error_reply("Can never fit on this machine (unsatisfiable), or [isolation] require is set and the driver cannot enforce it (isolation_unavailable)"),
                         "429": error_reply("Changes faster than [limits] allows (rate_limited), or too many connections (too_many_connections)"),

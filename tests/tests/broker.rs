@@ -20,6 +20,30 @@ fn id(r: &Reply) -> String {
 }
 
 #[test]
+fn a_retry_with_the_same_id_reserves_nothing_twice() {
+    let d = Daemon::start("t4-pair", "");
+    let body = json!({"id": "slurm-42", "memory": "4GiB", "ttl_seconds": 600});
+    let first = reserve(&d, body.clone());
+    assert_eq!(first.status, 201, "{}", first.text);
+    assert_eq!(first.body["id"], "slurm-42");
+    let again = reserve(&d, body);
+    assert_eq!(again.status, 200, "{}", again.text);
+    assert_eq!(again.body, first.body);
+    assert_eq!(d.active().len(), 1);
+    let other = reserve(
+        &d,
+        json!({"id": "slurm-42", "memory": "8GiB", "ttl_seconds": 600}),
+    );
+    assert_eq!(other.status, 409, "{}", other.text);
+    assert_eq!(other.body["error"]["code"], "conflict");
+    let bad = reserve(
+        &d,
+        json!({"id": "a/b", "memory": "1GiB", "ttl_seconds": 60}),
+    );
+    assert_eq!(bad.status, 400, "{}", bad.text);
+}
+
+#[test]
 fn reservations_are_listed_by_label_active_or_ended() {
     let d = Daemon::start("t4-pair", "");
     let make = |job: &str| {

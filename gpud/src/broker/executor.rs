@@ -74,6 +74,7 @@ impl Patch for ReserveOutcome {
     fn patch(self, fixups: &Fixups) -> Result<ReserveOutcome, BrokerError> {
         match self {
             ReserveOutcome::Reserved(r) => r.patch(fixups).map(ReserveOutcome::Reserved),
+            ReserveOutcome::Existing(r) => r.patch(fixups).map(ReserveOutcome::Existing),
             queued => Ok(queued),
         }
     }
@@ -571,6 +572,7 @@ fn execute(
                 .reserve(txn, caller, request, holder, now)
                 .map(|admitted| match admitted {
                     Admitted::Reserved(r) => ReserveOutcome::Reserved(r),
+                    Admitted::Existing(r) => ReserveOutcome::Existing(r),
                     Admitted::Queued { ticket, rx } => ReserveOutcome::Queued(WaitTicket {
                         ticket,
                         rx: Some(rx),

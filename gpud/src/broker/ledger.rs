@@ -40,6 +40,8 @@ pub const MAX_TTL_SECONDS: u64 = 10 * 365 * 24 * 3600;
 pub enum Admitted {
     /// Placed (committed with the transaction).
     Reserved(Reservation),
+    /// Made earlier by the same request (the same chosen id and body): nothing changed.
+    Existing(Reservation),
     /// Queued: the answer comes on `rx` once capacity frees, or an error when it gives up.
     Queued {
         /// Its place in the queue, to withdraw it.
@@ -486,14 +488,25 @@ impl Ledger {
         }
         self.take_change(&caller, now)?;
         let caller = self.on_behalf_of(caller, request.owner_uid)?;
-        // A chosen id must be new: not active, not in the history, not asked for by a
-        // request already waiting.
-        if let Some(id) = &request.id
-            && (self.active.contains_key(id) || self.queue.asked_for(id) || txn.get(id)?.is_some())
-        {
-            return Err(BrokerError::Invalid(format!(
-                "reservation id {id:?} is already taken"
-            )));
+        // A chosen id is new, or names the reservation this very request made before (a
+        // retry): that one is the answer. Taken otherwise: active with another request,
+        // asked for by one waiting, or in the history.
+        if let Some(id) = &request.id {
+            if let Some(r) = self.active.get(id) {
+                if self.is_same_request(r, &caller, &request, holder.as_ref()) {
+                    return Ok(Admitted::Existing(Reservation::clone(r)));
+                }
+                return Err(BrokerError::Conflict(format!(
+                    "reservation id {id:?} is taken by a reservation made with another request; \
+                     choose another id, or repeat the first request exactly"
+                )));
+            }
+            if self.queue.asked_for(id) || txn.get(id)?.is_some() {
+                return Err(BrokerError::Conflict(format!(
+                    "reservation id {id:?} is already taken (by a waiting request, or one that \
+                     ended); choose another id"
+                )));
+            }
         }
         // Waiters come first: a request may go ahead of them (backfill) freely until the
         // oldest one that can be served at all has waited `starvation_after`; from then on
@@ -571,6 +584,39 @@ impl Ledger {
             return Some((i, held));
         }
         None
+    }
+
+    /// Whether active reservation `r` is what `request` from `caller` would make: same
+    /// owner, GPUs, memory, lifetime and labels (a retry of the request that made it).
+    fn is_same_request(
+        &self,
+        r: &Reservation,
+        caller: &Caller,
+        request: &ReserveRequest,
+        holder: Option<&PinnedProcess>,
+    ) -> bool {
+        let memory_matches = r.units.iter().all(|u| {
+            let total = self
+                .unit_index(&u.uuid)
+                .and_then(|i| self.units.get(i))
+                .map_or(0, |unit| unit.memory_total_bytes);
+            match request.memory {
+                MemoryAsk::Exclusive => r.exclusive,
+                ask => !r.exclusive && u.memory_bytes == ask.bytes_on(total),
+            }
+        });
+        r.owner_uid == caller.uid
+            && r.units.len() == request.gpus as usize
+            && memory_matches
+            && r.ttl_seconds == request.ttl_seconds
+            && r.holder.as_ref().map(|h| h.pid) == holder.map(|h| h.holder.pid)
+            && r.labels == request.labels
+            && r.holder_cgroup
+                == request
+                    .target
+                    .holds
+                    .then(|| request.target.cgroup.clone())
+                    .flatten()
     }
 
     /// Places, checks quota, writes and records one reservation. Changes nothing on error.

@@ -75,7 +75,7 @@ pub struct ReserveRequest {
     pub holder_pid: Option<u32>,
     /// Labels.
     pub labels: BTreeMap<String, String>,
-    /// Explicit id (the kubelet integration names its reservations); random otherwise.
+    /// Explicit id (the client's, or the kubelet integration's); random otherwise.
     pub id: Option<String>,
     /// Where its memory limits go (and whether that cgroup holds it).
     pub target: crate::isolation::Target,
@@ -175,6 +175,8 @@ impl From<PinError> for BrokerError {
 pub enum ReserveOutcome {
     /// Placed and committed.
     Reserved(Reservation),
+    /// Made earlier by the same request: a retry with the same chosen id and body.
+    Existing(Reservation),
     /// Queued; await the ticket.
     Queued(WaitTicket),
 }

@@ -164,6 +164,50 @@ const NO_QUOTA: Quota = Quota {
 };
 
 #[test]
+fn a_chosen_id_makes_a_retry_answer_the_first_reservation_and_nothing_else() {
+    let mut rules = Rules::plain(2);
+    let ask = ReserveRequest {
+        id: Some("job-7".to_owned()),
+        labels: BTreeMap::from([("job".to_owned(), "7".to_owned())]),
+        ..lease(gib(4), 60)
+    };
+    let first = rules.reserved(ALICE, ask.clone(), 0);
+    assert_eq!(first.id, "job-7");
+    // The same request again: the same reservation, nothing more reserved.
+    match rules.reserve(ALICE, ask.clone(), 5).unwrap() {
+        Admitted::Existing(r) => assert_eq!(r, first),
+        other => panic!("not the first reservation: {other:?}"),
+    }
+    assert_eq!(rules.active_ids(), ["job-7"]);
+    // The id with another body, or from another user: taken.
+    for (caller, request) in [
+        (
+            ALICE,
+            ReserveRequest {
+                memory: gib(5),
+                ..ask.clone()
+            },
+        ),
+        (
+            ALICE,
+            ReserveRequest {
+                labels: BTreeMap::new(),
+                ..ask.clone()
+            },
+        ),
+        (BOB, ask.clone()),
+    ] {
+        let e = rules.reserve(caller, request, 5).unwrap_err();
+        assert!(matches!(e, BrokerError::Conflict(_)), "{e}");
+    }
+    // Once it ended, the id stays taken.
+    rules.release(ALICE, "job-7", 6).unwrap();
+    let e = rules.reserve(ALICE, ask, 7).unwrap_err();
+    assert!(matches!(e, BrokerError::Conflict(_)), "{e}");
+    assert!(e.to_string().contains("ended"), "{e}");
+}
+
+#[test]
 fn root_reserves_on_a_user_s_behalf_and_it_counts_as_theirs() {
     let settings = BrokerSettings {
         admin_gids: vec![],
@@ -724,7 +768,7 @@ fn one_user_may_have_only_so_many_requests_waiting() {
             .unwrap()
         {
             Admitted::Queued { rx, .. } => queued.push(rx),
-            Admitted::Reserved(r) => panic!("nothing is free, yet {r:?}"),
+            other => panic!("nothing is free, yet {other:?}"),
         }
     }
     let e = rules
@@ -847,7 +891,7 @@ fn a_failed_commit_fails_every_command_that_saw_a_change_and_keeps_nothing() {
     let (b, _) = broker();
     let kept = match b.reserve(ALICE, lease(gib(1), 60), None).wait().unwrap() {
         ReserveOutcome::Reserved(r) => r,
-        ReserveOutcome::Queued(_) => panic!("queued"),
+        other => panic!("not reserved: {other:?}"),
     };
     // The COMMIT of a transaction that inserted a reservation labelled `boom` fails (a
     // deferred foreign key: statements succeed, only the COMMIT checks it).

@@ -98,7 +98,7 @@ fn on(cgroup: &Path, gib: u64) -> ReserveRequest {
 fn reserve(b: &Broker, request: ReserveRequest) -> Result<Reservation, BrokerError> {
     match b.reserve(ROOT, request, None).wait()? {
         ReserveOutcome::Reserved(r) => Ok(r),
-        ReserveOutcome::Queued(_) => panic!("queued"),
+        other => panic!("not reserved: {other:?}"),
     }
 }
 

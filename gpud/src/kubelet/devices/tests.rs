@@ -166,7 +166,7 @@ fn bare_metal(b: &Broker, memory: MemoryAsk) -> Reservation {
     };
     match b.reserve(ROOT, request, None).wait().unwrap() {
         ReserveOutcome::Reserved(r) => r,
-        ReserveOutcome::Queued(_) => panic!("queued"),
+        other => panic!("not reserved: {other:?}"),
     }
 }
 
