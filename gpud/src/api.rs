@@ -576,22 +576,24 @@ impl Api {
                     "this host has no cgroup v2 hierarchy mounted",
                 ));
             };
-            let target = match (wire.cgroup, wire.pid) {
+            match (wire.cgroup, wire.pid) {
                 (Some(named), _) => {
                     let full = workloads.named(h, &caller, admin, &named)?;
-                    crate::isolation::Target {
+                    Ok(crate::isolation::Target {
                         cgroup: Some(full.display().to_string()),
                         ..crate::isolation::Target::default()
-                    }
+                    })
                 }
-                (None, Some(pid)) => workloads.of_process(h, pid)?,
-                (None, None) => crate::isolation::Target::default(),
-            };
-            // Whoever names a process may only limit a cgroup they could name.
-            if let Some(cgroup) = &target.cgroup {
-                workloads.named(h, &caller, admin, cgroup)?;
+                (None, Some(pid)) => {
+                    let target = workloads.of_process(h, pid)?;
+                    // Whoever names a process may only limit a cgroup they could name.
+                    if let Some(cgroup) = &target.cgroup {
+                        workloads.named(h, &caller, admin, cgroup)?;
+                    }
+                    Ok(target)
+                }
+                (None, None) => Ok(crate::isolation::Target::default()),
             }
-            Ok(target)
         })
         .await
         .map_err(|_| BrokerError::Internal("finding the cgroup panicked"))?

@@ -8,8 +8,6 @@
 //! (active reservations) and every pair to reset (ended ones not yet cleared), and the
 //! limits follow the database again.
 
-use std::collections::BTreeSet;
-
 use super::ledger::Ledger;
 use super::{BrokerError, Caller};
 use crate::isolation::{self, Limits, NO_LIMIT, Target};
@@ -274,11 +272,6 @@ impl Ledger {
             self.effects.ended_limited.push(r);
         }
         Ok(())
-    }
-
-    /// Every pair the active reservations limit (a reconciliation).
-    pub fn all_limited_pairs(&self) -> BTreeSet<Pair> {
-        self.active.values().flat_map(|r| pairs(r)).collect()
     }
 }
 

@@ -325,23 +325,6 @@ impl Systemd {
         Ok(cgroup)
     }
 
-    /// Stops a scope (StopUnit, mode "replace"); not an error when the unit is already
-    /// gone. Returns once systemd has queued the stop job: stopping signals the scope's
-    /// processes and may take up to its stop timeout, which is not waited for.
-    pub fn stop_unit(&self, unit: &str) -> Result<(), ScopeError> {
-        self.runtime.block_on(async {
-            match self.manager_call("StopUnit", &(unit, "replace")).await {
-                Ok(_job) => Ok(()),
-                Err(source) if no_such_unit(&source) => Ok(()),
-                Err(source) => Err(ScopeError::Call {
-                    unit: unit.to_owned(),
-                    method: "StopUnit",
-                    source: Box::new(source),
-                }),
-            }
-        })
-    }
-
     async fn manager_call<B>(&self, method: &str, body: &B) -> zbus::Result<zbus::Message>
     where
         B: serde::Serialize + zbus::zvariant::DynamicType,
