@@ -16,9 +16,11 @@ Exit status:
   1    any other error (not found, not active, gpud failed)
   2    usage error (bad flag or value, or gpud rejected the request as invalid)
   3    gpud unreachable (socket missing, refused, or connection lost)
-  4    no capacity (nothing fits now, or the request can never fit here)
+  4    no capacity now (try again later, or --wait)
   5    --wait timed out
   6    forbidden or over quota
+  7    never as asked (can never fit here, [isolation] require cannot be met, or the id
+       is taken): retrying the same request is futile
   126  (reserve -- COMMAND) COMMAND is not executable
   127  (reserve -- COMMAND) COMMAND was not found
   130  interrupted by Ctrl-C before the reservation was made; nothing is held
@@ -163,9 +165,13 @@ pub enum Command {
 #[derive(Debug, Args)]
 #[command(group(clap::ArgGroup::new("size").required(true).args(["mem", "exclusive"])))]
 pub struct ReserveArgs {
-    /// Number of GPUs.
-    #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
-    pub gpus: u32,
+    /// Number of GPUs (default 1, or as many as --devices names).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    pub gpus: Option<u32>,
+
+    /// Only these GPUs, by index or UUID (comma-separated, as gpuctl gpus lists them).
+    #[arg(long, value_name = "GPUS", value_delimiter = ',')]
+    pub devices: Vec<String>,
 
     /// Memory per GPU: 512MiB, 4GiB, 4G (G means GiB: GPU memory is binary), or 25% of each GPU.
     // allow_hyphen_values: `--mem -1GiB` gets the size's error, not clap's tip to write
@@ -210,7 +216,8 @@ pub struct ReserveArgs {
     #[arg(long, value_enum)]
     pub policy: Option<Policy>,
 
-    /// Output without a command: shell `export` lines (env) or the reservation (json).
+    /// Output without a command: shell `export` lines (env) or the reservation (json; a
+    /// failure too, as {"error": {...}} on stdout).
     #[arg(short, long, value_enum, default_value_t = ReserveOutput::Env, conflicts_with = "command")]
     pub output: ReserveOutput,
 
@@ -262,7 +269,7 @@ pub struct IdArgs {
     /// Reservation id (as `gpuctl ls` shows it, or $GPUD_RESERVATION_ID).
     #[arg(value_name = "ID", value_parser = parse_id)]
     pub id: String,
-    /// Output format.
+    /// Output format (json: failures too, as {"error": {...}} on stdout).
     #[arg(short, long, value_enum, default_value_t)]
     pub output: Output,
 }
@@ -284,7 +291,7 @@ pub struct RenewArgs {
     /// New lease length from now (default: the lease's own TTL).
     #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
     pub ttl: Option<Duration>,
-    /// Output format.
+    /// Output format (json: failures too, as {"error": {...}} on stdout).
     #[arg(short, long, value_enum, default_value_t)]
     pub output: Output,
 }
@@ -298,7 +305,7 @@ pub struct ListArgs {
     /// Only those of this user (a name, as the OWNER column shows it, or a uid).
     #[arg(long, value_name = "USER", value_parser = parse_user)]
     pub owner: Option<u32>,
-    /// Output format.
+    /// Output format (json: failures too, as {"error": {...}} on stdout).
     #[arg(short, long, value_enum, default_value_t)]
     pub output: Output,
 }
@@ -318,7 +325,7 @@ pub struct EventsArgs {
     /// Keep printing new events as they happen (Ctrl-C to stop); with `-o json`, one object a line.
     #[arg(short, long)]
     pub follow: bool,
-    /// Output format.
+    /// Output format (json: failures too, as {"error": {...}} on stdout).
     #[arg(short, long, value_enum, default_value_t)]
     pub output: Output,
 }
@@ -382,10 +389,29 @@ impl StateFilter {
     }
 }
 
+impl Command {
+    /// Whether the command prints JSON (`-o json`), failures included.
+    pub fn prints_json(&self) -> bool {
+        let output = match self {
+            Command::Reserve(r) => return r.output == ReserveOutput::Json,
+            Command::Release(a) | Command::Show(a) => a.output,
+            Command::Renew(a) => a.output,
+            Command::Ls(a) => a.output,
+            Command::Events(a) => a.output,
+            Command::Gpus(a) | Command::Waiters(a) => a.output,
+            Command::CdiHook(_)
+            | Command::Completions { .. }
+            | Command::Man { .. }
+            | Command::PackageFiles { .. } => return false,
+        };
+        output == Output::Json
+    }
+}
+
 /// Commands with only an output format.
 #[derive(Debug, Args)]
 pub struct TableArgs {
-    /// Output format.
+    /// Output format (json: failures too, as {"error": {...}} on stdout).
     #[arg(short, long, value_enum, default_value_t)]
     pub output: Output,
 }

@@ -17,12 +17,15 @@ pub mod exit {
     pub const USAGE: u8 = 2;
     /// gpud unreachable.
     pub const UNREACHABLE: u8 = 3;
-    /// Nothing fits now, or never can.
+    /// Nothing fits now: try again later, or wait.
     pub const NO_CAPACITY: u8 = 4;
     /// `--wait` ran out.
     pub const WAIT_TIMEOUT: u8 = 5;
     /// Forbidden or over quota.
     pub const FORBIDDEN: u8 = 6;
+    /// Never, as asked: it can never fit here, its isolation cannot be enforced, or its id
+    /// is taken. Retrying the same request is futile.
+    pub const NEVER: u8 = 7;
     /// The command exists but cannot be executed.
     pub const NOT_EXECUTABLE: u8 = 126;
     /// The command was not found.
@@ -148,6 +151,31 @@ impl CliError {
         }
     }
 
+    /// The failure as `-o json` prints it on stdout: gpud's error body, with gpud's code
+    /// (or gpuctl's own: `unreachable`, `usage`, ...), the HTTP status when gpud answered,
+    /// and the exit status.
+    pub fn to_json(&self) -> serde_json::Value {
+        let code = match self {
+            CliError::Api { code, .. } => code.as_str(),
+            CliError::Unreachable { .. } => "unreachable",
+            CliError::Protocol { .. } => "protocol",
+            CliError::Usage(_) => "usage",
+            CliError::Interrupted { .. } => "interrupted",
+            CliError::Exec { .. } => "exec_failed",
+            CliError::OciState(_) => "oci_state",
+            CliError::Runtime(_) | CliError::Output(_) | CliError::WriteFile(_) => "failure",
+        };
+        let mut error = serde_json::json!({
+            "code": code,
+            "message": self.to_string(),
+            "exit_code": self.exit_code(),
+        });
+        if let CliError::Api { status, .. } = self {
+            error["status"] = (*status).into();
+        }
+        serde_json::json!({ "error": error })
+    }
+
     /// As a process exit code.
     pub fn exit(&self) -> ExitCode {
         ExitCode::from(self.exit_code())
@@ -157,7 +185,8 @@ impl CliError {
 /// gpud's stable error code (and, for an unknown code, the HTTP status) to an exit status.
 pub fn api_exit_code(status: u16, code: &str) -> u8 {
     match code {
-        codes::NO_CAPACITY | codes::UNSATISFIABLE => exit::NO_CAPACITY,
+        codes::NO_CAPACITY => exit::NO_CAPACITY,
+        codes::UNSATISFIABLE | codes::ISOLATION_UNAVAILABLE | codes::CONFLICT => exit::NEVER,
         codes::WAIT_TIMEOUT => exit::WAIT_TIMEOUT,
         codes::FORBIDDEN | codes::QUOTA_EXCEEDED => exit::FORBIDDEN,
         codes::INVALID_REQUEST | codes::PAYLOAD_TOO_LARGE => exit::USAGE,
@@ -176,7 +205,7 @@ pub fn api_exit_code(status: u16, code: &str) -> u8 {
         | codes::INTERNAL => exit::FAILURE,
         // A code newer than this gpuctl: fall back on the status class.
         _ => match status {
-            422 => exit::NO_CAPACITY,
+            422 => exit::NEVER,
             408 => exit::WAIT_TIMEOUT,
             403 => exit::FORBIDDEN,
             400 | 413 => exit::USAGE,
@@ -215,7 +244,10 @@ mod tests {
     fn every_api_code_has_its_exit_status() {
         let table = [
             (409, codes::NO_CAPACITY, 4),
-            (422, codes::UNSATISFIABLE, 4),
+            (422, codes::UNSATISFIABLE, 7),
+            (422, codes::ISOLATION_UNAVAILABLE, 7),
+            (409, codes::CONFLICT, 7),
+            (422, "some_future_code", 7),
             (408, codes::WAIT_TIMEOUT, 5),
             (403, codes::FORBIDDEN, 6),
             (403, codes::QUOTA_EXCEEDED, 6),
@@ -232,6 +264,31 @@ mod tests {
         for (status, code, want) in table {
             assert_eq!(api_exit_code(status, code), want, "{status} {code}");
         }
+    }
+
+    #[test]
+    fn a_json_error_carries_the_code_status_message_and_exit_status() {
+        let e = CliError::Api {
+            status: 409,
+            code: codes::NO_CAPACITY.into(),
+            message: "GPU 0 has 1 GiB unreserved".into(),
+        };
+        assert_eq!(
+            e.to_json(),
+            serde_json::json!({"error": {
+                "code": "no_capacity",
+                "message": "GPU 0 has 1 GiB unreserved",
+                "status": 409,
+                "exit_code": 4,
+            }})
+        );
+        let e = CliError::Unreachable {
+            socket: "/nowhere".into(),
+            source: io::Error::from_raw_os_error(2),
+        };
+        assert_eq!(e.to_json()["error"]["code"], "unreachable");
+        assert_eq!(e.to_json()["error"]["exit_code"], 3);
+        assert!(e.to_json()["error"].get("status").is_none());
     }
 
     #[test]

@@ -48,6 +48,9 @@ fn main() -> ExitCode {
         Ok(code) => code,
         Err(e) => {
             eprintln!("gpuctl: {e}");
+            if cli.command.prints_json() {
+                let _ = print(&format!("{}\n", e.to_json()));
+            }
             e.exit()
         }
     }

@@ -301,7 +301,8 @@ pub fn reservations_table(
 /// What the request asks for, for the status line and `gpuctl waiters`: `4 GiB on 1 GPU`,
 /// `2 whole GPUs`.
 pub fn describe(request: &ReservationRequest) -> String {
-    let n = request.gpus.unwrap_or(1);
+    let named = u32::try_from(request.devices.len()).unwrap_or(u32::MAX);
+    let n = request.gpus.unwrap_or(named.max(1));
     let gpus = if n == 1 {
         "1 GPU".to_owned()
     } else {

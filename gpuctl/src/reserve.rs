@@ -149,7 +149,7 @@ fn shell_behind_subshell(pid: u32) -> u32 {
 /// or gpud's limit for a bare `--wait`: [`wait_limit`]).
 pub fn request(args: &ReserveArgs, holder: Holder, wait: Option<Duration>) -> ReservationRequest {
     ReservationRequest {
-        gpus: Some(args.gpus),
+        gpus: args.gpus,
         memory: args.mem.map(|m| match m {
             MemoryAmount::Bytes(b) => MemorySpec::Bytes(b),
             MemoryAmount::BasisPoints(bp) => MemorySpec::Text(format_basis_points(bp)),
@@ -165,6 +165,7 @@ pub fn request(args: &ReserveArgs, holder: Holder, wait: Option<Duration>) -> Re
         own_cgroup: matches!(holder, Holder::SelfThenExec(_)),
         owner_uid: None,
         id: None,
+        devices: args.devices.clone(),
     }
 }
 
@@ -564,15 +565,20 @@ mod tests {
         );
         assert_eq!(
             serde_json::to_value(&r).unwrap(),
-            serde_json::json!({"gpus": 1, "exclusive": true, "holder_pid": 9, "own_cgroup": true})
+            serde_json::json!({"exclusive": true, "holder_pid": 9, "own_cgroup": true})
         );
         assert_eq!(describe(&r), "1 whole GPU");
         let a = args(&["--mem", "1G", "--holder-cgroup", "/system.slice/job.scope"]);
         assert_eq!(Holder::choose(&a, 1, 2), Holder::Cgroup);
         assert_eq!(
             serde_json::to_value(request(&a, Holder::Cgroup, None)).unwrap(),
-            serde_json::json!({"gpus": 1, "memory": 1073741824,
+            serde_json::json!({"memory": 1073741824,
                 "holder_cgroup": "/system.slice/job.scope"})
+        );
+        let a = args(&["--exclusive", "--devices", "0,GPU-x", "--ttl", "1m"]);
+        assert_eq!(
+            serde_json::to_value(request(&a, Holder::Lease, None)).unwrap(),
+            serde_json::json!({"exclusive": true, "devices": ["0", "GPU-x"], "ttl_seconds": 60})
         );
         let r = request(&args(&["--mem", "4GiB"]), Holder::Parent(1), None);
         assert_eq!(r.memory, Some(MemorySpec::Bytes(4 << 30)));

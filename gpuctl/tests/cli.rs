@@ -81,7 +81,13 @@ fn an_unreachable_socket_is_one_line_and_exit_3() {
             "{err}"
         );
         assert!(err.contains("gpud may not be running"), "{err}");
-        assert!(stdout(&out).is_empty());
+        if args.contains(&"json") {
+            let failure: serde_json::Value = serde_json::from_str(&stdout(&out)).unwrap();
+            assert_eq!(failure["error"]["code"], "unreachable");
+            assert_eq!(failure["error"]["exit_code"], 3);
+        } else {
+            assert!(stdout(&out).is_empty());
+        }
     }
     // --socket wins over GPUD_SOCKET.
     let out = gpuctl(&["--socket", "/nonexistent/other.sock", "gpus"]);

@@ -89,6 +89,7 @@ fn bench_audit(c: &mut Criterion) {
             id: None,
             target: Default::default(),
             owner_uid: None,
+            devices: Vec::new(),
         };
         assert!(matches!(
             broker

@@ -28,6 +28,8 @@ use crate::probe::link_cell;
 
 /// Longest reservation id accepted in a path or request.
 const MAX_ID_LEN: usize = 128;
+/// Most GPUs one request may name (`devices`).
+const MAX_DEVICES: u32 = 1024;
 /// Most labels on one reservation, and their sizes: each, and all together, so that what
 /// one reservation stores (and every listing returns) stays small.
 const MAX_LABELS: usize = 32;
@@ -158,7 +160,7 @@ fn error_reply(e: &ApiError) -> Reply {
 fn allowed(segments: &[&str]) -> Option<&'static str> {
     match segments {
         ["v1", "health" | "gpus" | "events" | "waiters"] | ["metrics"] => Some("GET"),
-        ["v1", "reservations"] => Some("GET, POST"),
+        ["v1", "reservations"] => Some("GET, POST, DELETE"),
         ["v1", "reservations", _] => Some("GET, DELETE"),
         ["v1", "reservations", _, "renew" | "cgroup"] => Some("POST"),
         _ => None,
@@ -204,6 +206,7 @@ impl Api {
         if !matches!(
             (segments.as_slice(), &method),
             (["v1", "reservations"] | ["v1", "events"], &Method::GET)
+                | (["v1", "reservations"], &Method::DELETE)
         ) {
             no_query(&query, &path)?;
         }
@@ -211,6 +214,9 @@ impl Api {
             (["v1", "health"], &Method::GET) => Ok(self.health()),
             (["v1", "gpus"], &Method::GET) => Ok(self.gpus()),
             (["v1", "reservations"], &Method::GET) => self.list(&query).await,
+            (["v1", "reservations"], &Method::DELETE) => {
+                self.release_labelled(caller, &query).await
+            }
             (["v1", "reservations"], &Method::POST) => {
                 let body = self.body(req).await?;
                 self.create(caller, &body).await
@@ -445,19 +451,7 @@ impl Api {
                         })?;
                 }
                 "after" => page.after = Some(parse_cursor(value)?),
-                "label" => {
-                    let decoded = percent_decoded(value).ok_or_else(|| {
-                        ApiError::invalid(format!(
-                            "label: {value:?} is not valid percent-encoded UTF-8"
-                        ))
-                    })?;
-                    let (k, v) = decoded.split_once('=').ok_or_else(|| {
-                        ApiError::invalid(format!(
-                            "label must be KEY=VALUE (label=job%3Dasr, or label=job=asr); got {decoded:?}"
-                        ))
-                    })?;
-                    label = Some((k.to_owned(), v.to_owned()));
-                }
+                "label" => label = Some(label_param(value)?),
                 _ => {
                     return Err(ApiError::invalid(format!(
                         "unknown query parameter {key:?}; use state, owner, label, limit or after"
@@ -477,6 +471,56 @@ impl Api {
                 reservations: rows.into_iter().map(to_wire).collect(),
                 more,
                 next,
+            },
+        ))
+    }
+
+    /// `DELETE /v1/reservations?label=K=V[&label=…]`: releases the active reservations
+    /// that carry every label given and that the caller may release (its own; any for root
+    /// and the admin groups). None matching is no error: a cleanup may run twice.
+    async fn release_labelled(&self, caller: Caller, query: &str) -> Result<Reply, ApiError> {
+        let mut labels = Vec::new();
+        for pair in query.split('&').filter(|p| !p.is_empty()) {
+            match pair.split_once('=') {
+                Some(("label", value)) => labels.push(label_param(value)?),
+                _ => {
+                    return Err(ApiError::invalid(format!(
+                        "DELETE /v1/reservations takes only label=KEY=VALUE selectors; got {pair:?}"
+                    )));
+                }
+            }
+        }
+        if labels.is_empty() {
+            return Err(ApiError::invalid(
+                "DELETE /v1/reservations releases by label: give at least one \
+                 ?label=KEY=VALUE (DELETE /v1/reservations/{id} releases one)",
+            ));
+        }
+        let admin = self.broker.is_admin(&caller);
+        let matching: Vec<String> = self
+            .broker
+            .snapshot()
+            .reservations
+            .iter()
+            .filter(|r| admin || r.owner_uid == caller.uid)
+            .filter(|r| labels.iter().all(|(k, v)| r.labels.get(k) == Some(v)))
+            .map(|r| r.id.clone())
+            .collect();
+        let mut released = Vec::with_capacity(matching.len());
+        for id in matching {
+            match self.broker.release(caller, id).await {
+                Ok(r) => released.push(to_wire(r)),
+                // Ended meanwhile (its holder exited, another release): not ours to report.
+                Err(BrokerError::NotFound(_) | BrokerError::NotActive { .. }) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(json(
+            StatusCode::OK,
+            &schema::ReservationList {
+                reservations: released,
+                more: false,
+                next: None,
             },
         ))
     }
@@ -737,9 +781,21 @@ fn memory_spec(ask: MemoryAsk) -> Option<MemorySpec> {
 
 /// Checks and converts the wire request into the broker's.
 pub fn to_request(wire: schema::ReservationRequest) -> Result<ReserveRequest, ApiError> {
-    let gpus = wire.gpus.unwrap_or(1);
+    let named = u32::try_from(wire.devices.len()).unwrap_or(u32::MAX);
+    let gpus = wire.gpus.unwrap_or(named.max(1));
     if gpus == 0 {
         return Err(ApiError::invalid("gpus must be at least 1"));
+    }
+    if named > 0 && gpus > named {
+        return Err(ApiError::invalid(format!(
+            "asked for {gpus} GPUs among {named} named in devices; name at least as many \
+             as you ask for, or leave gpus out to reserve all the named ones"
+        )));
+    }
+    if named > MAX_DEVICES {
+        return Err(ApiError::invalid(format!(
+            "devices names {named} GPUs; at most {MAX_DEVICES}"
+        )));
     }
     let memory = match (wire.memory, wire.exclusive) {
         (Some(_), true) => {
@@ -796,7 +852,23 @@ pub fn to_request(wire: schema::ReservationRequest) -> Result<ReserveRequest, Ap
         id: wire.id.as_deref().map(valid_id).transpose()?,
         target: crate::isolation::Target::default(),
         owner_uid: wire.owner_uid,
+        devices: wire.devices,
     })
+}
+
+/// A `label=KEY=VALUE` query parameter's value (the `=` may be written `%3D`).
+fn label_param(value: &str) -> Result<(String, String), ApiError> {
+    let decoded = percent_decoded(value).ok_or_else(|| {
+        ApiError::invalid(format!(
+            "label: {value:?} is not valid percent-encoded UTF-8"
+        ))
+    })?;
+    let (k, v) = decoded.split_once('=').ok_or_else(|| {
+        ApiError::invalid(format!(
+            "label must be KEY=VALUE (label=job%3Dasr, or label=job=asr); got {decoded:?}"
+        ))
+    })?;
+    Ok((k.to_owned(), v.to_owned()))
 }
 
 /// The wire form of a reservation.

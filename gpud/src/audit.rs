@@ -1285,6 +1285,7 @@ mod tests {
             id: None,
             target: Default::default(),
             owner_uid: None,
+            devices: Vec::new(),
         };
         let caller = Caller {
             uid: 0,
@@ -1354,6 +1355,7 @@ mod tests {
             id: None,
             target: Default::default(),
             owner_uid: None,
+            devices: Vec::new(),
         };
         let e = b
             .reserve(
@@ -1821,6 +1823,30 @@ mod tests {
             .iter()
             .map(|s| (s.process.pid, s.owner))
             .collect()
+    }
+
+    #[test]
+    fn a_reservation_made_on_behalf_of_a_user_owns_that_users_processes_by_environment() {
+        // Root reserved for uid ME (a Slurm Prolog) with a root process as holder; the job's
+        // processes run as ME and carry the id; another user's process naming it does not.
+        let reservations = [audited("slurm-7", Some(900), "GPU-0", 4)];
+        let listed = [(0, vec![process(700, "GPU-0", 3), process(701, "GPU-0", 1)])];
+        let with_env = |uid| ProcessFacts {
+            uid: Some(uid),
+            start_time: Some(1),
+            reservation_env: Some("slurm-7".into()),
+            ..ProcessFacts::default()
+        };
+        let facts = Facts {
+            processes: HashMap::from([(700, with_env(ME)), (701, with_env(ME + 1))]),
+            holder_cgroups: HashMap::new(),
+            own_cgroup: None,
+        };
+        let attribution = attribute(&reservations, &inventory().units(), &listed, &facts);
+        assert_eq!(
+            owners(&attribution),
+            [(700, Attributed::Held(0)), (701, Attributed::Unreserved)]
+        );
     }
 
     #[test]

@@ -125,6 +125,11 @@ pub struct ReservationRequest {
     /// `gpuctl reserve -- COMMAND` asks for this. Needs `holder_pid`.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub own_cgroup: bool,
+    /// Reserve on these GPUs only: indices as `nvidia-smi` numbers them (`"0"`), or UUIDs
+    /// (`GPU-…`, `MIG-…`). `gpus` defaults to their number; when it is smaller, placement
+    /// chooses among them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub devices: Vec<String>,
 }
 
 /// `POST /v1/reservations/{id}/cgroup` body: the cgroup whose processes the reservation is

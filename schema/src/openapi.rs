@@ -80,6 +80,20 @@ pub fn document() -> Value {
                         "400": error_reply("Bad filter")
                     }
                 },
+                "delete": {
+                    "summary": "Release by label: the active reservations with every label given that the caller may release (its own; any for root and admin groups). None matching is 200 with an empty list",
+                    "parameters": [
+                        {"name": "label", "in": "query", "required": true,
+                         "description": "KEY=VALUE (the = may be written %3D); repeat it to require several",
+                         "schema": {"type": "string"}}
+                    ],
+                    "responses": {
+                        "200": reply("The reservations released", &reservation_list),
+                        "400": error_reply("No label, or another query parameter"),
+                        "429": error_reply("Too many connections (too_many_connections)"),
+                        "503": error_reply("State cannot be written (storage_unavailable), or gpud is stopping (shutting_down)")
+                    }
+                },
                 "post": {
                     "summary": "Reserve GPU memory or whole GPUs; may wait (long-poll) for capacity",
                     "requestBody": {"required": true, "content": body(&reservation_request)["content"]},

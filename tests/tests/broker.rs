@@ -80,6 +80,146 @@ fn reservations_are_listed_by_label_active_or_ended() {
 }
 
 #[test]
+fn release_by_label_ends_every_match_and_nothing_else() {
+    let d = Daemon::start("t4-pair", "");
+    let make = |labels: Value| {
+        id(&reserve(
+            &d,
+            json!({"memory": "1GiB", "ttl_seconds": 600, "labels": labels}),
+        ))
+    };
+    let a = make(json!({"job": "7", "step": "0"}));
+    let b = make(json!({"job": "7", "step": "1"}));
+    let other = make(json!({"job": "8"}));
+    let released = |query: &str| -> Vec<String> {
+        let r = d.delete(&format!("/v1/reservations?{query}"));
+        assert_eq!(r.status, 200, "{}", r.text);
+        let mut ids: Vec<String> = r.body["reservations"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| {
+                assert_eq!(r["state"], "released");
+                r["id"].as_str().unwrap().to_owned()
+            })
+            .collect();
+        ids.sort();
+        ids
+    };
+    // Every label must match.
+    assert_eq!(released("label=job=7&label=step=1"), [b]);
+    assert_eq!(released("label=job%3D7"), [a]);
+    // Again: nothing left to release is no error.
+    assert!(released("label=job=7").is_empty());
+    assert_eq!(d.active().len(), 1);
+    assert_eq!(d.active()[0]["id"], other.as_str());
+    for (query, why) in [("", "at least one"), ("owner=0", "only label")] {
+        let r = d.delete(&format!("/v1/reservations?{query}"));
+        assert_eq!(r.status, 400, "{query}: {}", r.text);
+        assert!(
+            r.body["error"]["message"].as_str().unwrap().contains(why),
+            "{}",
+            r.text
+        );
+    }
+    assert_eq!(d.active().len(), 1);
+}
+
+#[test]
+fn release_by_label_never_touches_another_users_reservations() {
+    if !is_root() {
+        missing_prerequisite("root (to act as several uids)");
+        return;
+    }
+    let d = Daemon::start("t4-pair", "admin_groups = [\"65530\"]\n");
+    let body = json!({"memory": "1GiB", "ttl_seconds": 600, "labels": {"job": "7"}}).to_string();
+    for uid in [65534, 65533] {
+        let (status, r) = curl_as(
+            uid,
+            &d.socket,
+            &["-X", "POST", "-d", &body, "http://gpud/v1/reservations"],
+        );
+        assert_eq!(status, 201, "{r}");
+    }
+    let by_label = "http://gpud/v1/reservations?label=job=7";
+    let (status, r) = curl_as(65533, &d.socket, &["-X", "DELETE", by_label]);
+    assert_eq!(status, 200, "{r}");
+    assert_eq!(r["reservations"].as_array().unwrap().len(), 1);
+    assert_eq!(r["reservations"][0]["owner_uid"], 65533);
+    let left = d.active();
+    assert_eq!(left.len(), 1);
+    assert_eq!(left[0]["owner_uid"], 65534);
+    // An admin releases anyone's.
+    let (status, r) = curl_as(65530, &d.socket, &["-X", "DELETE", by_label]);
+    assert_eq!(status, 200, "{r}");
+    assert_eq!(r["reservations"][0]["owner_uid"], 65534);
+    assert!(d.active().is_empty());
+}
+
+#[test]
+fn named_gpus_are_reserved_exactly() {
+    let d = Daemon::start("dgx1-v100", "");
+    let r = reserve(
+        &d,
+        json!({"devices": ["3", "5"], "exclusive": true, "ttl_seconds": 600}),
+    );
+    assert_eq!(r.status, 201, "{}", r.text);
+    assert_eq!(r.gpu_indices(), [3, 5]);
+    // By UUID too; with gpus below the number named, placement chooses among them.
+    let uuid6 = d.get("/v1/gpus").body["gpus"][6]["uuid"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let r = reserve(
+        &d,
+        json!({"gpus": 1, "devices": ["3", uuid6], "memory": "1GiB", "ttl_seconds": 600}),
+    );
+    assert_eq!(r.status, 201, "{}", r.text);
+    assert_eq!(r.gpu_indices(), [6]);
+    let busy = reserve(
+        &d,
+        json!({"devices": ["5"], "memory": "1GiB", "ttl_seconds": 60}),
+    );
+    assert_eq!(busy.status, 409, "{}", busy.text);
+    assert!(
+        busy.body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("GPU 5"),
+        "{}",
+        busy.text
+    );
+    let too_big = reserve(
+        &d,
+        json!({"devices": ["0"], "memory": "40GiB", "ttl_seconds": 60}),
+    );
+    assert_eq!(too_big.status, 422, "{}", too_big.text);
+    for (body, why) in [
+        (
+            json!({"devices": ["9"], "memory": "1GiB", "ttl_seconds": 60}),
+            "not a GPU of this machine",
+        ),
+        (
+            json!({"devices": ["1", "1"], "memory": "1GiB", "ttl_seconds": 60}),
+            "named twice",
+        ),
+        (
+            json!({"gpus": 3, "devices": ["0", "1"], "memory": "1GiB", "ttl_seconds": 60}),
+            "among 2 named",
+        ),
+    ] {
+        let r = reserve(&d, body);
+        assert_eq!(r.status / 100, 4, "{}", r.text);
+        assert!(
+            r.body["error"]["message"].as_str().unwrap().contains(why),
+            "{why}: {}",
+            r.text
+        );
+    }
+    assert_eq!(d.active().len(), 2);
+}
+
+#[test]
 fn four_gpu_requests_on_dgx1_get_the_nvlink_quads() {
     let d = Daemon::start("dgx1-v100", "");
     let a = reserve(

@@ -596,15 +596,28 @@ fn every_exit_status_is_produced() {
         err.contains("/nonexistent/gpud.sock") && err.contains("gpud may not be running"),
         "{err}"
     );
-    // 4: can never fit (422), and does not fit now (409).
+    // 7: can never fit (422); 4: does not fit now (409).
     let err = expect_err(
         &d,
         &["reserve", "--gpus", "3", "--exclusive", "--ttl", "1m"],
-        4,
+        7,
     );
     assert!(err.contains("3 GPUs"), "{err}");
     let [first, _] = fill_t4(&d);
     expect(&d, &["reserve", "--mem", "1GiB", "--ttl", "1m"], 4);
+    // With -o json the failure is JSON on stdout too, with gpud's code and the exit status.
+    let out = expect(
+        &d,
+        &["reserve", "--mem", "1GiB", "--ttl", "1m", "-o", "json"],
+        4,
+    );
+    let failure: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(failure["error"]["code"], "no_capacity", "{out}");
+    assert_eq!(failure["error"]["status"], 409, "{out}");
+    assert_eq!(failure["error"]["exit_code"], 4, "{out}");
+    let out = expect(&d, &["show", "no-such-reservation", "-o", "json"], 1);
+    let failure: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(failure["error"]["code"], "not_found", "{out}");
     // 5: waited as long as asked, and nothing freed up.
     let started = Instant::now();
     let err = expect_err(

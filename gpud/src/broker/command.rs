@@ -32,8 +32,8 @@ pub enum Command {
     Reserve {
         /// Who asks.
         caller: Caller,
-        /// What.
-        request: ReserveRequest,
+        /// What (boxed: the largest command by far, and the channel holds many).
+        request: Box<ReserveRequest>,
         /// The holder process, pinned already (`request.holder_pid`).
         holder: Option<PinnedProcess>,
         /// The answer.

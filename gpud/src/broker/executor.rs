@@ -569,7 +569,7 @@ fn execute(
             reply,
         } => {
             let outcome = ledger
-                .reserve(txn, caller, request, holder, now)
+                .reserve(txn, caller, *request, holder, now)
                 .map(|admitted| match admitted {
                     Admitted::Reserved(r) => ReserveOutcome::Reserved(r),
                     Admitted::Existing(r) => ReserveOutcome::Existing(r),

@@ -342,6 +342,41 @@ impl Ledger {
         self.unit_by_uuid.get(uuid).copied()
     }
 
+    /// The positions of the units `devices` names (GPU indices as `nvidia-smi` numbers
+    /// them, or UUIDs, `MIG-…` included), in the order named; none when it is empty.
+    fn named_units(&self, devices: &[String]) -> Result<Vec<usize>, BrokerError> {
+        let mut positions: Vec<usize> = Vec::with_capacity(devices.len());
+        for name in devices {
+            let found = match name.parse::<u32>() {
+                Ok(index) => {
+                    let whole = self
+                        .units
+                        .iter()
+                        .position(|u| u.gpu_index == index && !u.is_mig());
+                    if whole.is_none() && self.units.iter().any(|u| u.gpu_index == index) {
+                        return Err(BrokerError::Invalid(format!(
+                            "GPU {index} is in MIG mode: name one of its MIG instances by \
+                             UUID (gpuctl gpus lists them)"
+                        )));
+                    }
+                    whole
+                }
+                Err(_) => self.unit_index(name),
+            };
+            let position = found.ok_or_else(|| {
+                BrokerError::Invalid(format!(
+                    "{name:?} is not a GPU of this machine; name GPUs by index (0, 1, …) or \
+                     UUID, as gpuctl gpus lists them"
+                ))
+            })?;
+            if positions.contains(&position) {
+                return Err(BrokerError::Invalid(format!("{name:?} is named twice")));
+            }
+            positions.push(position);
+        }
+        Ok(positions)
+    }
+
     /// Who a request reserves for: `caller`, or with `owner_uid` (root and the admin groups
     /// only) that user, with their primary group, so that the reservation is theirs and
     /// counts against their quotas. The caller's pid stays: it names the holder.
@@ -605,7 +640,14 @@ impl Ledger {
                 ask => !r.exclusive && u.memory_bytes == ask.bytes_on(total),
             }
         });
+        let devices_match = request.devices.is_empty()
+            || self.named_units(&request.devices).is_ok_and(|named| {
+                r.units
+                    .iter()
+                    .all(|u| named.iter().any(|&i| self.units[i].uuid == u.uuid))
+            });
         r.owner_uid == caller.uid
+            && devices_match
             && r.units.len() == request.gpus as usize
             && memory_matches
             && r.ttl_seconds == request.ttl_seconds
@@ -654,10 +696,25 @@ impl Ledger {
             }
             None => &self.loads,
         };
-        let state = PlacementState {
-            units: &self.units,
-            loads,
-            topology: &self.topology,
+        // Named units: placement sees only those (and says why they do not fit), and its
+        // positions map back through `named`.
+        let named = self.named_units(&request.devices)?;
+        let (named_units, named_loads): (Vec<Unit>, Vec<UnitLoad>) = named
+            .iter()
+            .map(|&i| (self.units[i].clone(), loads[i]))
+            .unzip();
+        let state = if request.devices.is_empty() {
+            PlacementState {
+                units: &self.units,
+                loads,
+                topology: &self.topology,
+            }
+        } else {
+            PlacementState {
+                units: &named_units,
+                loads: &named_loads,
+                topology: &self.topology,
+            }
         };
         let placement = placement::place(&placement_request, &state).map_err(|e| match e {
             PlacementError::Impossible(m) => BrokerError::Unsatisfiable(m),
@@ -666,9 +723,13 @@ impl Ledger {
         let mut units: Vec<ReservedUnit> = Vec::new();
         let mut totals = Vec::new();
         for a in &placement.assignments {
-            let unit = self
-                .units
-                .get(a.unit)
+            let position = if request.devices.is_empty() {
+                Some(a.unit)
+            } else {
+                named.get(a.unit).copied()
+            };
+            let unit = position
+                .and_then(|p| self.units.get(p))
                 .ok_or(BrokerError::Internal("placement chose an unknown unit"))?;
             units.push(ReservedUnit {
                 uuid: unit.uuid.clone(),

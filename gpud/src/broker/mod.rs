@@ -81,6 +81,8 @@ pub struct ReserveRequest {
     pub target: crate::isolation::Target,
     /// Whom it is for, when root or an admin reserves on another user's behalf.
     pub owner_uid: Option<u32>,
+    /// Reserve on exactly these GPUs (indices or UUIDs); placement chooses when empty.
+    pub devices: Vec<String>,
 }
 
 /// A request waiting for capacity, as [`Snapshot::waiters`] lists it.
@@ -397,7 +399,7 @@ impl Broker {
     ) -> Pending<ReserveOutcome> {
         self.send(|reply| Command::Reserve {
             caller,
-            request,
+            request: Box::new(request),
             holder,
             reply,
         })

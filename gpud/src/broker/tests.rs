@@ -49,6 +49,7 @@ fn lease(memory: MemoryAsk, ttl: u64) -> ReserveRequest {
         id: None,
         target: Default::default(),
         owner_uid: None,
+        devices: Vec::new(),
     }
 }
 

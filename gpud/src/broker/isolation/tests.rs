@@ -92,6 +92,7 @@ fn on(cgroup: &Path, gib: u64) -> ReserveRequest {
             ..Target::default()
         },
         owner_uid: None,
+        devices: Vec::new(),
     }
 }
 

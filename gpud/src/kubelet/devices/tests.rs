@@ -163,6 +163,7 @@ fn bare_metal(b: &Broker, memory: MemoryAsk) -> Reservation {
         id: None,
         target: Default::default(),
         owner_uid: None,
+        devices: Vec::new(),
     };
     match b.reserve(ROOT, request, None).wait().unwrap() {
         ReserveOutcome::Reserved(r) => r,

@@ -1,0 +1,369 @@
+# shellcheck shell=bash
+# A one-node Slurm cluster (Debian bookworm's Slurm 22.05) on loopback, for integration tests.
+# Source this file (as root), then:
+#
+#   slurm_install
+#       apt-get installs slurmctld, slurmd, slurm-client and munge when any is missing, without
+#       starting the distribution's own services (a temporary policy-rc.d that denies them, and
+#       the munge service stopped if it started anyway). Nothing else is touched.
+#   slurm_users
+#       creates the unprivileged users gpud-alice and gpud-bob (system users, no home) when
+#       missing. Submit as one of them with `slurm_as gpud-alice sbatch ...`.
+#   slurm_start DIR
+#       starts munged, slurmctld and slurmd with every file under DIR (an empty or missing
+#       directory; made 0755 so the test users can reach the configuration and munge's socket)
+#       and waits until the node is idle (slurm_wait_idle). Sets SLURM_TEST_DIR=DIR and exports
+#       SLURM_CONF=DIR/slurm.conf, so sinfo, sbatch, srun, scontrol ... talk to this cluster.
+#       Configuration, read when slurm_start runs:
+#         SLURM_TEST_GRES        the node's Gres= value ("" for none), e.g. gpumem:640G,wholegpu:8;
+#                                GresTypes= is made from its names
+#         SLURM_TEST_GRES_CONF   the content of gres.conf, e.g. "Name=gpumem Count=640G"
+#         SLURM_TEST_EXTRA_CONF  lines appended to slurm.conf (Prolog=, Epilog=, TaskProlog=,
+#                                HealthCheckProgram=, PrologFlags= ...)
+#         SLURM_TEST_CPUS        the node's CPUs (default 32: over-committed, ~30 1-cpu jobs)
+#         SLURM_TEST_TIMEOUT     seconds slurm_start and slurm_wait_idle wait (default 60)
+#   slurm_wait_idle [SECONDS]
+#       waits until the node is idle; on timeout prints sinfo, the node and the daemons' logs
+#       to stderr and returns 1.
+#   slurm_reconfigure EXTRA_CONF
+#       replaces the SLURM_TEST_EXTRA_CONF lines in slurm.conf with EXTRA_CONF and applies
+#       them with `scontrol reconfigure` (hooks, health check, PrologFlags, timeouts).
+#       A changed node line (GRES, CPUs) needs slurm_restart instead.
+#   slurm_restart
+#       stops slurmctld and slurmd, rewrites slurm.conf and gres.conf from the SLURM_TEST_*
+#       variables and starts them again (munged and the state directory are kept).
+#   slurm_stop
+#       cancels every job, stops the daemons and kills whatever this cluster started (found by
+#       a marker in the daemons' environment, with their descendants), then waits until none
+#       is left. Safe to call twice, or when nothing was started: `trap slurm_stop EXIT`.
+#   slurm_as USER COMMAND [ARG...]
+#       runs COMMAND as USER (runuser), keeping SLURM_CONF.
+#   slurm_logs
+#       prints the daemons' logs to stderr.
+#   slurm_wait_job JOBID STATE [SECONDS]
+#       waits until the job's state (scontrol show job) is STATE, e.g. COMPLETED.
+#
+# Files under DIR: slurm.conf, gres.conf, plugstack.conf, munge/ (key, socket, log),
+# state/ (slurmctld), spool/ (slurmd), log/ (slurmctld.log, slurmd.log, *.out), run/ (pids),
+# jobs/ (1777: a place where any user's job may write).
+#
+# Slurm reaches munged through AuthInfo=socket=DIR/munge/munge.socket; nothing in /etc is used
+# or changed except by slurm_install (the packages) and slurm_users (the users).
+
+SLURM_TEST_PACKAGES=(slurmctld slurmd slurm-client munge)
+SLURM_TEST_USERS=(gpud-alice gpud-bob)
+: "${SLURM_TEST_GRES=gpumem:640G}"
+: "${SLURM_TEST_GRES_CONF=Name=gpumem Count=640G}"
+: "${SLURM_TEST_EXTRA_CONF=}"
+: "${SLURM_TEST_CPUS:=32}"
+: "${SLURM_TEST_TIMEOUT:=60}"
+
+_slurm_say() { printf 'slurm-test: %s\n' "$*" >&2; }
+
+slurm_install() {
+    local missing=() pkg
+    for pkg in "${SLURM_TEST_PACKAGES[@]}"; do
+        dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'ok installed' || missing+=("$pkg")
+    done
+    [ ${#missing[@]} = 0 ] && return 0
+    _slurm_say "installing ${missing[*]}"
+    local policy=/usr/sbin/policy-rc.d made_policy=0
+    if [ ! -e "$policy" ]; then
+        printf '#!/bin/sh\nexit 101\n' >"$policy"
+        chmod 0755 "$policy"
+        made_policy=1
+    fi
+    local rc=0
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}" \
+        >&2 || rc=$?
+    if [ "$rc" != 0 ]; then
+        # A stale package list on a fresh machine: update once and try again.
+        DEBIAN_FRONTEND=noninteractive apt-get update -q >&2 &&
+            DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+                "${missing[@]}" >&2 && rc=0 || rc=$?
+    fi
+    [ "$made_policy" = 1 ] && rm -f "$policy"
+    if [ "$rc" != 0 ]; then
+        _slurm_say "apt-get install ${missing[*]} failed"
+        return 1
+    fi
+    # Where systemd runs (or policy-rc.d was ignored), the packages' own daemons may be up.
+    local unit
+    for unit in munge slurmctld slurmd; do
+        if [ -d /run/systemd/system ]; then
+            systemctl disable --now "$unit" >/dev/null 2>&1 || true
+        fi
+    done
+    return 0
+}
+
+slurm_users() {
+    local user
+    for user in "${SLURM_TEST_USERS[@]}"; do
+        id -u "$user" >/dev/null 2>&1 ||
+            useradd --system --no-create-home --home-dir /nonexistent --shell /bin/sh \
+                --user-group "$user"
+    done
+}
+
+slurm_as() {
+    local user=$1
+    shift
+    runuser -u "$user" -- env SLURM_CONF="$SLURM_CONF" "$@"
+}
+
+# Two TCP ports nothing listens on (from /proc/net/tcp{,6}): SLURM_TEST_CTLD_PORT, SLURM_TEST_SLURMD_PORT.
+_slurm_pick_ports() {
+    local used="" hex port picked=()
+    for hex in $(awk 'NR > 1 { split($2, a, ":"); print a[2] }' /proc/net/tcp /proc/net/tcp6 2>/dev/null); do
+        used+=" $((16#$hex)) "
+    done
+    while [ ${#picked[@]} -lt 2 ]; do
+        port=$((20000 + RANDOM % 30000))
+        case "$used ${picked[*]} " in *" $port "*) continue ;; esac
+        picked+=("$port")
+    done
+    SLURM_TEST_CTLD_PORT=${picked[0]}
+    SLURM_TEST_SLURMD_PORT=${picked[1]}
+}
+
+_slurm_write_conf() {
+    local dir=$SLURM_TEST_DIR host gres_types=""
+    host=$SLURM_TEST_HOST
+    if [ -n "$SLURM_TEST_GRES" ]; then
+        gres_types=$(tr ',' '\n' <<<"$SLURM_TEST_GRES" | cut -d: -f1 | sort -u | paste -sd, -)
+    fi
+    cat >"$dir/slurm.conf.new" <<EOF
+# Written by tests/slurm/cluster.sh
+ClusterName=gpudtest
+SlurmctldHost=$host(127.0.0.1)
+SlurmctldPort=$SLURM_TEST_CTLD_PORT
+SlurmdPort=$SLURM_TEST_SLURMD_PORT
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket=$dir/munge/munge.socket
+StateSaveLocation=$dir/state
+SlurmdSpoolDir=$dir/spool
+SlurmctldPidFile=$dir/run/slurmctld.pid
+SlurmdPidFile=$dir/run/slurmd.pid
+SlurmctldLogFile=$dir/log/slurmctld.log
+SlurmdLogFile=$dir/log/slurmd.log
+SlurmctldDebug=info
+SlurmdDebug=info
+PlugStackConfig=$dir/plugstack.conf
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+SchedulerType=sched/backfill
+MpiDefault=none
+SwitchType=switch/none
+JobCompType=jobcomp/none
+AccountingStorageType=accounting_storage/none
+JobAcctGatherType=jobacct_gather/none
+SlurmdParameters=config_overrides
+ReturnToService=2
+MinJobAge=600
+KillWait=2
+InactiveLimit=0
+SlurmdTimeout=300
+MessageTimeout=10
+GresTypes=$gres_types
+NodeName=$host NodeAddr=127.0.0.1 NodeHostname=$host CPUs=$SLURM_TEST_CPUS ${SLURM_TEST_GRES:+Gres=$SLURM_TEST_GRES }State=UNKNOWN
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+# extra
+$SLURM_TEST_EXTRA_CONF
+EOF
+    mv "$dir/slurm.conf.new" "$dir/slurm.conf"
+    printf '%s\n' "$SLURM_TEST_GRES_CONF" >"$dir/gres.conf"
+    : >"$dir/plugstack.conf"
+    chmod 0644 "$dir/slurm.conf" "$dir/gres.conf" "$dir/plugstack.conf"
+}
+
+# Runs a daemon in the foreground, in the background of this shell, with the cluster's marker
+# in its environment (slurm_stop finds what is left by it).
+_slurm_spawn() {
+    local name=$1
+    shift
+    GPUD_SLURM_TEST_CLUSTER=$SLURM_TEST_DIR "$@" >"$SLURM_TEST_DIR/log/$name.out" 2>&1 &
+    echo $! >"$SLURM_TEST_DIR/run/$name.spawned"
+}
+
+_slurm_start_daemons() {
+    local dir=$SLURM_TEST_DIR
+    _slurm_spawn slurmctld slurmctld -D -i -f "$dir/slurm.conf"
+    _slurm_spawn slurmd slurmd -D -f "$dir/slurm.conf" -N "$SLURM_TEST_HOST"
+}
+
+slurm_start() {
+    local dir=${1:?slurm_start DIR}
+    mkdir -p "$dir"
+    dir=$(cd "$dir" && pwd)
+    if [ -n "$(ls -A "$dir")" ]; then
+        _slurm_say "$dir is not empty"
+        return 1
+    fi
+    export SLURM_TEST_DIR=$dir
+    export SLURM_CONF=$dir/slurm.conf
+    SLURM_TEST_HOST=$(hostname -s)
+    _slurm_pick_ports
+    chmod 0755 "$dir"
+    mkdir -p "$dir"/{munge,state,spool,log,run,jobs}
+    chmod 0700 "$dir/state" "$dir/spool"
+    chmod 1777 "$dir/jobs"
+    _slurm_write_conf
+
+    # munged: its own key, socket, pid, log and seed under DIR/munge (0755: the test users
+    # reach the socket; munged refuses a directory others may write to).
+    dd if=/dev/urandom of="$dir/munge/munge.key" bs=1024 count=1 status=none
+    chmod 0400 "$dir/munge/munge.key"
+    _slurm_spawn munged munged -F --socket="$dir/munge/munge.socket" \
+        --key-file="$dir/munge/munge.key" --pid-file="$dir/munge/munged.pid" \
+        --log-file="$dir/munge/munged.log" --seed-file="$dir/munge/munged.seed"
+    local i
+    for ((i = 0; i < 100; i++)); do
+        [ -S "$dir/munge/munge.socket" ] && break
+        sleep 0.1
+    done
+    if [ ! -S "$dir/munge/munge.socket" ]; then
+        _slurm_say "munged did not start"
+        slurm_logs
+        return 1
+    fi
+    _slurm_start_daemons
+    slurm_wait_idle
+}
+
+slurm_logs() {
+    local f
+    for f in "$SLURM_TEST_DIR"/log/* "$SLURM_TEST_DIR"/munge/munged.log; do
+        [ -f "$f" ] || continue
+        printf '==== %s (last 60 lines)\n' "$f" >&2
+        tail -n 60 "$f" >&2
+    done
+}
+
+slurm_wait_idle() {
+    local timeout=${1:-$SLURM_TEST_TIMEOUT} deadline state=""
+    deadline=$((SECONDS + timeout))
+    while ((SECONDS < deadline)); do
+        state=$(sinfo -h -N -o '%T' 2>/dev/null | head -n1) || true
+        [ "$state" = idle ] && return 0
+        sleep 0.2
+    done
+    _slurm_say "the node is not idle after ${timeout}s (state: '${state:-no answer}')"
+    sinfo -N -l >&2 || true
+    scontrol show node >&2 || true
+    slurm_logs
+    return 1
+}
+
+slurm_wait_job() {
+    local job=$1 want=$2 timeout=${3:-$SLURM_TEST_TIMEOUT} deadline state=""
+    deadline=$((SECONDS + timeout))
+    while ((SECONDS < deadline)); do
+        state=$(scontrol show job "$job" 2>/dev/null | sed -n 's/.*JobState=\([A-Z_]*\).*/\1/p')
+        [ "$state" = "$want" ] && return 0
+        sleep 0.2
+    done
+    _slurm_say "job $job is not $want after ${timeout}s (state: '${state:-none}')"
+    scontrol show job -d "$job" >&2 || true
+    return 1
+}
+
+slurm_reconfigure() {
+    SLURM_TEST_EXTRA_CONF=$1
+    _slurm_write_conf
+    scontrol reconfigure
+}
+
+_slurm_kill_spawned() {
+    local name pidfile pid
+    for name in "$@"; do
+        pidfile=$SLURM_TEST_DIR/run/$name.spawned
+        [ -f "$pidfile" ] || continue
+        pid=$(cat "$pidfile")
+        kill -TERM "$pid" 2>/dev/null || true
+    done
+    local i alive
+    for ((i = 0; i < 100; i++)); do
+        alive=0
+        for name in "$@"; do
+            pidfile=$SLURM_TEST_DIR/run/$name.spawned
+            [ -f "$pidfile" ] && kill -0 "$(cat "$pidfile")" 2>/dev/null && alive=1
+        done
+        [ "$alive" = 0 ] && break
+        sleep 0.1
+    done
+    for name in "$@"; do
+        pidfile=$SLURM_TEST_DIR/run/$name.spawned
+        [ -f "$pidfile" ] || continue
+        kill -KILL "$(cat "$pidfile")" 2>/dev/null || true
+        wait "$(cat "$pidfile")" 2>/dev/null || true
+        rm -f "$pidfile"
+    done
+}
+
+slurm_restart() {
+    _slurm_kill_spawned slurmd slurmctld
+    _slurm_write_conf
+    _slurm_start_daemons
+    slurm_wait_idle
+}
+
+# Pids of the processes carrying this cluster's marker, and all their descendants.
+_slurm_marked_pids() {
+    local marker="GPUD_SLURM_TEST_CLUSTER=$SLURM_TEST_DIR" p roots=()
+    for p in /proc/[0-9]*; do
+        p=${p#/proc/}
+        [ "$p" = $$ ] && continue
+        if grep -qzxF "$marker" "/proc/$p/environ" 2>/dev/null; then
+            roots+=("$p")
+        fi
+    done
+    [ ${#roots[@]} = 0 ] && return 0
+    # Descendants through the parent links of /proc/*/stat.
+    local table
+    table=$(for p in /proc/[0-9]*/stat; do
+        sed -E 's/^([0-9]+) \(.*\) [A-Za-z] ([0-9]+) .*/\1 \2/' "$p" 2>/dev/null
+    done)
+    awk -v roots="${roots[*]}" '
+        { parent[$1] = $2 }
+        END {
+            n = split(roots, r, " ")
+            for (i = 1; i <= n; i++) keep[r[i]] = 1
+            changed = 1
+            while (changed) {
+                changed = 0
+                for (p in parent) if (!(p in keep) && (parent[p] in keep)) { keep[p] = 1; changed = 1 }
+            }
+            for (p in keep) print p
+        }' <<<"$table"
+}
+
+slurm_stop() {
+    [ -n "${SLURM_TEST_DIR:-}" ] && [ -d "$SLURM_TEST_DIR/run" ] || return 0
+    # Jobs first, so the Epilogs run and slurmd cleans up.
+    if [ -f "$SLURM_TEST_DIR/run/slurmctld.spawned" ]; then
+        scancel --quiet --full --state=RUNNING,PENDING,SUSPENDED 2>/dev/null || true
+        local i
+        for ((i = 0; i < 50; i++)); do
+            [ -z "$(squeue -h -t RUNNING,PENDING,COMPLETING,SUSPENDED -o %i 2>/dev/null)" ] && break
+            sleep 0.1
+        done
+    fi
+    _slurm_kill_spawned slurmd slurmctld munged
+    # slurmstepd and jobs outlive slurmd: kill what is left, until nothing is.
+    local pids round
+    for ((round = 0; round < 50; round++)); do
+        pids=$(_slurm_marked_pids)
+        [ -z "$pids" ] && return 0
+        # shellcheck disable=SC2086
+        kill -KILL $pids 2>/dev/null || true
+        sleep 0.1
+    done
+    _slurm_say "processes left: $pids"
+    return 1
+}
