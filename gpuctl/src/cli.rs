@@ -136,6 +136,14 @@ pub enum Command {
     /// cgroup.
     #[command(after_help = CDI_HOOK_AFTER_HELP)]
     CdiHook(CdiHookArgs),
+    /// Slurm's node hooks: gpud as the GPU allocator of a Slurm node (see the README's
+    /// Slurm section). slurm.conf names links to gpuctl (gpud-slurm-prolog, ...).
+    #[command(after_help = SLURM_AFTER_HELP)]
+    Slurm {
+        /// Which hook.
+        #[command(subcommand)]
+        hook: SlurmHook,
+    },
     /// Print a shell completion script to stdout.
     #[command(
         after_help = "Examples:\n  gpuctl completions bash > /etc/bash_completion.d/gpuctl\n  \
@@ -389,6 +397,36 @@ impl StateFilter {
     }
 }
 
+impl Cli {
+    /// The socket, when one other than the default was given (`--socket`, `GPUD_SOCKET`):
+    /// it wins over the Slurm hooks' configuration.
+    pub fn socket_given(&self) -> Option<&std::path::Path> {
+        (self.socket != std::path::Path::new(DEFAULT_SOCKET)).then_some(self.socket.as_path())
+    }
+}
+
+/// The hooks of `gpuctl slurm`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Subcommand)]
+pub enum SlurmHook {
+    /// Prolog (root): reserve what the job's GRES asks for, for the job's user; requeue or
+    /// cancel the job when nothing fits, never fail for that.
+    Prolog,
+    /// TaskProlog (the user): print the reservation's environment; refuse a task whose job
+    /// asked for GPUs and holds none.
+    TaskProlog,
+    /// Epilog (root): release the job's reservation. Never fails.
+    Epilog,
+    /// HealthCheckProgram (root): release what jobs gone from the node still hold, renew
+    /// the leases of those running.
+    Health,
+}
+
+const SLURM_AFTER_HELP: &str = "\
+slurm.conf runs programs without arguments: link gpuctl as gpud-slurm-prolog,
+gpud-slurm-task-prolog, gpud-slurm-epilog and gpud-slurm-health (the package installs the
+links in /usr/lib/gpud) and name those. Settings: gpud-slurm.toml beside slurm.conf, or
+$GPUD_SLURM_CONFIG.";
+
 impl Command {
     /// Whether the command prints JSON (`-o json`), failures included.
     pub fn prints_json(&self) -> bool {
@@ -400,6 +438,7 @@ impl Command {
             Command::Events(a) => a.output,
             Command::Gpus(a) | Command::Waiters(a) => a.output,
             Command::CdiHook(_)
+            | Command::Slurm { .. }
             | Command::Completions { .. }
             | Command::Man { .. }
             | Command::PackageFiles { .. } => return false,

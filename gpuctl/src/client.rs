@@ -90,6 +90,15 @@ impl Client {
         self.call::<(), _>(Method::GET, &path, None).await
     }
 
+    /// `GET /v1/reservations?label=KEY=VALUE`: the active ones with that label.
+    pub async fn list_labelled(&self, key: &str, value: &str) -> Result<ReservationList, CliError> {
+        let path = format!(
+            "/v1/reservations?label={}",
+            query_escaped(&format!("{key}={value}"))
+        );
+        self.call::<(), _>(Method::GET, &path, None).await
+    }
+
     /// `GET /v1/events?…` with the query already built (`since=…&kind=…`).
     pub async fn events(&self, query: &str) -> Result<EventList, CliError> {
         self.call::<(), _>(Method::GET, &format!("/v1/events?{query}"), None)
@@ -205,6 +214,18 @@ fn decode<T: DeserializeOwned>(status: StatusCode, body: &[u8]) -> Result<T, Dec
     }
 }
 
+/// `text` percent-encoded for a query value: everything but unreserved characters.
+fn query_escaped(text: &str) -> String {
+    text.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                char::from(b).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
 fn snippet(body: &[u8]) -> String {
     let text = String::from_utf8_lossy(body);
     let text = text.trim();
@@ -232,6 +253,12 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn query_values_are_percent_encoded() {
+        assert_eq!(query_escaped("slurm.job=42"), "slurm.job%3D42");
+        assert_eq!(query_escaped("a b&c/é"), "a%20b%26c%2F%C3%A9");
     }
 
     #[test]

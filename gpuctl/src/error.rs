@@ -102,6 +102,9 @@ pub enum CliError {
          runs it with the container's OCI state on stdin"
     )]
     OciState(String),
+    /// A Slurm program (scontrol, squeue, scancel) failed or could not run.
+    #[error("{0}")]
+    Slurm(String),
     /// Could not start the I/O runtime.
     #[error("cannot start: {0}")]
     Runtime(#[source] io::Error),
@@ -130,6 +133,7 @@ impl CliError {
             },
             CliError::Protocol { .. }
             | CliError::OciState(_)
+            | CliError::Slurm(_)
             | CliError::Runtime(_)
             | CliError::Output(_)
             | CliError::WriteFile(_) => exit::FAILURE,
@@ -163,6 +167,7 @@ impl CliError {
             CliError::Interrupted { .. } => "interrupted",
             CliError::Exec { .. } => "exec_failed",
             CliError::OciState(_) => "oci_state",
+            CliError::Slurm(_) => "slurm",
             CliError::Runtime(_) | CliError::Output(_) | CliError::WriteFile(_) => "failure",
         };
         let mut error = serde_json::json!({

@@ -17,6 +17,7 @@ mod error;
 mod manual;
 mod output;
 mod reserve;
+mod slurm;
 
 use std::io::Write;
 use std::process::ExitCode;
@@ -28,7 +29,13 @@ use crate::cli::{Cli, Command};
 use crate::error::CliError;
 
 fn main() -> ExitCode {
-    let cli = match Cli::try_parse() {
+    // Slurm runs its hooks by path, without arguments: a link named gpud-slurm-prolog is
+    // `gpuctl slurm prolog`.
+    let mut args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    if let Some(hook) = args.first().and_then(|a| slurm::hook_named(a)) {
+        args.splice(1..1, ["slurm".into(), hook.into()]);
+    }
+    let cli = match Cli::try_parse_from(args) {
         Ok(cli) => cli,
         Err(e) if !e.use_stderr() => {
             // --help, --version: clap prints them to stdout.
@@ -77,6 +84,7 @@ fn run(cli: &Cli) -> Result<ExitCode, CliError> {
         Command::Events(args) => commands::events(args, socket, &rt, now),
         Command::Waiters(args) => commands::waiters(args, socket, &rt, now),
         Command::CdiHook(args) => cdi::hook(args, socket, &rt),
+        Command::Slurm { hook } => slurm::run(*hook, cli.socket_given(), &rt),
         Command::Completions { shell } => commands::completions(*shell),
         Command::Man { subcommand } => commands::man(subcommand.as_deref()),
         Command::PackageFiles { dir } => commands::package_files(dir),

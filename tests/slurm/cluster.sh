@@ -10,8 +10,9 @@
 #       creates the unprivileged users gpud-alice and gpud-bob (system users, no home) when
 #       missing. Submit as one of them with `slurm_as gpud-alice sbatch ...`.
 #   slurm_start DIR
-#       starts munged, slurmctld and slurmd with every file under DIR (an empty or missing
-#       directory; made 0755 so the test users can reach the configuration and munge's socket)
+#       starts munged, slurmctld and slurmd with every file under DIR (a new or empty directory,
+#       or one the test put its hooks in: anything but a former cluster's; made 0755 so that
+#       the test users reach the configuration and munge's socket)
 #       and waits until the node is idle (slurm_wait_idle). Sets SLURM_TEST_DIR=DIR and exports
 #       SLURM_CONF=DIR/slurm.conf, so sinfo, sbatch, srun, scontrol ... talk to this cluster.
 #       Configuration, read when slurm_start runs:
@@ -57,6 +58,7 @@ SLURM_TEST_USERS=(gpud-alice gpud-bob)
 : "${SLURM_TEST_EXTRA_CONF=}"
 : "${SLURM_TEST_CPUS:=32}"
 : "${SLURM_TEST_TIMEOUT:=60}"
+: "${SLURM_TEST_SCHED_PARAMS:=batch_sched_delay=0,bf_interval=1,sched_interval=5}"
 
 _slurm_say() { printf 'slurm-test: %s\n' "$*" >&2; }
 
@@ -158,6 +160,8 @@ TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SchedulerType=sched/backfill
+SchedulerParameters=$SLURM_TEST_SCHED_PARAMS
+MailProg=/bin/true
 MpiDefault=none
 SwitchType=switch/none
 JobCompType=jobcomp/none
@@ -187,7 +191,8 @@ EOF
 _slurm_spawn() {
     local name=$1
     shift
-    GPUD_SLURM_TEST_CLUSTER=$SLURM_TEST_DIR "$@" >"$SLURM_TEST_DIR/log/$name.out" 2>&1 &
+    (cd "$SLURM_TEST_DIR" && GPUD_SLURM_TEST_CLUSTER=$SLURM_TEST_DIR exec "$@") \
+        >"$SLURM_TEST_DIR/log/$name.out" 2>&1 &
     echo $! >"$SLURM_TEST_DIR/run/$name.spawned"
 }
 
@@ -201,8 +206,8 @@ slurm_start() {
     local dir=${1:?slurm_start DIR}
     mkdir -p "$dir"
     dir=$(cd "$dir" && pwd)
-    if [ -n "$(ls -A "$dir")" ]; then
-        _slurm_say "$dir is not empty"
+    if [ -e "$dir/slurm.conf" ]; then
+        _slurm_say "$dir already holds a cluster"
         return 1
     fi
     export SLURM_TEST_DIR=$dir
@@ -313,25 +318,30 @@ slurm_restart() {
     slurm_wait_idle
 }
 
-# Pids of the processes carrying this cluster's marker, and all their descendants.
-_slurm_marked_pids() {
-    local marker="GPUD_SLURM_TEST_CLUSTER=$SLURM_TEST_DIR" p roots=()
-    for p in /proc/[0-9]*; do
-        p=${p#/proc/}
-        [ "$p" = $$ ] && continue
-        if grep -qzxF "$marker" "/proc/$p/environ" 2>/dev/null; then
-            roots+=("$p")
-        fi
-    done
-    [ ${#roots[@]} = 0 ] && return 0
-    # Descendants through the parent links of /proc/*/stat.
+# Pids of this cluster's processes: those whose environment holds the daemons' marker or
+# SLURM_CONF=DIR/slurm.conf (slurmstepd, jobs' tasks, srun and other clients; slurmd and
+# slurmstepd set it), with all their descendants; never this shell or its ancestors.
+_slurm_cluster_pids() (
+    # The helpers below must not carry the markers themselves.
+    unset SLURM_CONF GPUD_SLURM_TEST_CLUSTER
+    local marker="GPUD_SLURM_TEST_CLUSTER=$SLURM_TEST_DIR" conf="SLURM_CONF=$SLURM_TEST_DIR/slurm.conf"
     local table
     table=$(for p in /proc/[0-9]*/stat; do
         sed -E 's/^([0-9]+) \(.*\) [A-Za-z] ([0-9]+) .*/\1 \2/' "$p" 2>/dev/null
     done)
-    awk -v roots="${roots[*]}" '
+    local p roots=()
+    for p in /proc/[0-9]*; do
+        p=${p#/proc/}
+        if grep -qzxF -e "$marker" -e "$conf" "/proc/$p/environ" 2>/dev/null; then
+            roots+=("$p")
+        fi
+    done
+    [ ${#roots[@]} = 0 ] && return 0
+    awk -v roots="${roots[*]}" -v self="$BASHPID" '
         { parent[$1] = $2 }
         END {
+            # Never this shell, nor any of its ancestors.
+            for (p = self; p != "" && p != 0 && !(p in spare); p = parent[p]) spare[p] = 1
             n = split(roots, r, " ")
             for (i = 1; i <= n; i++) keep[r[i]] = 1
             changed = 1
@@ -339,26 +349,32 @@ _slurm_marked_pids() {
                 changed = 0
                 for (p in parent) if (!(p in keep) && (parent[p] in keep)) { keep[p] = 1; changed = 1 }
             }
-            for (p in keep) print p
+            for (p in keep) if (!(p in spare)) print p
         }' <<<"$table"
-}
+)
 
 slurm_stop() {
     [ -n "${SLURM_TEST_DIR:-}" ] && [ -d "$SLURM_TEST_DIR/run" ] || return 0
-    # Jobs first, so the Epilogs run and slurmd cleans up.
+    local SLURM_CONF=$SLURM_TEST_DIR/slurm.conf
+    # Jobs first, so that their Epilogs run and slurmd cleans up after them.
+    local jobs i
     if [ -f "$SLURM_TEST_DIR/run/slurmctld.spawned" ]; then
-        scancel --quiet --full --state=RUNNING,PENDING,SUSPENDED 2>/dev/null || true
-        local i
-        for ((i = 0; i < 50; i++)); do
-            [ -z "$(squeue -h -t RUNNING,PENDING,COMPLETING,SUSPENDED -o %i 2>/dev/null)" ] && break
-            sleep 0.1
-        done
+        export SLURM_CONF
+        jobs=$(squeue -h -o %A 2>/dev/null | paste -sd' ' -) || true
+        if [ -n "$jobs" ]; then
+            # shellcheck disable=SC2086
+            scancel $jobs 2>/dev/null || true
+            for ((i = 0; i < 100; i++)); do
+                [ -z "$(squeue -h -o %A 2>/dev/null)" ] && break
+                sleep 0.1
+            done
+        fi
     fi
     _slurm_kill_spawned slurmd slurmctld munged
-    # slurmstepd and jobs outlive slurmd: kill what is left, until nothing is.
+    # What is left (slurmstepd, tasks, clients): killed until none is.
     local pids round
     for ((round = 0; round < 50; round++)); do
-        pids=$(_slurm_marked_pids)
+        pids=$(_slurm_cluster_pids)
         [ -z "$pids" ] && return 0
         # shellcheck disable=SC2086
         kill -KILL $pids 2>/dev/null || true
