@@ -69,6 +69,10 @@ pub struct SlurmConfig {
     pub requeue_delay: Duration,
     /// Where scontrol, squeue and scancel are (hooks run without `PATH`).
     pub slurm_bin: PathBuf,
+    /// The slurm.conf of the slurmd that runs the hook, when it is not the default one:
+    /// Slurm's programs are pointed at it.
+    #[serde(skip)]
+    pub slurm_conf: Option<PathBuf>,
 }
 
 impl Default for SlurmConfig {
@@ -82,6 +86,7 @@ impl Default for SlurmConfig {
             unlimited_lease: Duration::from_secs(24 * 3600),
             requeue_delay: Duration::from_secs(15),
             slurm_bin: "/usr/bin".into(),
+            slurm_conf: None,
         }
     }
 }
@@ -414,8 +419,21 @@ pub fn refusal(code: Option<&str>) -> Refusal {
 
 /// Runs a hook; hooks log to stderr, which slurmd keeps in its log.
 pub fn run(hook: SlurmHook, socket: Option<&Path>, rt: &Runtime) -> Result<ExitCode, CliError> {
-    let env = |name: &str| std::env::var(name).ok();
+    // slurmd passes `SLURM_CONF` to the prologs and epilogs but not to the health check:
+    // there, the slurmd that runs it says which slurm.conf it reads.
+    let slurm_conf = std::env::var("SLURM_CONF").ok().or_else(|| {
+        let parent = std::os::unix::process::parent_id();
+        slurmd_conf(
+            &std::fs::read(format!("/proc/{parent}/cmdline")).ok()?,
+            &std::fs::read(format!("/proc/{parent}/environ")).unwrap_or_default(),
+        )
+    });
+    let env = |name: &str| match name {
+        "SLURM_CONF" => slurm_conf.clone(),
+        _ => std::env::var(name).ok(),
+    };
     let mut config = SlurmConfig::load(&SlurmConfig::path(&env))?;
+    config.slurm_conf = slurm_conf.as_deref().map(PathBuf::from);
     if let Some(socket) = socket {
         config.socket = socket.to_owned();
     }
@@ -425,6 +443,34 @@ pub fn run(hook: SlurmHook, socket: Option<&Path>, rt: &Runtime) -> Result<ExitC
         SlurmHook::Epilog => Ok(epilog(&config, &env, rt)),
         SlurmHook::Health => Ok(health(&config, &env, rt)),
     }
+}
+
+/// The slurm.conf a slurmd reads, from its command line (`-f PATH`) or its environment
+/// (`SLURM_CONF`); `None` for the default, or when the process is no slurmd.
+pub fn slurmd_conf(cmdline: &[u8], environ: &[u8]) -> Option<String> {
+    let words: Vec<String> = cmdline
+        .split(|b| *b == 0)
+        .map(|w| String::from_utf8_lossy(w).into_owned())
+        .collect();
+    if !words
+        .first()
+        .is_some_and(|w| Path::new(w).file_name() == Some(OsStr::new("slurmd")))
+    {
+        return None;
+    }
+    let mut rest = words.iter().skip(1);
+    while let Some(word) = rest.next() {
+        if word == "-f" {
+            return rest.next().cloned();
+        }
+        if let Some(path) = word.strip_prefix("-f") {
+            return Some(path.to_owned());
+        }
+    }
+    environ
+        .split(|b| *b == 0)
+        .find_map(|v| v.strip_prefix(b"SLURM_CONF="))
+        .map(|v| String::from_utf8_lossy(v).into_owned())
 }
 
 fn prolog(
@@ -477,30 +523,34 @@ fn describe(r: &Reservation) -> String {
 }
 
 /// Requeues or cancels the job, with the reason where its user sees it: the job's
-/// `AdminComment` (`scontrol show job`), which the task prolog repeats on the task's
-/// output when it refuses to start it.
+/// `AdminComment` (`scontrol show job`). An interactive job is left to the task prolog,
+/// which refuses its tasks and repeats the reason on their output, the user's terminal
+/// (a job the prolog cancels ends with no word on srun's side).
 fn refuse(config: &SlurmConfig, job: &JobEnv, info: &JobInfo, how: Refusal, why: &str) {
     let id = job.id.to_string();
-    let requeue = how == Refusal::NotNow && info.batch;
-    let what = if requeue {
-        format!(
+    let what = match (how, info.batch) {
+        (Refusal::NotNow, true) => format!(
             "requeued: no GPU room on this node now ({why}); it starts again in {} or later",
             humantime::format_duration(config.requeue_delay)
-        )
-    } else if how == Refusal::NotNow {
-        format!("cancelled: no GPU room on this node now ({why}); an interactive job cannot wait")
-    } else {
-        format!("cancelled: {why}")
+        ),
+        (Refusal::NotNow, false) => format!(
+            "not started: no GPU room on this node now ({why}); try again later, or submit \
+             it with sbatch, which waits"
+        ),
+        (_, true) => format!("cancelled: {why}"),
+        (_, false) => format!("not started: {why}"),
     };
     eprintln!("gpud: job {id}: {what}");
     let comment = format!("AdminComment=gpud: {what}");
     let _ = scontrol(config, &["update", &format!("JobId={id}"), &comment]);
-    let done = if requeue {
-        let start = format!("StartTime=now+{}", config.requeue_delay.as_secs().max(1));
-        scontrol(config, &["requeue", &id])
-            .and_then(|_| scontrol(config, &["update", &format!("JobId={id}"), &start]))
-    } else {
-        run_program(&config.program("scancel"), &[&id])
+    let done = match (how, info.batch) {
+        (Refusal::NotNow, true) => {
+            let start = format!("StartTime=now+{}", config.requeue_delay.as_secs().max(1));
+            scontrol(config, &["requeue", &id])
+                .and_then(|_| scontrol(config, &["update", &format!("JobId={id}"), &start]))
+        }
+        (_, true) => run_program(config, "scancel", &[&id]),
+        (_, false) => Ok(String::new()),
     };
     if let Err(e) = done {
         eprintln!("gpud: job {id}: {e}");
@@ -620,7 +670,8 @@ fn reconcile(
         })
         .unwrap_or_default();
     let squeue = run_program(
-        &config.program("squeue"),
+        config,
+        "squeue",
         &[
             "--noheader",
             "--nodelist",
@@ -661,12 +712,17 @@ fn reconcile(
 }
 
 fn scontrol(config: &SlurmConfig, args: &[&str]) -> Result<String, CliError> {
-    run_program(&config.program("scontrol"), args)
+    run_program(config, "scontrol", args)
 }
 
-/// Runs `program` and returns its stdout, or why it failed as one line.
-fn run_program(program: &Path, args: &[&str]) -> Result<String, CliError> {
-    let out = Command::new(program).args(args).output().map_err(|e| {
+/// Runs Slurm's program `name` and returns its stdout, or why it failed as one line.
+fn run_program(config: &SlurmConfig, name: &str, args: &[&str]) -> Result<String, CliError> {
+    let program = config.program(name);
+    let mut command = Command::new(&program);
+    if let Some(conf) = &config.slurm_conf {
+        command.env("SLURM_CONF", conf);
+    }
+    let out = command.args(args).output().map_err(|e| {
         CliError::Slurm(format!(
             "cannot run {}: {e} (slurm_bin in gpud-slurm.toml says where Slurm's programs are)",
             program.display()

@@ -240,3 +240,21 @@ fn task_exports_are_literal_lines() {
     assert!(out.lines().all(|l| l.starts_with("export ")), "{out}");
     assert_eq!(out.matches("GPUD_RESERVATION_ID=").count(), 1, "{out}");
 }
+
+#[test]
+fn the_health_check_reads_its_slurmds_slurm_conf() {
+    assert_eq!(
+        slurmd_conf(b"slurmd\0-D\0-f\0/x/slurm.conf\0-N\0n1\0", b""),
+        Some("/x/slurm.conf".to_owned())
+    );
+    assert_eq!(
+        slurmd_conf(b"/usr/sbin/slurmd\0-f/y/slurm.conf\0", b""),
+        Some("/y/slurm.conf".to_owned())
+    );
+    assert_eq!(
+        slurmd_conf(b"/usr/sbin/slurmd\0-D\0", b"A=1\0SLURM_CONF=/z/slurm.conf\0"),
+        Some("/z/slurm.conf".to_owned())
+    );
+    assert_eq!(slurmd_conf(b"/usr/sbin/slurmd\0", b"A=1\0"), None);
+    assert_eq!(slurmd_conf(b"bash\0-f\0/x\0", b"SLURM_CONF=/z\0"), None);
+}
