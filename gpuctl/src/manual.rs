@@ -36,10 +36,31 @@ pub fn completion(shell: Shell) -> Vec<u8> {
     manual::completion(Cli::command(), shell)
 }
 
+/// Where the package puts the links to gpuctl that slurm.conf names as hooks.
+pub const SLURM_HOOK_DIR: &str = "usr/lib/gpud";
+
 /// Writes every page and completion script under `root`, at its installed path
-/// (`root/usr/share/man/man1/gpuctl.1`, ...), and returns the paths written.
+/// (`root/usr/share/man/man1/gpuctl.1`, ...), and the Slurm hooks' links to gpuctl
+/// (`root/usr/lib/gpud/gpud-slurm-prolog` → `../../bin/gpuctl`), and returns the paths
+/// written.
 pub fn write_package_files(root: &Path) -> Result<Vec<PathBuf>, WriteError> {
-    manual::write_package_files(Cli::command(), SECTION, root)
+    let mut written = manual::write_package_files(Cli::command(), SECTION, root)?;
+    let dir = root.join(SLURM_HOOK_DIR);
+    let failed = |path: &Path| {
+        let path = path.to_owned();
+        move |source| WriteError { path, source }
+    };
+    std::fs::create_dir_all(&dir).map_err(failed(&dir))?;
+    for hook in ["prolog", "task-prolog", "epilog", "health"] {
+        let link = dir.join(format!("gpud-slurm-{hook}"));
+        match std::fs::remove_file(&link) {
+            Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(failed(&link)(e)),
+            _ => {}
+        }
+        std::os::unix::fs::symlink("../../bin/gpuctl", &link).map_err(failed(&link))?;
+        written.push(link);
+    }
+    Ok(written)
 }
 
 #[cfg(test)]
@@ -73,6 +94,14 @@ mod tests {
         expected.sort();
         assert_eq!(found, expected);
         assert!(expected.len() > 10, "{expected:?}");
+        // The hooks slurm.conf names: links to the gpuctl beside them, in the package.
+        let link = dir.path().join("usr/lib/gpud/gpud-slurm-task-prolog");
+        assert_eq!(
+            std::fs::read_link(&link).unwrap(),
+            Path::new("../../bin/gpuctl")
+        );
+        // Again over the same tree: the links are made anew.
+        write_package_files(dir.path()).unwrap();
 
         for name in subcommands() {
             let page = std::fs::read_to_string(man1.join(format!("gpuctl-{name}.1"))).unwrap();

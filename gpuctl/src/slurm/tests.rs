@@ -252,9 +252,35 @@ fn the_health_check_reads_its_slurmds_slurm_conf() {
         Some("/y/slurm.conf".to_owned())
     );
     assert_eq!(
-        slurmd_conf(b"/usr/sbin/slurmd\0-D\0", b"A=1\0SLURM_CONF=/z/slurm.conf\0"),
+        slurmd_conf(
+            b"/usr/sbin/slurmd\0-D\0",
+            b"A=1\0SLURM_CONF=/z/slurm.conf\0"
+        ),
         Some("/z/slurm.conf".to_owned())
     );
     assert_eq!(slurmd_conf(b"/usr/sbin/slurmd\0", b"A=1\0"), None);
     assert_eq!(slurmd_conf(b"bash\0-f\0/x\0", b"SLURM_CONF=/z\0"), None);
+}
+
+#[test]
+fn the_shipped_examples_are_the_defaults_and_name_the_packaged_hooks() {
+    let docs = Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/slurm");
+    assert_eq!(
+        SlurmConfig::load(&docs.join("gpud-slurm.toml")).unwrap(),
+        SlurmConfig::default()
+    );
+    let conf = std::fs::read_to_string(docs.join("slurm.conf")).unwrap();
+    for (key, hook) in [
+        ("Prolog", "prolog"),
+        ("TaskProlog", "task-prolog"),
+        ("Epilog", "epilog"),
+        ("HealthCheckProgram", "health"),
+    ] {
+        let line = format!("{key}=/{}/gpud-slurm-{hook}", crate::manual::SLURM_HOOK_DIR);
+        assert!(conf.lines().any(|l| l == line), "{line} in\n{conf}");
+        assert_eq!(
+            hook_named(OsStr::new(&format!("gpud-slurm-{hook}"))),
+            Some(hook)
+        );
+    }
 }
