@@ -452,10 +452,8 @@ pub fn slurmd_conf(cmdline: &[u8], environ: &[u8]) -> Option<String> {
         .split(|b| *b == 0)
         .map(|w| String::from_utf8_lossy(w).into_owned())
         .collect();
-    if !words
-        .first()
-        .is_some_and(|w| Path::new(w).file_name() == Some(OsStr::new("slurmd")))
-    {
+    let program = words.first().map(|w| Path::new(w).file_name());
+    if program != Some(Some(OsStr::new("slurmd"))) {
         return None;
     }
     let mut rest = words.iter().skip(1);

@@ -28,8 +28,9 @@
 #       to stderr and returns 1.
 #   slurm_reconfigure EXTRA_CONF
 #       replaces the SLURM_TEST_EXTRA_CONF lines in slurm.conf with EXTRA_CONF and applies
-#       them with `scontrol reconfigure` (hooks, health check, PrologFlags, timeouts).
-#       A changed node line (GRES, CPUs) needs slurm_restart instead.
+#       them with `scontrol reconfigure` (hooks, health check, timeouts), then waits until
+#       slurmd has read them (it logs so: keep SlurmdDebug at info or above). A changed node
+#       line (GRES, CPUs) needs slurm_restart instead.
 #   slurm_restart
 #       stops slurmctld and slurmd, rewrites slurm.conf and gres.conf from the SLURM_TEST_*
 #       variables and starts them again (munged and the state directory are kept).
@@ -37,8 +38,13 @@
 #       cancels every job, stops the daemons and kills whatever this cluster started (found by
 #       a marker in the daemons' environment, with their descendants), then waits until none
 #       is left. Safe to call twice, or when nothing was started: `trap slurm_stop EXIT`.
+#   slurm_attach DIR
+#       in another shell (a test program's helper): loads what slurm_start recorded in
+#       DIR/cluster.env and sets SLURM_TEST_DIR and SLURM_CONF, so that every function above
+#       acts on that cluster. slurm_stop needs only SLURM_TEST_DIR.
 #   slurm_as USER COMMAND [ARG...]
-#       runs COMMAND as USER (runuser), keeping SLURM_CONF.
+#       runs COMMAND as USER (runuser), keeping SLURM_CONF, in DIR/jobs (1777): a job's working
+#       directory and default output (slurm-%j.out) must be reachable by its user.
 #   slurm_logs
 #       prints the daemons' logs to stderr.
 #   slurm_wait_job JOBID STATE [SECONDS]
@@ -111,15 +117,15 @@ slurm_users() {
 slurm_as() {
     local user=$1
     shift
-    runuser -u "$user" -- env SLURM_CONF="$SLURM_CONF" "$@"
+    (cd "$SLURM_TEST_DIR/jobs" && runuser -u "$user" -- env SLURM_CONF="$SLURM_CONF" "$@")
 }
 
 # Two TCP ports nothing listens on (from /proc/net/tcp{,6}): SLURM_TEST_CTLD_PORT, SLURM_TEST_SLURMD_PORT.
 _slurm_pick_ports() {
     local used="" hex port picked=()
-    for hex in $(awk 'NR > 1 { split($2, a, ":"); print a[2] }' /proc/net/tcp /proc/net/tcp6 2>/dev/null); do
-        used+=" $((16#$hex)) "
-    done
+    while read -r hex; do
+        [[ $hex =~ ^[0-9A-Fa-f]+$ ]] && used+=" $((16#$hex)) "
+    done < <(awk 'FNR > 1 { split($2, a, ":"); print a[2] }' /proc/net/tcp /proc/net/tcp6 2>/dev/null)
     while [ ${#picked[@]} -lt 2 ]; do
         port=$((20000 + RANDOM % 30000))
         case "$used ${picked[*]} " in *" $port "*) continue ;; esac
@@ -174,8 +180,8 @@ KillWait=2
 InactiveLimit=0
 SlurmdTimeout=300
 MessageTimeout=10
-GresTypes=$gres_types
-NodeName=$host NodeAddr=127.0.0.1 NodeHostname=$host CPUs=$SLURM_TEST_CPUS ${SLURM_TEST_GRES:+Gres=$SLURM_TEST_GRES }State=UNKNOWN
+${gres_types:+GresTypes=$gres_types
+}NodeName=$host NodeAddr=127.0.0.1 NodeHostname=$host CPUs=$SLURM_TEST_CPUS ${SLURM_TEST_GRES:+Gres=$SLURM_TEST_GRES }State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 # extra
 $SLURM_TEST_EXTRA_CONF
@@ -212,19 +218,24 @@ slurm_start() {
     fi
     export SLURM_TEST_DIR=$dir
     export SLURM_CONF=$dir/slurm.conf
-    SLURM_TEST_HOST=$(hostname -s)
+    SLURM_TEST_HOST=$(uname -n)
+    SLURM_TEST_HOST=${SLURM_TEST_HOST%%.*}
     _slurm_pick_ports
-    chmod 0755 "$dir"
     mkdir -p "$dir"/{munge,state,spool,log,run,jobs}
+    # Explicit modes, whatever the umask: the test users read slurm.conf and reach munge's
+    # socket; any job writes in jobs/.
+    chmod 0755 "$dir" "$dir/munge" "$dir/log" "$dir/run"
     chmod 0700 "$dir/state" "$dir/spool"
     chmod 1777 "$dir/jobs"
     _slurm_write_conf
+    _slurm_save_env
 
-    # munged: its own key, socket, pid, log and seed under DIR/munge (0755: the test users
-    # reach the socket; munged refuses a directory others may write to).
+    # munged: its own key, socket, pid, log and seed under DIR/munge. --force: where a parent
+    # of DIR is group- or world-writable without the sticky bit munged would refuse to start
+    # ("Error: PRNG seed dir is insecure: ..."); with it, it only warns.
     dd if=/dev/urandom of="$dir/munge/munge.key" bs=1024 count=1 status=none
     chmod 0400 "$dir/munge/munge.key"
-    _slurm_spawn munged munged -F --socket="$dir/munge/munge.socket" \
+    _slurm_spawn munged munged -F --force --socket="$dir/munge/munge.socket" \
         --key-file="$dir/munge/munge.key" --pid-file="$dir/munge/munged.pid" \
         --log-file="$dir/munge/munged.log" --seed-file="$dir/munge/munged.seed"
     local i
@@ -238,12 +249,31 @@ slurm_start() {
         return 1
     fi
     _slurm_start_daemons
-    slurm_wait_idle
+    slurm_wait_idle "$SLURM_TEST_TIMEOUT"
+}
+
+# What slurm_attach needs to act on the cluster from another shell.
+_slurm_save_env() {
+    local v
+    for v in SLURM_TEST_HOST SLURM_TEST_CTLD_PORT SLURM_TEST_SLURMD_PORT SLURM_TEST_GRES \
+        SLURM_TEST_GRES_CONF SLURM_TEST_EXTRA_CONF SLURM_TEST_CPUS SLURM_TEST_SCHED_PARAMS; do
+        declare -p "$v"
+    done | sed 's/^declare -[-a-zA-Z]* /declare -g /' >"$SLURM_TEST_DIR/cluster.env"
+}
+
+slurm_attach() {
+    local dir=${1:?slurm_attach DIR}
+    dir=$(cd "$dir" && pwd)
+    [ -f "$dir/cluster.env" ] || { _slurm_say "$dir holds no cluster"; return 1; }
+    # shellcheck source=/dev/null
+    source "$dir/cluster.env"
+    export SLURM_TEST_DIR=$dir
+    export SLURM_CONF=$dir/slurm.conf
 }
 
 slurm_logs() {
     local f
-    for f in "$SLURM_TEST_DIR"/log/* "$SLURM_TEST_DIR"/munge/munged.log; do
+    for f in "$SLURM_TEST_DIR"/log/*; do
         [ -f "$f" ] || continue
         printf '==== %s (last 60 lines)\n' "$f" >&2
         tail -n 60 "$f" >&2
@@ -253,12 +283,20 @@ slurm_logs() {
 slurm_wait_idle() {
     local timeout=${1:-$SLURM_TEST_TIMEOUT} deadline state=""
     deadline=$((SECONDS + timeout))
+    local why="" name
     while ((SECONDS < deadline)); do
         state=$(sinfo -h -N -o '%T' 2>/dev/null | head -n1) || true
         [ "$state" = idle ] && return 0
+        for name in munged slurmctld slurmd; do
+            if [ -f "$SLURM_TEST_DIR/run/$name.spawned" ] && ! _slurm_running "$name"; then
+                why="$name exited"
+            fi
+        done
+        [ -n "$why" ] && break
         sleep 0.2
     done
-    _slurm_say "the node is not idle after ${timeout}s (state: '${state:-no answer}')"
+    [ -n "$why" ] || why="not idle after ${timeout}s"
+    _slurm_say "the node is not idle: $why (state: '${state:-no answer}')"
     sinfo -N -l >&2 || true
     scontrol show node >&2 || true
     slurm_logs
@@ -278,26 +316,48 @@ slurm_wait_job() {
     return 1
 }
 
+# slurmd reads its configuration again (at start and on reconfigure) when it logs this line.
+_slurm_slurmd_loads() {
+    grep -c 'CPU frequency setting not configured for this node' "$SLURM_TEST_DIR/log/slurmd.log" 2>/dev/null ||
+        true
+}
+
 slurm_reconfigure() {
     SLURM_TEST_EXTRA_CONF=$1
+    _slurm_save_env
+    local before i
+    before=$(_slurm_slurmd_loads)
     _slurm_write_conf
-    scontrol reconfigure
+    scontrol reconfigure || return 1
+    # scontrol returns once slurmctld has the new configuration; slurmd gets it a moment
+    # later: a step launched in between would still see the old hooks.
+    for ((i = 0; i < 100; i++)); do
+        [ "$(_slurm_slurmd_loads)" -gt "$before" ] && return 0
+        sleep 0.05
+    done
+    _slurm_say "slurmd did not read the new configuration in 5s"
+    slurm_logs
+    return 1
+}
+
+# Whether the daemon slurm_start recorded as NAME runs (a zombie, or a pid reused by another
+# process since, does not: the marker is checked).
+_slurm_running() {
+    local pidfile=$SLURM_TEST_DIR/run/$1.spawned pid
+    [ -f "$pidfile" ] || return 1
+    pid=$(cat "$pidfile")
+    grep -qzxF "GPUD_SLURM_TEST_CLUSTER=$SLURM_TEST_DIR" "/proc/$pid/environ" 2>/dev/null
 }
 
 _slurm_kill_spawned() {
-    local name pidfile pid
+    local name pidfile i alive
     for name in "$@"; do
-        pidfile=$SLURM_TEST_DIR/run/$name.spawned
-        [ -f "$pidfile" ] || continue
-        pid=$(cat "$pidfile")
-        kill -TERM "$pid" 2>/dev/null || true
+        _slurm_running "$name" && kill -TERM "$(cat "$SLURM_TEST_DIR/run/$name.spawned")" 2>/dev/null
     done
-    local i alive
     for ((i = 0; i < 100; i++)); do
         alive=0
         for name in "$@"; do
-            pidfile=$SLURM_TEST_DIR/run/$name.spawned
-            [ -f "$pidfile" ] && kill -0 "$(cat "$pidfile")" 2>/dev/null && alive=1
+            _slurm_running "$name" && alive=1
         done
         [ "$alive" = 0 ] && break
         sleep 0.1
@@ -305,43 +365,47 @@ _slurm_kill_spawned() {
     for name in "$@"; do
         pidfile=$SLURM_TEST_DIR/run/$name.spawned
         [ -f "$pidfile" ] || continue
-        kill -KILL "$(cat "$pidfile")" 2>/dev/null || true
+        _slurm_running "$name" && kill -KILL "$(cat "$pidfile")" 2>/dev/null
+        # Reaped here when this shell started it.
         wait "$(cat "$pidfile")" 2>/dev/null || true
         rm -f "$pidfile"
     done
+    return 0
 }
 
 slurm_restart() {
     _slurm_kill_spawned slurmd slurmctld
     _slurm_write_conf
+    _slurm_save_env
     _slurm_start_daemons
-    slurm_wait_idle
+    slurm_wait_idle "$SLURM_TEST_TIMEOUT"
 }
 
 # Pids of this cluster's processes: those whose environment holds the daemons' marker or
 # SLURM_CONF=DIR/slurm.conf (slurmstepd, jobs' tasks, srun and other clients; slurmd and
 # slurmstepd set it), with all their descendants; never this shell or its ancestors.
 _slurm_cluster_pids() (
-    # The helpers below must not carry the markers themselves.
-    unset SLURM_CONF GPUD_SLURM_TEST_CLUSTER
-    local marker="GPUD_SLURM_TEST_CLUSTER=$SLURM_TEST_DIR" conf="SLURM_CONF=$SLURM_TEST_DIR/slurm.conf"
-    local table
-    table=$(for p in /proc/[0-9]*/stat; do
-        sed -E 's/^([0-9]+) \(.*\) [A-Za-z] ([0-9]+) .*/\1 \2/' "$p" 2>/dev/null
-    done)
-    local p roots=()
-    for p in /proc/[0-9]*; do
-        p=${p#/proc/}
-        if grep -qzxF -e "$marker" -e "$conf" "/proc/$p/environ" 2>/dev/null; then
-            roots+=("$p")
-        fi
+    # The helpers below must not carry the markers themselves (unset once per scope: a
+    # caller's local hides the global).
+    while [ -n "${SLURM_CONF+x}${GPUD_SLURM_TEST_CLUSTER+x}" ]; do
+        unset SLURM_CONF GPUD_SLURM_TEST_CLUSTER
     done
+    local marker="GPUD_SLURM_TEST_CLUSTER=$SLURM_TEST_DIR" conf="SLURM_CONF=$SLURM_TEST_DIR/slurm.conf"
+    local table roots=()
+    # "pid (comm) state ppid ...": comm may hold spaces and parentheses.
+    table=$({ cat /proc/[0-9]*/stat 2>/dev/null || true; } | sed -E 's/^([0-9]+) \(.*\) [A-Za-z] ([0-9]+) .*/\1 \2/')
+    mapfile -t roots < <(grep -lzxF -e "$marker" -e "$conf" /proc/[0-9]*/environ 2>/dev/null |
+        sed -E 's|^/proc/([0-9]+)/environ$|\1|')
     [ ${#roots[@]} = 0 ] && return 0
     awk -v roots="${roots[*]}" -v self="$BASHPID" '
         { parent[$1] = $2 }
         END {
-            # Never this shell, nor any of its ancestors.
+            # Never this shell, its ancestors, or its own helpers (its descendants).
             for (p = self; p != "" && p != 0 && !(p in spare); p = parent[p]) spare[p] = 1
+            for (p in parent) {
+                for (q = p; q != "" && q != 0 && q != self && (q in parent); q = parent[q]) ;
+                if (q == self) spare[p] = 1
+            }
             n = split(roots, r, " ")
             for (i = 1; i <= n; i++) keep[r[i]] = 1
             changed = 1
@@ -355,11 +419,10 @@ _slurm_cluster_pids() (
 
 slurm_stop() {
     [ -n "${SLURM_TEST_DIR:-}" ] && [ -d "$SLURM_TEST_DIR/run" ] || return 0
-    local SLURM_CONF=$SLURM_TEST_DIR/slurm.conf
+    export SLURM_CONF=$SLURM_TEST_DIR/slurm.conf
     # Jobs first, so that their Epilogs run and slurmd cleans up after them.
     local jobs i
-    if [ -f "$SLURM_TEST_DIR/run/slurmctld.spawned" ]; then
-        export SLURM_CONF
+    if _slurm_running slurmctld; then
         jobs=$(squeue -h -o %A 2>/dev/null | paste -sd' ' -) || true
         if [ -n "$jobs" ]; then
             # shellcheck disable=SC2086

@@ -9,19 +9,21 @@
 #   start       the packages (installed when missing), the test users, the cluster
 #   batch       sbatch --wrap runs; its task sees FOO=bar from the TaskProlog; the Prolog saw
 #               the job's uid and comment; scontrol show job -d has JOB_GRES=gpumem:<bytes>
+#   scancel     cancelling that running job runs the Epilog
 #   srun        srun runs and sees FOO=bar
 #   gpu         --gres=gpu:1 on fake device nodes: SLURM_JOB_GPUS and CUDA_VISIBLE_DEVICES in
 #               the Prolog's environment
-#   user        a job submitted as gpud-alice runs as her; the Prolog saw her uid
-#   scancel     cancelling a running job runs the Epilog
+#   user        a job submitted as gpud-alice runs as her; the Prolog saw her uid; srun as
+#               gpud-bob runs as him
 #   requeue     a Prolog that requeues its batch job the first time: the job runs later,
 #               once, with Restarts=1
 #   reconfigure a changed TaskProlog applied with scontrol reconfigure
 #   health      the HealthCheckProgram ran
 #   stop        no process of the cluster is left
+# shellcheck disable=SC2016 # $VARS in single quotes are for the jobs' shells
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
-# shellcheck source=tests/slurm/cluster.sh
+# shellcheck source-path=SCRIPTDIR source=cluster.sh
 source "$here/cluster.sh"
 
 fail() {
@@ -140,13 +142,13 @@ expect "$hooks/out/prolog.$job.0" '^CUDA_VISIBLE_DEVICES=0$'
 
 step user
 alice_uid=$(id -u gpud-alice)
-job=$(cd / && slurm_as gpud-alice sbatch --parsable -o "$out/%j.out" --wrap 'id -un; echo "FOO=$FOO"')
+job=$(slurm_as gpud-alice sbatch --parsable -o "$out/%j.out" --wrap 'id -un; echo "FOO=$FOO"')
 slurm_wait_job "$job" COMPLETED || fail "job $job of gpud-alice did not complete"
 expect "$out/$job.out" '^gpud-alice$'
 expect "$out/$job.out" '^FOO=bar$'
 expect "$hooks/out/prolog.$job.0" "^SLURM_JOB_UID=$alice_uid\$"
 expect "$hooks/out/prolog.$job.0" '^SLURM_JOB_USER=gpud-alice$'
-got=$(cd / && slurm_as gpud-bob srun id -un) || fail "srun as gpud-bob failed"
+got=$(slurm_as gpud-bob srun id -un) || fail "srun as gpud-bob failed"
 [ "$got" = gpud-bob ] || fail "srun as gpud-bob ran as '$got'"
 
 step requeue
@@ -165,8 +167,9 @@ got=$(srun sh -c 'echo "FOO=$FOO"') || fail "srun failed"
 [ "$got" = FOO=baz ] || fail "after reconfigure srun printed '$got', not FOO=baz"
 
 step health
-ls "$hooks"/out/health.* >/dev/null 2>&1 || fail "the HealthCheckProgram never ran"
-expect "$(ls "$hooks"/out/health.* | head -n1)" '^SLURMD_NODENAME='
+runs=("$hooks"/out/health.*)
+[ -f "${runs[0]}" ] || fail "the HealthCheckProgram never ran"
+expect "${runs[0]}" '^SLURMD_NODENAME='
 
 step stop
 daemons=$(cat "$dir"/run/*.spawned)
