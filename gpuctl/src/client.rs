@@ -90,13 +90,23 @@ impl Client {
         self.call::<(), _>(Method::GET, &path, None).await
     }
 
-    /// `GET /v1/reservations?label=KEY=VALUE`: the active ones with that label.
-    pub async fn list_labelled(&self, key: &str, value: &str) -> Result<ReservationList, CliError> {
-        let path = format!(
-            "/v1/reservations?label={}",
-            query_escaped(&format!("{key}={value}"))
-        );
+    /// `GET /v1/reservations?label=KEY=VALUE&…`: the active ones with every label.
+    pub async fn list_labelled(
+        &self,
+        labels: &[(String, String)],
+    ) -> Result<ReservationList, CliError> {
+        let path = format!("/v1/reservations?{}", selector(labels));
         self.call::<(), _>(Method::GET, &path, None).await
+    }
+
+    /// `DELETE /v1/reservations?label=KEY=VALUE&…`: releases the active ones with every
+    /// label that the caller may release, and lists them.
+    pub async fn release_labelled(
+        &self,
+        labels: &[(String, String)],
+    ) -> Result<ReservationList, CliError> {
+        let path = format!("/v1/reservations?{}", selector(labels));
+        self.call::<(), _>(Method::DELETE, &path, None).await
     }
 
     /// `GET /v1/events?…` with the query already built (`since=…&kind=…`).
@@ -212,6 +222,15 @@ fn decode<T: DeserializeOwned>(status: StatusCode, body: &[u8]) -> Result<T, Dec
             snippet(body)
         ))),
     }
+}
+
+/// `label=K%3DV&label=…`.
+fn selector(labels: &[(String, String)]) -> String {
+    labels
+        .iter()
+        .map(|(k, v)| format!("label={}", query_escaped(&format!("{k}={v}"))))
+        .collect::<Vec<_>>()
+        .join("&")
 }
 
 /// `text` percent-encoded for a query value: everything but unreserved characters.

@@ -142,6 +142,8 @@ pub struct JobEnv {
     pub comment: String,
     /// `SLURM_JOB_GPUS`: GPUs Slurm's own `gpu` GRES chose, by index.
     pub slurm_gpus: Vec<String>,
+    /// `SLURM_JOB_RESTART_COUNT`: how often the job was requeued (each start reserves anew).
+    pub restarts: u32,
 }
 
 impl JobEnv {
@@ -170,19 +172,43 @@ impl JobEnv {
                         .collect()
                 })
                 .unwrap_or_default(),
+            restarts: env("SLURM_JOB_RESTART_COUNT")
+                .or_else(|| env("SLURM_RESTART_COUNT"))
+                .and_then(|r| r.parse().ok())
+                .unwrap_or(0),
         })
     }
 
-    /// The reservation's id.
+    /// The id of this start's reservation.
     pub fn reservation_id(&self) -> String {
-        reservation_id(self.cluster.as_deref(), self.id)
+        reservation_id(self.cluster.as_deref(), self.id, self.restarts)
+    }
+
+    /// The labels every reservation of the job carries (and the hooks find it by).
+    pub fn labels(&self) -> BTreeMap<String, String> {
+        let mut labels = BTreeMap::from([(JOB_LABEL.to_owned(), self.id.to_string())]);
+        if let Some(c) = &self.cluster {
+            labels.insert(CLUSTER_LABEL.to_owned(), c.clone());
+        }
+        labels
+    }
+
+    /// The label selector of the job's reservations (`label=…&label=…`).
+    fn selector(&self) -> Vec<(String, String)> {
+        self.labels().into_iter().collect()
     }
 }
 
-/// `slurm-<cluster>-<job>` (`slurm-<job>` without a cluster name), in the characters gpud
-/// takes for an id.
-pub fn reservation_id(cluster: Option<&str>, job: u64) -> String {
-    match cluster {
+/// `slurm-<cluster>-<job>` (`slurm-<job>` without a cluster name), and `.<restarts>` after
+/// it for a requeued job's later starts (a reservation's id is never used twice), in the
+/// characters gpud takes for an id.
+pub fn reservation_id(cluster: Option<&str>, job: u64, restarts: u32) -> String {
+    let start = if restarts == 0 {
+        String::new()
+    } else {
+        format!(".{restarts}")
+    };
+    let base = match cluster {
         Some(c) => {
             let c: String = c
                 .chars()
@@ -197,7 +223,8 @@ pub fn reservation_id(cluster: Option<&str>, job: u64) -> String {
             format!("slurm-{c}-{job}")
         }
         None => format!("slurm-{job}"),
-    }
+    };
+    base + &start
 }
 
 /// What `scontrol show job -d` says that the environment does not.
@@ -361,10 +388,7 @@ pub fn request(
     config: &SlurmConfig,
 ) -> Option<ReservationRequest> {
     let lease = info.time_limit.unwrap_or(config.unlimited_lease) + config.grace;
-    let mut labels = BTreeMap::from([(JOB_LABEL.to_owned(), env.id.to_string())]);
-    if let Some(c) = &env.cluster {
-        labels.insert(CLUSTER_LABEL.to_owned(), c.clone());
-    }
+    let labels = env.labels();
     let mut request = ReservationRequest {
         id: Some(env.reservation_id()),
         owner_uid: env.uid,
@@ -561,12 +585,18 @@ fn task_prolog(
     rt: &Runtime,
 ) -> Result<ExitCode, CliError> {
     let job = JobEnv::from_env(env)?;
-    let id = job.reservation_id();
     let client = Client::new(&config.socket);
-    let found = rt.block_on(client.get(&id));
-    if let Ok(r) = &found
-        && r.state == ReservationState::Active
-    {
+    // The job's reservation, by its labels: the task does not know how often the job was
+    // requeued. Only one of the user's own counts (nobody else can make one for them).
+    let me = nix::unistd::getuid().as_raw();
+    let found = rt
+        .block_on(client.list_labelled(&job.selector()))
+        .map(|list| {
+            list.reservations
+                .into_iter()
+                .find(|r| r.owner_uid == me && r.state == ReservationState::Active)
+        });
+    if let Ok(Some(r)) = &found {
         crate::print(&task_exports(r, &config.socket))?;
         return Ok(ExitCode::SUCCESS);
     }
@@ -579,12 +609,7 @@ fn task_prolog(
         return Ok(ExitCode::SUCCESS);
     }
     let why = match found {
-        Ok(r) => format!(
-            "its reservation {id} is {}{}",
-            r.state.as_str(),
-            r.end_reason.map(|e| format!(" ({e})")).unwrap_or_default()
-        ),
-        Err(e) if e.code() == Some(codes::NOT_FOUND) => format!("gpud has no reservation {id}"),
+        Ok(_) => "gpud holds no reservation for it".to_owned(),
         Err(e) => e.to_string(),
     };
     let admin = admin_comment(&text)
@@ -631,12 +656,14 @@ fn epilog(config: &SlurmConfig, env: &dyn Fn(&str) -> Option<String>, rt: &Runti
             return ExitCode::SUCCESS;
         }
     };
-    let id = job.reservation_id();
-    match rt.block_on(Client::new(&config.socket).release(&id)) {
-        Ok(_) => eprintln!("gpud: job {}: released {id}", job.id),
-        Err(e) if matches!(e.code(), Some(codes::NOT_FOUND | codes::NOT_ACTIVE)) => {}
+    match rt.block_on(Client::new(&config.socket).release_labelled(&job.selector())) {
+        Ok(list) => {
+            for r in list.reservations {
+                eprintln!("gpud: job {}: released {}", job.id, r.id);
+            }
+        }
         Err(e) => eprintln!(
-            "gpud: job {}: could not release {id}: {e}; `gpuctl slurm health` will",
+            "gpud: job {}: could not release its reservation: {e}; `gpuctl slurm health` will",
             job.id
         ),
     }
@@ -683,7 +710,7 @@ fn reconcile(
     let running: BTreeSet<&str> = squeue.split_whitespace().collect();
     let cluster = env("SLURM_CLUSTER_NAME");
     let list = match &cluster {
-        Some(c) => rt.block_on(client.list_labelled(CLUSTER_LABEL, c))?,
+        Some(c) => rt.block_on(client.list_labelled(&[(CLUSTER_LABEL.to_owned(), c.clone())]))?,
         None => rt.block_on(client.list("active", None))?,
     };
     for r in list.reservations {

@@ -423,7 +423,7 @@ impl Api {
     async fn list(&self, query: &str) -> Result<Reply, ApiError> {
         let mut state = Some(ReservationState::Active);
         let mut owner = None;
-        let mut label = None;
+        let mut labels = BTreeMap::new();
         let mut page = Page::default();
         for pair in query.split('&').filter(|p| !p.is_empty()) {
             let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
@@ -451,7 +451,10 @@ impl Api {
                         })?;
                 }
                 "after" => page.after = Some(parse_cursor(value)?),
-                "label" => label = Some(label_param(value)?),
+                "label" => {
+                    let (k, v) = label_param(value)?;
+                    labels.insert(k, v);
+                }
                 _ => {
                     return Err(ApiError::invalid(format!(
                         "unknown query parameter {key:?}; use state, owner, label, limit or after"
@@ -460,7 +463,7 @@ impl Api {
             }
         }
         let forward = page.after.is_some();
-        let (rows, more) = self.broker.list(state, owner, label, page).await?;
+        let (rows, more) = self.broker.list(state, owner, labels, page).await?;
         let next = rows
             .last()
             .filter(|_| more && forward)
@@ -479,10 +482,13 @@ impl Api {
     /// that carry every label given and that the caller may release (its own; any for root
     /// and the admin groups). None matching is no error: a cleanup may run twice.
     async fn release_labelled(&self, caller: Caller, query: &str) -> Result<Reply, ApiError> {
-        let mut labels = Vec::new();
+        let mut labels = BTreeMap::new();
         for pair in query.split('&').filter(|p| !p.is_empty()) {
             match pair.split_once('=') {
-                Some(("label", value)) => labels.push(label_param(value)?),
+                Some(("label", value)) => {
+                    let (k, v) = label_param(value)?;
+                    labels.insert(k, v);
+                }
                 _ => {
                     return Err(ApiError::invalid(format!(
                         "DELETE /v1/reservations takes only label=KEY=VALUE selectors; got {pair:?}"

@@ -463,7 +463,9 @@ impl Store {
         state: Option<ReservationState>,
         owner: Option<u32>,
     ) -> Result<Vec<Reservation>, StoreError> {
-        Ok(self.list_page(state, owner, None, &Page::default())?.0)
+        Ok(self
+            .list_page(state, owner, &BTreeMap::new(), &Page::default())?
+            .0)
     }
 
     /// Reservations in `state` (all states when `None`), optionally of one owner, the part
@@ -472,7 +474,7 @@ impl Store {
         &self,
         state: Option<ReservationState>,
         owner: Option<u32>,
-        label: Option<&(String, String)>,
+        labels: &BTreeMap<String, String>,
         page: &Page,
     ) -> Result<(Vec<Reservation>, bool), StoreError> {
         // The state is spelled out for active ones so that SQLite reads them through their
@@ -482,11 +484,12 @@ impl Store {
             _ => "WHERE (?1 IS NULL OR r.state = ?1)",
         };
         let state = state.map(ReservationState::as_str);
-        let (key, value) = label.map_or((None, None), |(k, v)| (Some(k), Some(v)));
-        // A label is looked up in the row's JSON map: no index, a scan of what the other
-        // conditions leave.
-        let labelled = "(?6 IS NULL OR EXISTS (SELECT 1 FROM json_each(r.labels) AS l \
-                        WHERE l.key = ?6 AND l.value = ?7))";
+        let wanted = serde_json::to_string(labels).unwrap_or_else(|_| "{}".to_owned());
+        // Every label wanted is looked up in the row's JSON map: no index, a scan of what
+        // the other conditions leave.
+        let labelled = "NOT EXISTS (SELECT 1 FROM json_each(?6) AS w WHERE NOT EXISTS \
+                        (SELECT 1 FROM json_each(r.labels) AS l \
+                         WHERE l.key = w.key AND l.value = w.value))";
         let one_more = page.limit.saturating_add(1);
         let mut rows = match &page.after {
             None => {
@@ -495,7 +498,7 @@ impl Store {
                         "{clause} AND (?2 IS NULL OR r.owner_uid = ?2) AND (?4 IS NULL OR ?5 IS NULL)
                          AND {labelled} ORDER BY r.seq DESC LIMIT ?3"
                     ),
-                    params![state, owner, one_more, None::<i64>, None::<i64>, key, value],
+                    params![state, owner, one_more, None::<i64>, None::<i64>, wanted],
                 )?;
                 rows.reverse();
                 rows
@@ -506,15 +509,7 @@ impl Store {
                      AND (r.created_at > ?4 OR (r.created_at = ?4 AND r.id > ?5))
                      AND {labelled} ORDER BY r.created_at, r.id LIMIT ?3"
                 ),
-                params![
-                    state,
-                    owner,
-                    one_more,
-                    to_sql_int(*created_at),
-                    id,
-                    key,
-                    value
-                ],
+                params![state, owner, one_more, to_sql_int(*created_at), id, wanted],
             )?,
         };
         let more = rows.len() > page.limit as usize;
@@ -1493,20 +1488,33 @@ mod tests {
     #[test]
     fn listings_select_by_label_in_the_history_too() {
         let mut store = Store::open_in_memory().unwrap();
-        for (i, job) in ["asr", "tts", "asr"].iter().enumerate() {
+        for (i, (job, step)) in [("asr", "0"), ("tts", "0"), ("asr", "1")]
+            .iter()
+            .enumerate()
+        {
             let mut r = sample(&format!("r{i}"), 10 * i as u64);
-            r.labels = BTreeMap::from([("job".to_owned(), (*job).to_owned())]);
+            r.labels = BTreeMap::from([
+                ("job".to_owned(), (*job).to_owned()),
+                ("step".to_owned(), (*step).to_owned()),
+            ]);
             store.insert(&r).unwrap();
         }
-        let with = |k: &str, v: &str, after: Option<(u64, String)>| {
+        let with = |labels: &[(&str, &str)], after: Option<(u64, String)>| {
             let page = Page { after, limit: 10 };
-            let label = (k.to_owned(), v.to_owned());
-            ids(store.list_page(None, None, Some(&label), &page).unwrap().0)
+            let labels = labels
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect();
+            ids(store.list_page(None, None, &labels, &page).unwrap().0)
         };
-        assert_eq!(with("job", "asr", None), ["r0", "r2"]);
-        assert_eq!(with("job", "asr", Some((0, "r0".to_owned()))), ["r2"]);
-        assert_eq!(with("job", "tts", None), ["r1"]);
-        assert!(with("team", "asr", None).is_empty());
+        assert_eq!(with(&[("job", "asr")], None), ["r0", "r2"]);
+        assert_eq!(with(&[("job", "asr")], Some((0, "r0".to_owned()))), ["r2"]);
+        assert_eq!(with(&[("job", "tts")], None), ["r1"]);
+        assert!(with(&[("team", "asr")], None).is_empty());
+        // Every label given must match.
+        assert_eq!(with(&[("job", "asr"), ("step", "1")], None), ["r2"]);
+        assert!(with(&[("job", "tts"), ("step", "1")], None).is_empty());
+        assert_eq!(with(&[], None), ["r0", "r1", "r2"]);
     }
 
     #[test]
@@ -1520,7 +1528,9 @@ mod tests {
                 after: after.map(|(at, id)| (at, id.to_owned())),
                 limit,
             };
-            let (rows, more) = store.list_page(None, None, None, &page).unwrap();
+            let (rows, more) = store
+                .list_page(None, None, &BTreeMap::new(), &page)
+                .unwrap();
             (ids(rows), more)
         };
         assert_eq!(listed(None, 2), (vec!["r3".into(), "r4".into()], true));

@@ -66,7 +66,7 @@ pub fn document() -> Value {
                         {"name": "owner", "in": "query", "required": false,
                          "description": "Owner uid", "schema": {"type": "integer", "format": "uint32", "minimum": 0}},
                         {"name": "label", "in": "query", "required": false,
-                         "description": "Only reservations with this label: KEY=VALUE (the = may be written %3D)",
+                         "description": "Only reservations with this label: KEY=VALUE (the = may be written %3D); repeat it to require several",
                          "schema": {"type": "string"}},
                         {"name": "limit", "in": "query", "required": false,
                          "description": "At most this many (default 1000)",

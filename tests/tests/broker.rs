@@ -106,7 +106,15 @@ fn release_by_label_ends_every_match_and_nothing_else() {
         ids.sort();
         ids
     };
-    // Every label must match.
+    // Every label must match, in listings as in releases.
+    let listed = d.get("/v1/reservations?label=job=7&label=step=1");
+    assert_eq!(
+        listed.body["reservations"][0]["id"],
+        b.as_str(),
+        "{}",
+        listed.text
+    );
+    assert_eq!(listed.body["reservations"].as_array().unwrap().len(), 1);
     assert_eq!(released("label=job=7&label=step=1"), [b]);
     assert_eq!(released("label=job%3D7"), [a]);
     // Again: nothing left to release is no error.

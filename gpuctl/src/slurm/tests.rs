@@ -33,6 +33,7 @@ fn job(comment: &str, slurm_gpus: &[&str]) -> JobEnv {
         cluster: Some("lab".to_owned()),
         comment: comment.to_owned(),
         slurm_gpus: slurm_gpus.iter().map(|g| (*g).to_owned()).collect(),
+        restarts: 0,
     }
 }
 
@@ -99,8 +100,20 @@ fn the_job_comes_from_the_environment() {
     ]);
     assert_eq!(JobEnv::from_env(&env).unwrap(), job("gpus=2", &["0", "3"]));
     assert_eq!(job("", &[]).reservation_id(), "slurm-lab-42");
-    assert_eq!(reservation_id(Some("my lab/x"), 7), "slurm-my_lab_x-7");
-    assert_eq!(reservation_id(None, 7), "slurm-7");
+    assert_eq!(reservation_id(Some("my lab/x"), 7, 0), "slurm-my_lab_x-7");
+    assert_eq!(reservation_id(None, 7, 0), "slurm-7");
+    // A requeued job's next start reserves anew, under another id.
+    assert_eq!(reservation_id(Some("lab"), 7, 2), "slurm-lab-7.2");
+    let requeued = JobEnv::from_env(&env_of(&[
+        ("SLURM_JOB_ID", "7"),
+        ("SLURM_JOB_RESTART_COUNT", "1"),
+    ]))
+    .unwrap();
+    assert_eq!(requeued.reservation_id(), "slurm-7.1");
+    assert_eq!(
+        requeued.selector(),
+        [("slurm.job".to_owned(), "7".to_owned())]
+    );
     let e = JobEnv::from_env(&env_of(&[])).unwrap_err().to_string();
     assert!(e.contains("SLURM_JOB_ID"), "{e}");
 }

@@ -561,7 +561,7 @@ impl Broker {
         self: &Arc<Self>,
         state: Option<ReservationState>,
         owner: Option<u32>,
-        label: Option<(String, String)>,
+        labels: BTreeMap<String, String>,
         page: Page,
     ) -> Result<(Vec<Reservation>, bool), BrokerError> {
         if state == Some(ReservationState::Active) {
@@ -570,11 +570,7 @@ impl Broker {
                 .reservations
                 .iter()
                 .filter(|r| owner.is_none_or(|o| r.owner_uid == o))
-                .filter(|r| {
-                    label
-                        .as_ref()
-                        .is_none_or(|(k, v)| r.labels.get(k) == Some(v))
-                });
+                .filter(|r| labels.iter().all(|(k, v)| r.labels.get(k) == Some(v)));
             let limit = page.limit as usize;
             let rows: Vec<&Arc<Reservation>> = match &page.after {
                 // Sorted by creation, as the cursor is.
@@ -596,7 +592,7 @@ impl Broker {
             };
             return Ok((rows.iter().map(|r| Reservation::clone(r)).collect(), more));
         }
-        self.history(move |store| store.list_page(state, owner, label.as_ref(), &page))
+        self.history(move |store| store.list_page(state, owner, &labels, &page))
             .await
     }
 
