@@ -3,9 +3,10 @@
 # Source this file (as root), then:
 #
 #   slurm_install
-#       apt-get installs slurmctld, slurmd, slurm-client and munge when any is missing, without
-#       starting the distribution's own services (a temporary policy-rc.d that denies them, and
-#       the munge service stopped if it started anyway). Nothing else is touched.
+#       apt-get installs slurmctld, slurmd, slurm-client and munge when any is missing (about
+#       5 s; a failed install is retried once after apt-get update), without starting the
+#       distribution's own services: a temporary /usr/sbin/policy-rc.d denying them where none
+#       exists, and under systemd `systemctl disable --now` munge, slurmctld, slurmd after.
 #   slurm_users
 #       creates the unprivileged users gpud-alice and gpud-bob (system users, no home) when
 #       missing. Submit as one of them with `slurm_as gpud-alice sbatch ...`.
@@ -23,6 +24,11 @@
 #                                HealthCheckProgram=, PrologFlags= ...)
 #         SLURM_TEST_CPUS        the node's CPUs (default 32: over-committed, ~30 1-cpu jobs)
 #         SLURM_TEST_TIMEOUT     seconds slurm_start and slurm_wait_idle wait (default 60)
+#         SLURM_TEST_SCHED_PARAMS  SchedulerParameters (default batch_sched_delay=0,
+#                                bf_interval=1,sched_interval=5: a batch job or a requeued
+#                                one whose StartTime came starts within ~1 s)
+#       A key given again in SLURM_TEST_EXTRA_CONF wins (slurmctld logs "error: KEY 1
+#       specified more than once, latest value used"). Takes ~1.4 s.
 #   slurm_wait_idle [SECONDS]
 #       waits until the node is idle; on timeout prints sinfo, the node and the daemons' logs
 #       to stderr and returns 1.
@@ -33,11 +39,15 @@
 #       line (GRES, CPUs) needs slurm_restart instead.
 #   slurm_restart
 #       stops slurmctld and slurmd, rewrites slurm.conf and gres.conf from the SLURM_TEST_*
-#       variables and starts them again (munged and the state directory are kept).
+#       variables and starts them again (munged and the state directory are kept: jobs
+#       survive), then waits until the node answers (~1.2 s).
 #   slurm_stop
-#       cancels every job, stops the daemons and kills whatever this cluster started (found by
-#       a marker in the daemons' environment, with their descendants), then waits until none
-#       is left. Safe to call twice, or when nothing was started: `trap slurm_stop EXIT`.
+#       cancels every job (so Epilogs run), stops the daemons (TERM, then KILL after 10 s) and
+#       kills whatever is left of this cluster: processes whose environment holds the daemons'
+#       marker or SLURM_CONF=DIR/slurm.conf (slurmstepd, tasks, srun ...), and their
+#       descendants, never the calling shell or its ancestors; returns 1 if some survive 5 s.
+#       Safe to call twice, or when nothing was started: `trap slurm_stop EXIT` before
+#       slurm_start. Needs only SLURM_TEST_DIR.
 #   slurm_attach DIR
 #       in another shell (a test program's helper): loads what slurm_start recorded in
 #       DIR/cluster.env and sets SLURM_TEST_DIR and SLURM_CONF, so that every function above
@@ -50,9 +60,14 @@
 #   slurm_wait_job JOBID STATE [SECONDS]
 #       waits until the job's state (scontrol show job) is STATE, e.g. COMPLETED.
 #
-# Files under DIR: slurm.conf, gres.conf, plugstack.conf, munge/ (key, socket, log),
-# state/ (slurmctld), spool/ (slurmd), log/ (slurmctld.log, slurmd.log, *.out), run/ (pids),
-# jobs/ (1777: a place where any user's job may write).
+# Files under DIR: slurm.conf, gres.conf, plugstack.conf (empty), cluster.env (for
+# slurm_attach), munge/ (key, socket, seed), state/ (slurmctld), spool/ (slurmd), log/
+# (slurmctld.log, slurmd.log, and each daemon's stderr: munged.out, slurmctld.out, slurmd.out),
+# run/ (pids), jobs/ (1777: a place where any user's job may write).
+#
+# Daemons run in the foreground (-D, munged -F), detached from the calling shell (a bare `wait`
+# does not wait for them), with cwd DIR. Hooks run by slurmd (Prolog, Epilog, health check)
+# get no PATH; Prolog and Epilog get SLURM_CONF=DIR/slurm.conf, the health check does not.
 #
 # Slurm reaches munged through AuthInfo=socket=DIR/munge/munge.socket; nothing in /etc is used
 # or changed except by slurm_install (the packages) and slurm_users (the users).
@@ -192,14 +207,18 @@ EOF
     chmod 0644 "$dir/slurm.conf" "$dir/gres.conf" "$dir/plugstack.conf"
 }
 
-# Runs a daemon in the foreground, in the background of this shell, with the cluster's marker
-# in its environment (slurm_stop finds what is left by it).
+# Runs a daemon in the foreground (its log on DIR/log/NAME.out), detached from this shell (a
+# subshell's background child, so that a test's bare `wait` does not wait for it), with the
+# cluster's marker in its environment (slurm_stop finds what is left by it).
 _slurm_spawn() {
     local name=$1
     shift
-    (cd "$SLURM_TEST_DIR" && GPUD_SLURM_TEST_CLUSTER=$SLURM_TEST_DIR exec "$@") \
-        >"$SLURM_TEST_DIR/log/$name.out" 2>&1 &
-    echo $! >"$SLURM_TEST_DIR/run/$name.spawned"
+    (
+        cd "$SLURM_TEST_DIR" &&
+            GPUD_SLURM_TEST_CLUSTER=$SLURM_TEST_DIR exec "$@" \
+                </dev/null >"$SLURM_TEST_DIR/log/$name.out" 2>&1 &
+        echo $! >"$SLURM_TEST_DIR/run/$name.spawned"
+    )
 }
 
 _slurm_start_daemons() {
@@ -281,12 +300,17 @@ slurm_logs() {
 }
 
 slurm_wait_idle() {
-    local timeout=${1:-$SLURM_TEST_TIMEOUT} deadline state=""
+    _slurm_wait_node '^idle$' "${1:-$SLURM_TEST_TIMEOUT}"
+}
+
+# Waits until the node's state (sinfo %T) matches the extended regex STATES.
+_slurm_wait_node() {
+    local states=$1 timeout=$2 deadline state=""
     deadline=$((SECONDS + timeout))
     local why="" name
     while ((SECONDS < deadline)); do
         state=$(sinfo -h -N -o '%T' 2>/dev/null | head -n1) || true
-        [ "$state" = idle ] && return 0
+        [[ $state =~ $states ]] && return 0
         for name in munged slurmctld slurmd; do
             if [ -f "$SLURM_TEST_DIR/run/$name.spawned" ] && ! _slurm_running "$name"; then
                 why="$name exited"
@@ -296,7 +320,7 @@ slurm_wait_idle() {
         sleep 0.2
     done
     [ -n "$why" ] || why="not idle after ${timeout}s"
-    _slurm_say "the node is not idle: $why (state: '${state:-no answer}')"
+    _slurm_say "the node is not ${states//[\^\$]/}: $why (state: '${state:-no answer}')"
     sinfo -N -l >&2 || true
     scontrol show node >&2 || true
     slurm_logs
@@ -366,8 +390,6 @@ _slurm_kill_spawned() {
         pidfile=$SLURM_TEST_DIR/run/$name.spawned
         [ -f "$pidfile" ] || continue
         _slurm_running "$name" && kill -KILL "$(cat "$pidfile")" 2>/dev/null
-        # Reaped here when this shell started it.
-        wait "$(cat "$pidfile")" 2>/dev/null || true
         rm -f "$pidfile"
     done
     return 0
@@ -378,7 +400,8 @@ slurm_restart() {
     _slurm_write_conf
     _slurm_save_env
     _slurm_start_daemons
-    slurm_wait_idle "$SLURM_TEST_TIMEOUT"
+    # Jobs may have outlived the restart.
+    _slurm_wait_node '^(idle|mixed|allocated|completing)$' "$SLURM_TEST_TIMEOUT"
 }
 
 # Pids of this cluster's processes: those whose environment holds the daemons' marker or
