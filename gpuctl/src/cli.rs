@@ -408,8 +408,9 @@ impl Cli {
 /// The hooks of `gpuctl slurm`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Subcommand)]
 pub enum SlurmHook {
-    /// Prolog (root): reserve what the job's GRES asks for, for the job's user; requeue or
-    /// cancel the job when nothing fits, never fail for that.
+    /// Prolog (root): reserve what the job's GRES asks for, for the job's user; when nothing
+    /// fits, requeue a batch job (an interactive one is refused by the task prolog), and
+    /// never fail for that.
     Prolog,
     /// TaskProlog (the user): print the reservation's environment; refuse a task whose job
     /// asked for GPUs and holds none.

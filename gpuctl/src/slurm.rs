@@ -7,8 +7,8 @@
 //! - `prolog` (root, before the job's first step on the node): reserves what the job's GRES
 //!   asks for on behalf of the job's user, with an id derived from the cluster and the job
 //!   ([`reservation_id`]) and a lease of the job's time limit plus a grace. When nothing
-//!   fits within a short wait it requeues a batch job and cancels an interactive one; it
-//!   never fails for "full", which would drain the node.
+//!   fits within a short wait it requeues a batch job and leaves an interactive one to the
+//!   task prolog to refuse; it never fails for "full", which would drain the node.
 //! - `task-prolog` (the user, before every task): prints the reservation's environment as
 //!   `export` lines, and refuses the task of a job that asked for GPUs and holds none.
 //! - `epilog` (root, when the job ends): releases. It never fails.
