@@ -202,6 +202,11 @@ pub struct ReserveArgs {
     )]
     pub wait: Option<Option<Duration>>,
 
+    /// Without a terminal (a container's log), how often a waiting gpuctl says on stderr
+    /// where it stands and why it waits (also when the wait starts and ends).
+    #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = parse_duration)]
+    pub status_every: Duration,
+
     /// Lease length: released unless renewed (`gpuctl renew`) within DURATION.
     #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
     pub ttl: Option<Duration>,

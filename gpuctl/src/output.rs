@@ -336,6 +336,7 @@ pub fn waiters_table(
         ("WANTS", Align::Left),
         ("WAITING", Align::Right),
         ("GIVES UP IN", Align::Right),
+        ("REASON", Align::Left),
     ]);
     for w in waiters {
         t.row(vec![
@@ -347,6 +348,7 @@ pub fn waiters_table(
             describe(&asked(w)).into(),
             age_cell(&w.waiting_since, now).into(),
             span_cell(Some(now), parse_time(&w.gives_up_at)).into(),
+            w.reason.clone().unwrap_or_else(|| "-".to_owned()).into(),
         ]);
     }
     t.render(false)

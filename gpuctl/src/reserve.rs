@@ -188,8 +188,12 @@ pub fn run(args: &ReserveArgs, socket: &Path, rt: &Runtime) -> Result<ExitCode, 
         None => None,
     };
     let request = request(args, holder, wait);
-    let show_status = wait.is_some() && std::io::stderr().is_terminal();
-    let reservation = rt.block_on(reserve_interruptibly(&client, &request, show_status))?;
+    let status = match wait {
+        None => Status::Off,
+        Some(_) if std::io::stderr().is_terminal() => Status::Live,
+        Some(_) => Status::Lines(args.status_every),
+    };
+    let reservation = rt.block_on(reserve_interruptibly(&client, &request, status))?;
 
     if let [program, rest @ ..] = args.command.as_slice() {
         // Only returns when exec failed: give the reservation back and say why.
@@ -269,11 +273,24 @@ fn held_note(r: &Reservation, holder: Holder) -> String {
 const CANCELLING: [(i32, &str); 3] = [(2, "SIGINT"), (15, "SIGTERM"), (1, "SIGHUP")];
 
 /// Sends the request; a signal cancels it and leaves nothing held.
+/// How a waiting gpuctl tells what it waits for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Status {
+    /// Not waiting.
+    Off,
+    /// A line on the terminal, redrawn in place.
+    Live,
+    /// No terminal (a container's log): a line when the wait starts, every so often, and
+    /// when it ends.
+    Lines(Duration),
+}
+
 async fn reserve_interruptibly(
     client: &Client,
     request: &ReservationRequest,
-    show_status: bool,
+    status: Status,
 ) -> Result<Reservation, CliError> {
+    let show_status = status == Status::Live;
     let (Ok(mut int), Ok(mut term), Ok(mut hup)) = (
         signal(SignalKind::interrupt()),
         signal(SignalKind::terminate()),
@@ -284,19 +301,31 @@ async fn reserve_interruptibly(
         return reserve_across_restarts(client, request, false, &AtomicBool::new(false)).await;
     };
     let cancelled = AtomicBool::new(false);
+    let started = Instant::now();
     let reply = reserve_across_restarts(client, request, show_status, &cancelled);
     tokio::pin!(reply);
-    let status = status_line(client, request, show_status);
-    tokio::pin!(status);
+    let status_task = status_lines(client, request, status, started);
+    tokio::pin!(status_task);
     let (signo, name) = tokio::select! {
         r = &mut reply => {
             clear_status(show_status);
+            if let (Status::Lines(_), Ok(r)) = (status, &r)
+                && started.elapsed() >= FIRST_STATUS_AFTER
+            {
+                let gpus: Vec<String> = r.gpus.iter().map(|g| format!("GPU {}", g.index)).collect();
+                eprintln!(
+                    "gpuctl: waited {}; reserved {} on {}",
+                    clock(started.elapsed()),
+                    r.id,
+                    gpus.join(", ")
+                );
+            }
             return r;
         }
         _ = int.recv() => CANCELLING[0],
         _ = term.recv() => CANCELLING[1],
         _ = hup.recv() => CANCELLING[2],
-        never = &mut status => match never {},
+        never = &mut status_task => match never {},
     };
     clear_status(show_status);
     cancelled.store(true, Ordering::SeqCst);
@@ -378,27 +407,41 @@ async fn reserve_across_restarts(
     }
 }
 
-/// The live line on a terminal: what is asked for, where this request is in the queue
-/// (`/v1/waiters` on a second connection, found by gpuctl's own pid; only the queue's length
-/// when gpud sees another pid, as from inside a container), how long it has been. Never
-/// returns.
-async fn status_line(client: &Client, request: &ReservationRequest, show: bool) -> Infallible {
-    if !show {
-        return std::future::pending().await;
-    }
-    let started = Instant::now();
-    // Grants that need no wait come back at once: no line flickers for them.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+/// Grants that need no wait come back at once: no status for them.
+const FIRST_STATUS_AFTER: Duration = Duration::from_millis(300);
+
+/// What a waiting request is told: what is asked for, where it is in the queue and why it
+/// waits (`/v1/waiters` on a second connection, found by gpuctl's own pid; only the queue's
+/// length when gpud sees another pid, as from inside a container), how long it has been. On
+/// a terminal a line redrawn in place; without one ([`Status::Lines`]) a line when the wait
+/// starts and then every `every`. Never returns.
+async fn status_lines(
+    client: &Client,
+    request: &ReservationRequest,
+    status: Status,
+    started: Instant,
+) -> Infallible {
+    let every = match status {
+        Status::Off => return std::future::pending().await,
+        Status::Live => None,
+        Status::Lines(every) => Some(every),
+    };
+    tokio::time::sleep(FIRST_STATUS_AFTER).await;
     let what = describe(request);
     let limit = request.wait_seconds.map(Duration::from_secs);
     let me = (nix::unistd::getuid().as_raw(), std::process::id());
-    let mut queue = "queue unknown".to_owned();
+    let mut queue = ("queue unknown".to_owned(), None);
     let mut tick = tokio::time::interval(Duration::from_millis(250));
     let mut last_poll: Option<Instant> = None;
+    let mut last_line: Option<Instant> = None;
     let mut shown = String::new();
     loop {
         tick.tick().await;
-        if last_poll.is_none_or(|t| t.elapsed() >= Duration::from_secs(1)) {
+        let due = match (every, last_line) {
+            (None, _) | (Some(_), None) => true,
+            (Some(every), Some(at)) => at.elapsed() >= every,
+        };
+        if last_poll.is_none_or(|t| t.elapsed() >= Duration::from_secs(1)) && due {
             last_poll = Some(Instant::now());
             if let Ok(list) = client.waiters().await {
                 queue = queue_place(&list.waiters, me);
@@ -408,7 +451,19 @@ async fn status_line(client: &Client, request: &ReservationRequest, show: bool) 
         let of = limit
             .map(|l| format!(" of {}", clock(l)))
             .unwrap_or_default();
-        let line = format!("gpuctl: waiting for {what}; {queue}; {elapsed}{of} (Ctrl-C cancels)");
+        let (place, why) = &queue;
+        let why = why.as_deref().map(|w| format!(": {w}")).unwrap_or_default();
+        if every.is_some() {
+            if due {
+                last_line = Some(Instant::now());
+                eprintln!("gpuctl: waiting for {what}; {place}; {elapsed}{of}{why}");
+            }
+            continue;
+        }
+        let line = fit(
+            &format!("gpuctl: waiting for {what}; {place}; {elapsed}{of} (Ctrl-C cancels){why}"),
+            terminal_columns(),
+        );
         if line != shown {
             let mut err = std::io::stderr().lock();
             let _ = write!(err, "\r\x1b[2K{line}");
@@ -432,18 +487,41 @@ async fn wait_limit(client: &Client) -> Duration {
     }
 }
 
-/// `2nd of 3 waiting`, or the queue's length unless exactly one waiter is `me` (uid, pid):
-/// inside a container gpuctl's pid is not the one gpud sees, and may be another's.
-fn queue_place(waiters: &[gpud_schema::Waiter], me: (u32, u32)) -> String {
+/// `2nd of 3 waiting: <why>`, or the queue's length unless exactly one waiter is `me`
+/// (uid, pid): inside a container gpuctl's pid is not the one gpud sees, and may be
+/// another's.
+fn queue_place(waiters: &[gpud_schema::Waiter], me: (u32, u32)) -> (String, Option<String>) {
     let n = waiters.len();
     let mut mine = waiters
         .iter()
         .filter(|w| (w.owner_uid, w.pid) == (me.0, Some(me.1)));
     match (mine.next(), mine.next()) {
-        (Some(w), None) => format!("{} of {n} waiting", ordinal(w.position)),
-        _ if n == 1 => "1 request waiting".to_owned(),
-        _ => format!("{n} requests waiting"),
+        (Some(w), None) => (
+            format!("{} of {n} waiting", ordinal(w.position)),
+            w.reason.clone(),
+        ),
+        _ if n == 1 => ("1 request waiting".to_owned(), None),
+        _ => (format!("{n} requests waiting"), None),
     }
+}
+
+/// The width in columns of the terminal stderr is, when it is one.
+fn terminal_columns() -> Option<usize> {
+    terminal_size::terminal_size_of(std::io::stderr()).map(|(w, _)| usize::from(w.0))
+}
+
+/// `line` cut to `columns - 1` characters (with `…`), so that redrawing it in place never
+/// wraps.
+fn fit(line: &str, columns: Option<usize>) -> String {
+    let Some(max) = columns.map(|c| c.saturating_sub(1)).filter(|m| *m > 1) else {
+        return line.to_owned();
+    };
+    if line.chars().count() <= max {
+        return line.to_owned();
+    }
+    let mut cut: String = line.chars().take(max - 1).collect();
+    cut.push('…');
+    cut
 }
 
 /// `1st`, `2nd`, `3rd`, `4th`, `11th`, `21st`.
@@ -519,20 +597,37 @@ mod tests {
             exclusive: true,
             waiting_since: String::new(),
             gives_up_at: String::new(),
+            reason: None,
         };
         let queue = [waiter(1, Some(10)), waiter(2, None), waiter(3, Some(30))];
-        assert_eq!(queue_place(&queue, (7, 30)), "3rd of 3 waiting");
-        assert_eq!(queue_place(&queue, (7, 10)), "1st of 3 waiting");
-        assert_eq!(queue_place(&queue, (7, 99)), "3 requests waiting");
+        let place = |w: &[gpud_schema::Waiter], me| queue_place(w, me).0;
+        assert_eq!(place(&queue, (7, 30)), "3rd of 3 waiting");
+        // With gpud's reason, it is said.
+        let why = gpud_schema::Waiter {
+            reason: Some("GPU 0 is held exclusively".to_owned()),
+            ..waiter(1, Some(10))
+        };
         assert_eq!(
-            queue_place(&queue, (8, 30)),
+            queue_place(&[why], (7, 10)),
+            (
+                "1st of 1 waiting".to_owned(),
+                Some("GPU 0 is held exclusively".to_owned())
+            )
+        );
+        assert_eq!(fit("abcdef", Some(5)), "abc…");
+        assert_eq!(fit("abcd", Some(5)), "abcd");
+        assert_eq!(fit("abcdef", None), "abcdef");
+        assert_eq!(place(&queue, (7, 10)), "1st of 3 waiting");
+        assert_eq!(place(&queue, (7, 99)), "3 requests waiting");
+        assert_eq!(
+            place(&queue, (8, 30)),
             "3 requests waiting",
             "another uid's pid"
         );
-        assert_eq!(queue_place(&queue[..1], (7, 99)), "1 request waiting");
+        assert_eq!(place(&queue[..1], (7, 99)), "1 request waiting");
         // Two of mine with the same pid (two namespaces): no guessing.
         let twice = [waiter(1, Some(10)), waiter(2, Some(10))];
-        assert_eq!(queue_place(&twice, (7, 10)), "2 requests waiting");
+        assert_eq!(place(&twice, (7, 10)), "2 requests waiting");
         let names: Vec<String> = [1, 2, 3, 4, 11, 12, 13, 21, 22, 101, 111]
             .into_iter()
             .map(ordinal)

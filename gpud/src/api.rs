@@ -338,6 +338,7 @@ impl Api {
                 exclusive: w.memory == MemoryAsk::Exclusive,
                 waiting_since: rfc3339(w.since),
                 gives_up_at: rfc3339(w.gives_up_at),
+                reason: Some(w.reason.clone()),
             })
             .collect();
         let max_wait_seconds = Some(snap.settings.config.wait.max_wait_seconds);

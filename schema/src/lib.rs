@@ -449,6 +449,10 @@ pub struct Waiter {
     pub waiting_since: String,
     /// When it gives up unless served, RFC 3339 UTC.
     pub gives_up_at: String,
+    /// Why it waits, as the machine is now (which GPUs are held, the largest free block,
+    /// a quota). Absent from gpuds before it was added.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
 }
 
 /// `GET /v1/waiters` response.

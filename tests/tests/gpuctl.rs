@@ -798,6 +798,55 @@ fn ran_on_a_gpu(child: std::process::Child) -> Output {
 }
 
 #[test]
+fn a_wait_without_a_terminal_says_where_it_stands_and_why_in_lines() {
+    let d = Daemon::start("t4-pair", "");
+    let [first, _] = fill_t4(&d);
+    let child = d
+        .gpuctl()
+        .args([
+            "reserve",
+            "--mem",
+            "4GiB",
+            "--ttl",
+            "10m",
+            "--wait",
+            "30s",
+            "--status-every",
+            "1s",
+            "--",
+            "true",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_for(PATIENCE, || (waiting(&d) == 1).then_some(())).expect("queued");
+    // Long enough for the first line and at least one more.
+    std::thread::sleep(Duration::from_millis(2_500));
+    expect(&d, &["release", &first], 0);
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(0));
+    let err = text(&out.stderr);
+    let waiting_lines: Vec<&str> = err
+        .lines()
+        .filter(|l| l.starts_with("gpuctl: waiting for 4 GiB on 1 GPU; 1st of 1 waiting; 0:0"))
+        .collect();
+    assert!(waiting_lines.len() >= 2, "{err}");
+    // gpud's reason, as the machine is: both GPUs held exclusively.
+    assert!(
+        waiting_lines[0].contains("held exclusively"),
+        "{}",
+        waiting_lines[0]
+    );
+    assert!(!err.contains('\r'), "no terminal: no redrawn line: {err:?}");
+    let last = err.lines().last().unwrap();
+    assert!(
+        last.starts_with("gpuctl: waited ") && last.contains(" on GPU 0"),
+        "{err}"
+    );
+}
+
+#[test]
 fn ctrl_c_while_waiting_cancels_and_holds_nothing() {
     let d = Daemon::start("t4-pair", "");
     let [first, second] = fill_t4(&d);
@@ -816,8 +865,12 @@ fn ctrl_c_while_waiting_cancels_and_holds_nothing() {
         row.starts_with(&format!("1 {} {} 4 GiB on 1 GPU ", whoami(), child.id())),
         "{table}"
     );
-    // GIVES UP IN: the 30 s wait less the time since it was queued.
-    let left: u64 = row
+    // GIVES UP IN: the 30 s wait less the time since it was queued; then the REASON.
+    let (before, reason) = row
+        .split_once(" no GPU")
+        .unwrap_or_else(|| panic!("no reason in {table}"));
+    assert!(reason.contains("held exclusively"), "{table}");
+    let left: u64 = before
         .rsplit(' ')
         .next()
         .and_then(|c| c.strip_suffix('s'))
@@ -831,9 +884,11 @@ fn ctrl_c_while_waiting_cancels_and_holds_nothing() {
     let out = child.wait_with_output().unwrap();
     assert_eq!(out.status.code(), Some(130));
     let err = text(&out.stderr);
+    // Without a terminal, the wait was told in lines; the last says how it ended.
     assert_eq!(
-        err,
-        "gpuctl: interrupted by SIGINT while waiting for capacity; nothing is held\n"
+        err.lines().last(),
+        Some("gpuctl: interrupted by SIGINT while waiting for capacity; nothing is held"),
+        "{err}"
     );
     assert!(out.stdout.is_empty());
     wait_for(PATIENCE, || (waiting(&d) == 0).then_some(())).expect("gpud dropped the waiter");
@@ -862,8 +917,11 @@ fn a_terminal_shows_a_live_status_line_while_waiting() {
         .stdin(Stdio::null()));
     assert_eq!(out.status.code(), Some(5));
     let screen = text(&out.stdout);
+    // What, where, how long, and gpud's reason (cut to the terminal's width).
     assert!(
-        screen.contains("gpuctl: waiting for 4 GiB on 1 GPU; 1st of 1 waiting; 0:01 of 0:02"),
+        screen.contains(
+            "gpuctl: waiting for 4 GiB on 1 GPU; 1st of 1 waiting; 0:01 of 0:02 (Ctrl-C cancels): no GPU"
+        ),
         "{screen:?}"
     );
     // The line is cleared before the final message.

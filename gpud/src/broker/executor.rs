@@ -264,7 +264,8 @@ impl Executor {
             }
         }
         // Published before anyone is answered: a client that reads after its answer sees
-        // its own change.
+        // its own change. Waiters say why they wait as of this change.
+        self.ledger.refresh_reasons(now);
         self.published.store(Arc::new(
             self.ledger
                 .snapshot((self.groups_committed, self.grouped_calls)),

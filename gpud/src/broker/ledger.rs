@@ -32,6 +32,14 @@ use crate::workload_env::workload_env;
 /// renewed, or held by a process.
 pub const MAX_TTL_SECONDS: u64 = 10 * 365 * 24 * 3600;
 
+/// What a quota check counts besides the request: what the quota's users hold now, or
+/// nothing (whether the quota could ever let the request through, once they hold nothing).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Counted {
+    Held,
+    Nothing,
+}
+
 /// What [`Ledger::reserve`] did.
 // Moved once, into the answer: boxing the reservation would add an allocation to every
 // reserve to save a copy of a few hundred bytes.
@@ -566,10 +574,20 @@ impl Ledger {
                 }
                 Ok(Admitted::Reserved(r))
             }
-            Err(BrokerError::NoCapacity(why)) if request.wait.is_some_and(|w| !w.is_zero()) => {
+            // Over quota now: it waits for the owner's own reservations to end, unless its
+            // quotas can never let it through.
+            Err(e @ (BrokerError::NoCapacity(_) | BrokerError::QuotaExceeded(_)))
+                if request.wait.is_some_and(|w| !w.is_zero()) =>
+            {
+                let why = match e {
+                    BrokerError::QuotaExceeded(q) => {
+                        format!("{q}; it waits for that user's own reservations to end")
+                    }
+                    e => e.to_string(),
+                };
                 // A request its quotas can never let through does not wait (nor hold
                 // anything back for itself once it would be the oldest).
-                self.check_quota_of_request(&caller, &request)?;
+                self.check_quota_of_request(&caller, &request, Counted::Nothing)?;
                 let max = self.settings.config.wait.max_waiting_per_user;
                 let mine = self.queue.waiting_of(caller.uid);
                 if caller.uid != 0 && mine >= max {
@@ -600,7 +618,10 @@ impl Ledger {
                 continue;
             }
             let (caller, request, since) = (w.caller, w.request.clone(), w.since);
-            if self.check_quota_of_request(&caller, &request).is_err() {
+            if self
+                .check_quota_of_request(&caller, &request, Counted::Held)
+                .is_err()
+            {
                 continue;
             }
             if now.saturating_sub(since) < starvation {
@@ -661,23 +682,20 @@ impl Ledger {
                     .flatten()
     }
 
-    /// Places, checks quota, writes and records one reservation. Changes nothing on error.
-    fn try_reserve(
+    /// The units `request` of `caller` would get now, with their sizes, or why none: placement
+    /// (the units `held` for a starved waiter out of reach), then quotas. Changes nothing.
+    fn choose(
         &mut self,
-        txn: &mut Txn<'_>,
         caller: &Caller,
         request: &ReserveRequest,
-        holder: Option<&PinnedProcess>,
-        now: Millis,
         held: Option<&[bool]>,
-    ) -> Result<Reservation, BrokerError> {
-        let settings = self.settings.clone();
+    ) -> Result<(Vec<ReservedUnit>, Vec<u64>), BrokerError> {
         let placement_request = PlacementRequest {
             gpus: request.gpus,
             memory: request.memory,
             policy: request
                 .policy
-                .unwrap_or(settings.config.placement.default_policy),
+                .unwrap_or(self.settings.config.placement.default_policy),
         };
         // Units held back by the starvation guard are out of reach, as if unhealthy.
         let masked: Vec<UnitLoad>;
@@ -739,6 +757,43 @@ impl Ledger {
             totals.push(unit.memory_total_bytes);
         }
         self.check_quota(caller, &units)?;
+        Ok((units, totals))
+    }
+
+    /// Says anew why each waiter waits, against the machine as it is at `now` (what
+    /// `GET /v1/waiters` and a time-out's message tell). Changes nothing else.
+    pub fn refresh_reasons(&mut self, now: Millis) {
+        let guard = self.guard(now);
+        for i in 0..self.queue.waiters.len() {
+            let held = match &guard {
+                Some((head, held)) if i > *head => Some(held.as_slice()),
+                _ => None,
+            };
+            let w = &self.queue.waiters[i];
+            let (caller, request) = (w.caller, w.request.clone());
+            let why = match self.choose(&caller, &request, held) {
+                Ok(_) => "it fits now and is served next".to_owned(),
+                Err(BrokerError::QuotaExceeded(q)) => {
+                    format!("{q}; it waits for that user's own reservations to end")
+                }
+                Err(e) => e.to_string(),
+            };
+            self.queue.waiters[i].why = why;
+        }
+    }
+
+    /// Places, checks quota, writes and records one reservation. Changes nothing on error.
+    fn try_reserve(
+        &mut self,
+        txn: &mut Txn<'_>,
+        caller: &Caller,
+        request: &ReserveRequest,
+        holder: Option<&PinnedProcess>,
+        now: Millis,
+        held: Option<&[bool]>,
+    ) -> Result<Reservation, BrokerError> {
+        let settings = self.settings.clone();
+        let (units, totals) = self.choose(caller, request, held)?;
         let isolation = self.isolation_for(&request.target, &units)?;
         let exclusive = request.memory == MemoryAsk::Exclusive;
         let env_for = |id: &str, units: &[ReservedUnit]| {
@@ -836,19 +891,22 @@ impl Ledger {
         units: &[ReservedUnit],
     ) -> Result<(), BrokerError> {
         let memory = units.iter().map(|u| u.memory_bytes).sum();
-        self.check_quotas(caller, |usage| Asked {
+        self.check_quotas(caller, Counted::Held, |usage| Asked {
             units: usage.new_units(units),
             memory,
         })
     }
 
-    /// Refuses a request that no placement could fit in `caller`'s quotas, however the
-    /// machine frees up: before it is queued, and when the starvation guard asks whether
-    /// the oldest waiter can be served at all. It counts the least the request can add.
+    /// Refuses a request that no placement could fit in `caller`'s quotas, besides what
+    /// `counted` says: with nothing held (however the machine and the owner's own
+    /// reservations free up), before it is queued and while it waits; with what is held now,
+    /// when the starvation guard asks whether the oldest waiter can be served now. It
+    /// counts the least the request can add.
     fn check_quota_of_request(
         &mut self,
         caller: &Caller,
         request: &ReserveRequest,
+        counted: Counted,
     ) -> Result<(), BrokerError> {
         let gpus = u64::from(request.gpus);
         let smallest = self
@@ -857,7 +915,7 @@ impl Ledger {
             .map(|u| u.memory_total_bytes)
             .min()
             .unwrap_or(0);
-        self.check_quotas(caller, |usage| match request.memory {
+        self.check_quotas(caller, counted, |usage| match request.memory {
             // A unit held exclusively is held by nothing else, so all are new.
             MemoryAsk::Exclusive => Asked {
                 units: gpus,
@@ -875,6 +933,7 @@ impl Ledger {
     fn check_quotas(
         &mut self,
         caller: &Caller,
+        counted: Counted,
         asked: impl Fn(&Usage) -> Asked,
     ) -> Result<(), BrokerError> {
         let groups = self.groups(caller.uid, caller.gid);
@@ -889,7 +948,10 @@ impl Ledger {
                 }
                 _ => continue,
             };
-            let usage = usage.unwrap_or(&empty);
+            let usage = match counted {
+                Counted::Held => usage.unwrap_or(&empty),
+                Counted::Nothing => &empty,
+            };
             let Asked {
                 units: new_units,
                 memory: asked_memory,
@@ -1133,6 +1195,10 @@ impl Ledger {
     /// Ends every lease that ran out by `now`, and gives up every wait that did. Returns how
     /// many leases expired.
     pub fn expire_due(&mut self, txn: &mut Txn<'_>, now: Millis) -> Result<usize, BrokerError> {
+        // A timeout says why as the machine is now, not as it was when the wait began.
+        if self.queue.next_give_up().is_some_and(|at| at <= now) {
+            self.refresh_reasons(now);
+        }
         for w in self.queue.take_timed_out(now) {
             let error = w.timed_out();
             let _ = w.reply.send(Err(error));
@@ -1217,7 +1283,17 @@ impl Ledger {
                         holder,
                     });
                 }
+                // Over quota for now (its owner holds other reservations): it goes on
+                // waiting for them to end, as long as its quotas could ever let it through.
                 Err(BrokerError::NoCapacity(_)) => {
+                    self.queue.waiters[i].holder = holder;
+                    i += 1;
+                }
+                Err(BrokerError::QuotaExceeded(_))
+                    if self
+                        .check_quota_of_request(&caller, &request, Counted::Nothing)
+                        .is_ok() =>
+                {
                     self.queue.waiters[i].holder = holder;
                     i += 1;
                 }

@@ -98,6 +98,8 @@ pub struct WaitingRequest {
     pub since: Millis,
     /// When it gives up unless served.
     pub gives_up_at: Millis,
+    /// Why it waits, as of the last change.
+    pub reason: String,
 }
 
 /// Why a broker operation failed. Each variant maps to one HTTP status in `api`.

@@ -20,7 +20,7 @@ pub(super) struct Waiter {
     pub holder: Option<PinnedProcess>,
     pub since: Millis,
     pub gives_up_at: Millis,
-    /// Why it did not fit when it came, for the time-out's message.
+    /// Why it does not fit: when it came, then as of the last change (`refresh_reasons`).
     pub why: String,
     pub reply: oneshot::Sender<Result<Reservation, BrokerError>>,
 }
@@ -152,6 +152,7 @@ impl WaitQueue {
                 memory: w.request.memory,
                 since: w.since,
                 gives_up_at: w.gives_up_at,
+                reason: w.why.clone(),
             })
             .collect()
     }

@@ -475,6 +475,85 @@ fn a_waiter_is_served_when_capacity_frees_and_gives_up_at_its_deadline() {
 }
 
 #[test]
+fn a_waiter_says_why_it_waits_as_the_machine_is_now_and_its_timeout_too() {
+    let mut rules = Rules::plain(1);
+    rules.reserved(ALICE, lease(gib(6), 600), 0);
+    let Admitted::Queued { rx: mut bob, .. } = rules
+        .reserve(BOB, waiting(gib(12), 60, Duration::from_secs(5)), 1_000)
+        .unwrap()
+    else {
+        panic!("12 GiB does not fit beside 6: it waits");
+    };
+    let reason = |rules: &mut Rules| {
+        rules.ledger.refresh_reasons(2_000);
+        rules.ledger.snapshot((0, 0)).waiters[0].reason.clone()
+    };
+    assert!(
+        reason(&mut rules).contains("10 GiB"),
+        "{}",
+        reason(&mut rules)
+    );
+    // The machine fills up: the reason follows it, though nothing was freed.
+    rules.reserved(CAROL, lease(gib(7), 600), 2_000);
+    let now = reason(&mut rules);
+    assert!(now.contains("3 GiB") && !now.contains("10 GiB"), "{now}");
+    rules.reserved(CAROL, lease(gib(2), 600), 3_000);
+    assert_eq!(rules.run(|l, t| l.expire_due(t, 6_000)).unwrap(), 0);
+    let e = bob.try_recv().unwrap().unwrap_err().to_string();
+    assert!(e.starts_with("waited 5s and nothing freed up: "), "{e}");
+    assert!(e.contains("1 GiB") && !e.contains("3 GiB"), "{e}");
+}
+
+#[test]
+fn an_over_quota_request_that_may_wait_waits_for_its_owners_reservations_to_end() {
+    let mut rules = Rules::new(
+        2,
+        quota(Quota {
+            uid: Some(ALICE.uid),
+            max_reservations: Some(1),
+            max_gpus: Some(1),
+            ..NO_QUOTA
+        }),
+        vec![],
+    );
+    let first = rules.reserved(ALICE, lease(gib(1), 600), 0);
+    // Without a wait: refused at once, as before.
+    let e = rules.reserve(ALICE, lease(gib(1), 600), 500).unwrap_err();
+    assert!(matches!(e, BrokerError::QuotaExceeded(_)), "{e}");
+    let Admitted::Queued { mut rx, .. } = rules
+        .reserve(ALICE, waiting(gib(1), 600, Duration::from_secs(60)), 1_000)
+        .unwrap()
+    else {
+        panic!("over quota with a wait: it waits");
+    };
+    rules.ledger.refresh_reasons(2_000);
+    let why = rules.ledger.snapshot((0, 0)).waiters[0].reason.clone();
+    assert!(
+        why.contains("allows 1 reservation") && why.contains("own reservations to end"),
+        "{why}"
+    );
+    // Something else ending serves nobody; her own ending serves her.
+    let other = rules.reserved(BOB, lease(gib(1), 600), 3_000);
+    rules.release(BOB, &other.id, 4_000).unwrap();
+    assert_eq!(rules.tell_served(), 0);
+    rules.release(ALICE, &first.id, 5_000).unwrap();
+    assert_eq!(rules.tell_served(), 1);
+    assert_eq!(rx.try_recv().unwrap().unwrap().owner_uid, ALICE.uid);
+    // One its quota can never let through is refused at once, wait or not.
+    let e = rules
+        .reserve(
+            ALICE,
+            ReserveRequest {
+                gpus: 2,
+                ..waiting(gib(1), 600, Duration::from_secs(60))
+            },
+            6_000,
+        )
+        .unwrap_err();
+    assert!(matches!(e, BrokerError::QuotaExceeded(_)), "{e}");
+}
+
+#[test]
 fn backfill_goes_ahead_until_the_head_has_waited_past_the_starvation_guard() {
     let config = Config {
         wait: crate::config::WaitConfig {
