@@ -117,7 +117,11 @@ pub fn gpus(args: &TableArgs, socket: &Path, rt: &Runtime) -> Result<ExitCode, C
     let list = rt.block_on(Client::new(socket).gpus())?;
     match args.output {
         Output::Json => print(&json(&list)?)?,
-        Output::Table => print(&gpus_table(&list, colour()))?,
+        Output::Table => print(&gpus_table(
+            &list,
+            colour(),
+            std::io::stdout().is_terminal(),
+        ))?,
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -435,18 +435,54 @@ pub fn percent(n: u64, of: u64) -> u64 {
     u64::try_from(p).unwrap_or(u64::MAX)
 }
 
-/// `gpuctl gpus`: one row per GPU and MIG instance, then the node's totals.
-pub fn gpus_table(list: &GpuList, colour: bool) -> String {
-    let mut t = Table::new(&[
+/// Width of the memory bar, in characters.
+const BAR: u64 = 12;
+
+/// A GPU's memory in [`BAR`] characters: `█` reserved, `▒` used beyond reservations, `·`
+/// free (what a request could get), blank for what is neither (held exclusively, or
+/// unhealthy).
+fn memory_bar(g: &gpud_schema::GpuStatus, free: u64) -> String {
+    let total = g.memory_total_bytes.max(1);
+    let cells = |bytes: u64| {
+        usize::try_from(
+            (u128::from(bytes) * u128::from(BAR) + u128::from(total) / 2) / u128::from(total),
+        )
+        .unwrap_or(0)
+    };
+    let width = usize::try_from(BAR).unwrap_or(0);
+    let reserved = cells(g.memory_reserved_bytes).min(width);
+    let unaccounted = cells(g.memory_unaccounted_bytes).min(width - reserved);
+    let free = cells(free).min(width - reserved - unaccounted);
+    let rest = width - reserved - unaccounted - free;
+    format!(
+        "{}{}{}{}",
+        "█".repeat(reserved),
+        "▒".repeat(unaccounted),
+        " ".repeat(rest),
+        "·".repeat(free)
+    )
+}
+
+/// `gpuctl gpus`: one row per GPU and MIG instance, then the node's totals; with `bars` (a
+/// terminal), a memory bar per GPU.
+pub fn gpus_table(list: &GpuList, colour: bool, bars: bool) -> String {
+    let mut columns = vec![
         ("GPU", Align::Left),
         ("NAME", Align::Left),
+        ("FREE", Align::Right),
         ("RESERVED", Align::Right),
         ("USED", Align::Right),
         ("TOTAL", Align::Right),
+    ];
+    if bars {
+        columns.push(("MEMORY", Align::Left));
+    }
+    columns.extend([
         ("RESV", Align::Right),
         ("HEALTH", Align::Left),
         ("ISOLATION", Align::Left),
     ]);
+    let mut t = Table::new(&columns);
     let (mut reserved, mut used, mut total, mut unaccounted, mut count) =
         (0u64, 0u64, 0u64, 0u64, 0u64);
     for g in &list.gpus {
@@ -466,32 +502,53 @@ pub fn gpus_table(list: &GpuList, colour: bool) -> String {
                 colour: Some(RED),
             }
         };
-        t.row(vec![
+        // An older gpud does not say: what reservations and other processes leave.
+        let free = g.memory_free_bytes.unwrap_or_else(|| {
+            g.memory_total_bytes
+                .saturating_sub(g.memory_reserved_bytes)
+                .saturating_sub(g.memory_unaccounted_bytes)
+        });
+        let mut row: Vec<Cell> = vec![
             g.index.to_string().into(),
             g.name.as_str().into(),
+            format_bytes(free).into(),
             format_bytes(g.memory_reserved_bytes).into(),
             format_bytes(g.memory_used_bytes).into(),
             format_bytes(g.memory_total_bytes).into(),
+        ];
+        if bars {
+            row.push(memory_bar(g, free).into());
+        }
+        row.extend([
             g.reservations.to_string().into(),
             health,
             g.isolation.mode.as_str().into(),
         ]);
+        t.row(row);
         for (i, m) in g.mig_instances.iter().enumerate() {
             // The profile is what an admin recognises ("3g.40gb"); the GPU's name is above.
             let profile = m
                 .name
                 .rsplit_once(" MIG ")
                 .map_or(m.name.as_str(), |(_, p)| p);
-            t.row(vec![
+            let free = if m.reservations == 0 {
+                m.memory_total_bytes
+            } else {
+                0
+            };
+            let mut row: Vec<Cell> = vec![
                 format!("{}:{i}", g.index).into(),
                 format!("  MIG {profile}").into(),
+                format_bytes(free).into(),
                 format_bytes(m.memory_reserved_bytes).into(),
                 format_bytes(m.memory_used_bytes).into(),
                 format_bytes(m.memory_total_bytes).into(),
-                m.reservations.to_string().into(),
-                "".into(),
-                "".into(),
-            ]);
+            ];
+            if bars {
+                row.push("".into());
+            }
+            row.extend([m.reservations.to_string().into(), "".into(), "".into()]);
+            t.row(row);
         }
     }
     let mut out = t.render(colour);
@@ -511,6 +568,8 @@ pub fn gpus_table(list: &GpuList, colour: bool) -> String {
             format_bytes(unaccounted)
         );
     }
+    // One reservation on several GPUs is one; an older gpud only gives per-GPU counts.
+    let count = list.reservations.unwrap_or(count);
     let _ = writeln!(
         out,
         "; {count} reservation{}",
@@ -725,6 +784,7 @@ mod tests {
             memory_reserved_bytes: reserved,
             memory_used_bytes: used,
             memory_unaccounted_bytes: 0,
+            memory_free_bytes: None,
             reservations: u32::from(reserved > 0),
             healthy: index == 0,
             mig_instances: mig,
@@ -756,13 +816,14 @@ mod tests {
                 ),
                 gpu(1, 0, 0, vec![]),
             ],
+            reservations: None,
         };
-        let text = gpus_table(&list, false);
+        let text = gpus_table(&list, false, false);
         let lines: Vec<&str> = text.lines().collect();
         assert_eq!(lines.len(), 6, "{text}");
         assert!(lines[1].starts_with("0    NVIDIA A100-SXM4-80GB"), "{text}");
         assert!(
-            lines[1].ends_with("40 GiB  12 GiB  80 GiB     1  ok         driver"),
+            lines[1].ends_with("40 GiB    40 GiB  12 GiB  80 GiB     1  ok         driver"),
             "{text}"
         );
         assert!(lines[2].contains("MIG 3g.40gb"), "{text}");
@@ -772,7 +833,24 @@ mod tests {
             "TOTAL  reserved 40 GiB / 160 GiB (25%), used 12 GiB (8%); 1 reservation"
         );
         assert_eq!(lines[5], "advisory on GPU 1: MIG mode");
-        assert!(gpus_table(&list, true).contains("\x1b[31mUNHEALTHY\x1b[0m"));
+        assert!(gpus_table(&list, true, false).contains("\x1b[31mUNHEALTHY\x1b[0m"));
         assert!(!text.contains('\x1b'));
+        // gpud's own count of reservations wins over the sum of per-GPU counts, and its
+        // FREE: one 2-GPU reservation, and 20 GiB used beyond it on GPU 1.
+        let mut two = list.clone();
+        two.reservations = Some(1);
+        two.gpus[1].reservations = 1;
+        two.gpus[1].memory_free_bytes = Some(20 * GIB);
+        let text = gpus_table(&two, false, false);
+        assert!(text.contains("; 1 reservation\n"), "{text}");
+        assert!(text.lines().nth(3).unwrap().contains(" 20 GiB "), "{text}");
+        // On a terminal, a bar: 40 of 80 GiB reserved, the rest free.
+        let barred = gpus_table(&list, false, true);
+        assert!(barred.contains("██████······"), "{barred}");
+        assert_eq!(
+            memory_bar(&two.gpus[1], 20 * GIB),
+            "         ···",
+            "20 of 80 GiB free, the rest neither reserved nor used"
+        );
     }
 }

@@ -923,6 +923,7 @@ pub fn gpu_list(broker: &Broker) -> schema::GpuList {
         topology: Topology::clone(&snap.topology),
     };
     let mut per_gpu: BTreeMap<u32, (u64, u64, u64, u32)> = BTreeMap::new();
+    let mut free: BTreeMap<u32, u64> = BTreeMap::new();
     let mut migs: BTreeMap<u32, Vec<schema::MigStatus>> = BTreeMap::new();
     for ((unit, load), used) in snap.units.iter().zip(&snap.loads).zip(&snap.used) {
         let entry = per_gpu.entry(unit.gpu_index).or_default();
@@ -930,6 +931,15 @@ pub fn gpu_list(broker: &Broker) -> schema::GpuList {
         entry.1 += used;
         entry.2 += load.unaccounted_bytes;
         entry.3 += load.reservations;
+        // What one request could get: a MIG instance only whole.
+        let here = match (load.healthy && !load.exclusive, unit.is_mig()) {
+            (false, _) => 0,
+            (true, true) if crate::placement::is_completely_free(load) => unit.memory_total_bytes,
+            (true, true) => 0,
+            (true, false) => crate::placement::free_bytes(unit, load),
+        };
+        let slot = free.entry(unit.gpu_index).or_default();
+        *slot = (*slot).max(here);
         if unit.is_mig() {
             let name = snap
                 .gpus
@@ -968,6 +978,7 @@ pub fn gpu_list(broker: &Broker) -> schema::GpuList {
                     memory_reserved_bytes: reserved,
                     memory_used_bytes: used,
                     memory_unaccounted_bytes: unaccounted,
+                    memory_free_bytes: Some(free.get(&g.index).copied().unwrap_or(0)),
                     reservations,
                     healthy: g.healthy,
                     mig_instances: migs.remove(&g.index).unwrap_or_default(),
@@ -978,6 +989,7 @@ pub fn gpu_list(broker: &Broker) -> schema::GpuList {
                 }
             })
             .collect(),
+        reservations: Some(snap.reservations.len() as u64),
     }
 }
 

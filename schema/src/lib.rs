@@ -329,6 +329,11 @@ pub struct GpuStatus {
     /// Memory in use that reservations do not account for: processes without one, and what
     /// reservations' processes use beyond what they reserved.
     pub memory_unaccounted_bytes: u64,
+    /// The most one request could reserve here now: total less reserved and unaccounted
+    /// memory (the largest free MIG instance in MIG mode; 0 when held exclusively or
+    /// unhealthy). Absent from gpuds before it was added.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_free_bytes: Option<u64>,
     /// Active reservations on it (or its MIG instances).
     pub reservations: u32,
     /// Whether it may receive new placements.
@@ -369,6 +374,10 @@ pub struct GpuList {
     pub driver_version: Option<String>,
     /// The GPUs by index.
     pub gpus: Vec<GpuStatus>,
+    /// Active reservations on the machine (one on several GPUs counts once). Absent from
+    /// gpuds before it was added.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reservations: Option<u64>,
 }
 
 /// `GET /v1/health` response.

@@ -798,6 +798,39 @@ fn ran_on_a_gpu(child: std::process::Child) -> Output {
 }
 
 #[test]
+fn gpus_says_what_is_free_and_counts_each_reservation_once() {
+    let d = Daemon::start("t4-pair", "");
+    expect(&d, &["reserve", "--mem", "4GiB", "--ttl", "10m"], 0);
+    expect(
+        &d,
+        &["reserve", "--gpus", "2", "--mem", "1GiB", "--ttl", "10m"],
+        0,
+    );
+    let list: Value = serde_json::from_str(&expect(&d, &["gpus", "-o", "json"], 0)).unwrap();
+    let total = list["gpus"][0]["memory_total_bytes"].as_u64().unwrap();
+    let free: Vec<u64> = (0..2)
+        .map(|i| list["gpus"][i]["memory_free_bytes"].as_u64().unwrap())
+        .collect();
+    let mut expected = [total - 5 * GIB, total - GIB];
+    if free[0] != expected[0] {
+        expected.reverse();
+    }
+    assert_eq!(free, expected, "{list}");
+    assert_eq!(list["reservations"], 2, "{list}");
+    let table = expect(&d, &["gpus"], 0);
+    assert!(table.lines().next().unwrap().contains(" FREE "), "{table}");
+    assert!(table.contains("; 2 reservations\n"), "{table}");
+    // Held exclusively: nothing free there.
+    let d = Daemon::start("t4-pair", "");
+    expect(&d, &["reserve", "--exclusive", "--ttl", "10m"], 0);
+    let list: Value = serde_json::from_str(&expect(&d, &["gpus", "-o", "json"], 0)).unwrap();
+    let free: Vec<u64> = (0..2)
+        .map(|i| list["gpus"][i]["memory_free_bytes"].as_u64().unwrap())
+        .collect();
+    assert!(free.contains(&0) && free.contains(&total), "{list}");
+}
+
+#[test]
 fn a_wait_without_a_terminal_says_where_it_stands_and_why_in_lines() {
     let d = Daemon::start("t4-pair", "");
     let [first, _] = fill_t4(&d);
