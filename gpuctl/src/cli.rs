@@ -124,6 +124,10 @@ pub enum Command {
     /// Per GPU (and MIG instance): memory reserved, used and total, reservations, health.
     #[command(after_help = EXIT_CODES_HELP)]
     Gpus(TableArgs),
+    /// Processes on the GPUs: memory, user, command, and the reservation each counts against
+    /// (or unreserved), as gpud's usage check last saw them.
+    #[command(after_help = EXIT_CODES_HELP)]
+    Ps(TableArgs),
     /// Requests waiting for capacity (`reserve --wait`), in the order gpud tries them: who
     /// asked, for what, since when.
     #[command(after_help = EXIT_CODES_HELP)]
@@ -442,7 +446,7 @@ impl Command {
             Command::Renew(a) => a.output,
             Command::Ls(a) => a.output,
             Command::Events(a) => a.output,
-            Command::Gpus(a) | Command::Waiters(a) => a.output,
+            Command::Gpus(a) | Command::Waiters(a) | Command::Ps(a) => a.output,
             Command::CdiHook(_)
             | Command::Slurm { .. }
             | Command::Completions { .. }

@@ -17,8 +17,8 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use gpud_schema::{
-    AttachCgroupRequest, ErrorBody, EventList, GpuList, RenewRequest, Reservation, ReservationList,
-    ReservationRequest, WaiterList,
+    AttachCgroupRequest, ErrorBody, EventList, GpuList, GpuProcessList, RenewRequest, Reservation,
+    ReservationList, ReservationRequest, WaiterList,
 };
 
 use crate::error::CliError;
@@ -118,6 +118,11 @@ impl Client {
     /// `GET /v1/waiters`.
     pub async fn waiters(&self) -> Result<WaiterList, CliError> {
         self.call::<(), _>(Method::GET, "/v1/waiters", None).await
+    }
+
+    /// `GET /v1/processes`.
+    pub async fn processes(&self) -> Result<GpuProcessList, CliError> {
+        self.call::<(), _>(Method::GET, "/v1/processes", None).await
     }
 
     /// `GET /v1/gpus`.

@@ -19,7 +19,8 @@ use crate::client::Client;
 use crate::error::CliError;
 use crate::manual;
 use crate::output::{
-    events_table, gpus_table, mig_names, reservation_details, reservations_table, waiters_table,
+    events_table, gpus_table, mig_names, processes_table, reservation_details, reservations_table,
+    waiters_table,
 };
 use crate::print;
 
@@ -104,10 +105,32 @@ pub fn show(
     rt: &Runtime,
     now: SystemTime,
 ) -> Result<ExitCode, CliError> {
-    let r = rt.block_on(Client::new(socket).get(&args.id))?;
+    let client = Client::new(socket);
+    let r = rt.block_on(client.get(&args.id))?;
     match args.output {
         Output::Json => print(&json(&r)?)?,
-        Output::Table => print(&reservation_details(&r, now, &user_names()))?,
+        Output::Table => {
+            // What its processes use, for an active one (an older gpud does not say).
+            let processes = (r.state == gpud_schema::ReservationState::Active)
+                .then(|| rt.block_on(client.processes()).ok())
+                .flatten();
+            print(&reservation_details(
+                &r,
+                now,
+                &user_names(),
+                processes.as_ref().map(|l| l.processes.as_slice()),
+            ))?;
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `gpuctl ps`: the processes on the GPUs.
+pub fn processes(args: &TableArgs, socket: &Path, rt: &Runtime) -> Result<ExitCode, CliError> {
+    let list = rt.block_on(Client::new(socket).processes())?;
+    match args.output {
+        Output::Json => print(&json(&list)?)?,
+        Output::Table => print(&processes_table(&list.processes, &user_names()))?,
     }
     Ok(ExitCode::SUCCESS)
 }

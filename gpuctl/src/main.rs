@@ -83,6 +83,7 @@ fn run(cli: &Cli) -> Result<ExitCode, CliError> {
         Command::Gpus(args) => commands::gpus(args, socket, &rt),
         Command::Events(args) => commands::events(args, socket, &rt, now),
         Command::Waiters(args) => commands::waiters(args, socket, &rt, now),
+        Command::Ps(args) => commands::processes(args, socket, &rt),
         Command::CdiHook(args) => cdi::hook(args, socket, &rt),
         Command::Slurm { hook } => slurm::run(*hook, cli.socket_given(), &rt),
         Command::Completions { shell } => commands::completions(*shell),

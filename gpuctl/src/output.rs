@@ -8,7 +8,7 @@ use std::fmt::Write as _;
 use std::time::{Duration, SystemTime};
 
 use gpud_schema::{
-    GpuList, Isolation, IsolationMode, MemorySpec, Reservation, ReservationRequest,
+    GpuList, GpuProcess, Isolation, IsolationMode, MemorySpec, Reservation, ReservationRequest,
     ReservationState, Waiter, format_bytes,
 };
 
@@ -369,6 +369,7 @@ pub fn reservation_details(
     r: &Reservation,
     now: SystemTime,
     owner_name: &dyn Fn(u32) -> String,
+    processes: Option<&[GpuProcess]>,
 ) -> String {
     let mut out = String::new();
     let mut field = |name: &str, value: String| {
@@ -406,17 +407,33 @@ pub fn reservation_details(
     field("isolation", isolation_text(&r.isolation));
     field("labels", labels_cell(&r.labels));
     let _ = writeln!(out, "gpus:");
-    let mut t = Table::new(&[
+    let mut columns = vec![
         ("  GPU", Align::Right),
         ("UUID", Align::Left),
         ("MEMORY", Align::Right),
-    ]);
+    ];
+    if processes.is_some() {
+        columns.push(("USED", Align::Right));
+        columns.push(("PROCESSES", Align::Right));
+    }
+    let mut t = Table::new(&columns);
     for g in &r.gpus {
-        t.row(vec![
+        let mut row: Vec<Cell> = vec![
             g.index.to_string().into(),
             g.uuid.as_str().into(),
             format_bytes(g.memory_bytes).into(),
-        ]);
+        ];
+        if let Some(processes) = processes {
+            // What its processes use here, as the last usage check measured.
+            let here: Vec<&GpuProcess> = processes
+                .iter()
+                .filter(|p| p.uuid == g.uuid && p.reservation.as_deref() == Some(r.id.as_str()))
+                .collect();
+            let used: u64 = here.iter().filter_map(|p| p.memory_used_bytes).sum();
+            row.push(format_bytes(used).into());
+            row.push(here.len().to_string().into());
+        }
+        t.row(row);
     }
     out.push_str(&t.render(false));
     let _ = writeln!(out, "env:");
@@ -433,6 +450,39 @@ pub fn percent(n: u64, of: u64) -> u64 {
     }
     let p = (u128::from(n) * 200 + u128::from(of)) / (u128::from(of) * 2);
     u64::try_from(p).unwrap_or(u64::MAX)
+}
+
+/// `gpuctl ps`: every process on the GPUs, whose it is and what it uses.
+pub fn processes_table(processes: &[GpuProcess], user_name: &dyn Fn(u32) -> String) -> String {
+    if processes.is_empty() {
+        return "no processes on the GPUs\n".to_owned();
+    }
+    let mut t = Table::new(&[
+        ("GPU", Align::Left),
+        ("PID", Align::Right),
+        ("USER", Align::Left),
+        ("MEMORY", Align::Right),
+        ("RESERVATION", Align::Left),
+        ("COMMAND", Align::Left),
+    ]);
+    for p in processes {
+        let reservation = match (&p.reservation, p.wrong_gpu) {
+            (None, _) => "unreserved".to_owned(),
+            (Some(id), false) => id.clone(),
+            (Some(id), true) => format!("{id} (not its GPU)"),
+        };
+        t.row(vec![
+            p.gpu.to_string().into(),
+            p.pid.to_string().into(),
+            p.uid.map_or_else(|| "?".to_owned(), user_name).into(),
+            p.memory_used_bytes
+                .map_or_else(|| "?".to_owned(), format_bytes)
+                .into(),
+            reservation.into(),
+            p.command.clone().unwrap_or_else(|| "?".to_owned()).into(),
+        ]);
+    }
+    t.render(false)
 }
 
 /// Width of the memory bar, in characters.
@@ -740,7 +790,7 @@ mod tests {
         ] {
             assert!(row.contains(part), "{part}: {row}");
         }
-        let details = reservation_details(&reservation(), now, &|_| "alice".into());
+        let details = reservation_details(&reservation(), now, &|_| "alice".into(), None);
         assert!(
             details.contains("owner:     alice (uid 1000, gid 1000)"),
             "{details}"
@@ -756,7 +806,7 @@ mod tests {
             cgroup: Some("/sys/fs/cgroup/gpud/r1".into()),
             reason: None,
         };
-        let details = reservation_details(&r, now, &|_| "alice".into());
+        let details = reservation_details(&r, now, &|_| "alice".into(), None);
         assert!(
             details.contains("isolation: driver-enforced on /sys/fs/cgroup/gpud/r1"),
             "{details}"

@@ -159,7 +159,7 @@ fn error_reply(e: &ApiError) -> Reply {
 /// The methods a route takes, `None` for no route.
 fn allowed(segments: &[&str]) -> Option<&'static str> {
     match segments {
-        ["v1", "health" | "gpus" | "events" | "waiters"] | ["metrics"] => Some("GET"),
+        ["v1", "health" | "gpus" | "events" | "waiters" | "processes"] | ["metrics"] => Some("GET"),
         ["v1", "reservations"] => Some("GET, POST, DELETE"),
         ["v1", "reservations", _] => Some("GET, DELETE"),
         ["v1", "reservations", _, "renew" | "cgroup"] => Some("POST"),
@@ -250,6 +250,7 @@ impl Api {
             (["metrics"], &Method::GET) => Ok(self.metrics_reply()),
             (["v1", "events"], &Method::GET) => self.events(&query).await,
             (["v1", "waiters"], &Method::GET) => Ok(self.waiters()),
+            (["v1", "processes"], &Method::GET) => Ok(self.processes()),
             (segments, _) if let Some(allow) = allowed(segments) => Err(ApiError {
                 allow: Some(allow),
                 ..ApiError::new(
@@ -320,6 +321,26 @@ impl Api {
                 waiting: snap.waiting() as u64,
             },
         )
+    }
+
+    fn processes(&self) -> Reply {
+        let snap = self.broker.snapshot();
+        let mut processes: Vec<schema::GpuProcess> = snap
+            .processes
+            .iter()
+            .map(|p| schema::GpuProcess {
+                pid: p.pid,
+                gpu: p.gpu_index,
+                uuid: p.unit_uuid.clone(),
+                memory_used_bytes: p.used_bytes,
+                uid: p.uid,
+                command: p.command.clone(),
+                reservation: p.reservation.clone(),
+                wrong_gpu: p.wrong_gpu,
+            })
+            .collect();
+        processes.sort_by(|a, b| (a.gpu, &a.uuid, a.pid).cmp(&(b.gpu, &b.uuid, b.pid)));
+        json(StatusCode::OK, &schema::GpuProcessList { processes })
     }
 
     fn waiters(&self) -> Reply {
@@ -743,6 +764,7 @@ fn route_name(path: &str) -> &'static str {
         ["v1", "reservations", _, "cgroup"] => "/v1/reservations/{id}/cgroup",
         ["v1", "events"] => "/v1/events",
         ["v1", "waiters"] => "/v1/waiters",
+        ["v1", "processes"] => "/v1/processes",
         ["metrics"] => "/metrics",
         _ => "other",
     }

@@ -38,7 +38,7 @@ use std::time::Instant;
 
 use gpud_schema::format_bytes;
 
-use crate::broker::{AuditFindings, Broker};
+use crate::broker::{AuditFindings, Broker, GpuProcessRow};
 use crate::config::{AuditConfig, Enforcement};
 use crate::gpu::{GpuProcess, Nvml};
 use crate::holder::process_info;
@@ -84,6 +84,34 @@ pub trait ProcessTable {
     fn reservation_env(&self, pid: u32) -> Result<Option<String>, String>;
     /// Sends `signal` to `pid` if it still has `start_time`; false when it is gone.
     fn signal(&self, pid: u32, start_time: u64, signal: nix::sys::signal::Signal) -> bool;
+    /// `pid`'s command line, for people (`gpuctl ps`).
+    fn command(&self, _pid: u32) -> Option<String> {
+        None
+    }
+}
+
+/// The longest command line `gpuctl ps` shows, in characters.
+const COMMAND_CHARS: usize = 120;
+
+/// A command line from `/proc/PID/cmdline` (NUL-separated) as one line: arguments joined by
+/// spaces, cut to [`COMMAND_CHARS`].
+fn command_line(raw: &[u8]) -> Option<String> {
+    let words: Vec<String> = raw
+        .split(|&b| b == 0)
+        .filter(|w| !w.is_empty())
+        .map(|w| String::from_utf8_lossy(w).into_owned())
+        .collect();
+    if words.is_empty() {
+        return None;
+    }
+    let line = words.join(" ");
+    Some(if line.chars().count() > COMMAND_CHARS {
+        let mut cut: String = line.chars().take(COMMAND_CHARS - 1).collect();
+        cut.push('…');
+        cut
+    } else {
+        line
+    })
 }
 
 /// The real process table.
@@ -113,6 +141,14 @@ impl ProcessTable for ProcFs {
             .split(|&b| b == 0)
             .find_map(|kv| kv.strip_prefix(b"GPUD_RESERVATION_ID="))
             .map(|id| String::from_utf8_lossy(id).into_owned()))
+    }
+
+    fn command(&self, pid: u32) -> Option<String> {
+        command_line(&std::fs::read(format!("/proc/{pid}/cmdline")).ok()?).or_else(|| {
+            // A kernel thread or a zombie: its name.
+            let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).ok()?;
+            Some(format!("[{}]", comm.trim_end()))
+        })
     }
 
     fn signal(&self, pid: u32, start_time: u64, signal: nix::sys::signal::Signal) -> bool {
@@ -421,7 +457,31 @@ impl<S: ProcessSource, T: ProcessTable> Auditor<S, T> {
 
         // Hand health, links and usage to placement; store events.
         let processes = attribution.seen.len();
+        let rows = attribution
+            .seen
+            .iter()
+            .map(|seen| {
+                let (reservation, wrong_gpu) = match seen.owner {
+                    Attributed::Unreserved => (None, false),
+                    Attributed::Held(i) => (Some(i), false),
+                    Attributed::WrongGpu(i) => (Some(i), true),
+                };
+                GpuProcessRow {
+                    pid: seen.process.pid,
+                    gpu_index: seen.gpu_index,
+                    unit_uuid: seen.process.unit_uuid.clone(),
+                    used_bytes: seen.process.used_bytes,
+                    uid: seen.uid,
+                    command: self.procs.command(seen.process.pid),
+                    reservation: reservation
+                        .and_then(|i| view.reservations.get(i))
+                        .map(|r| r.id.clone()),
+                    wrong_gpu,
+                }
+            })
+            .collect();
         let found = AuditFindings {
+            processes: rows,
             health: health.changed,
             topology: listed.topology,
             used: attribution.used,

@@ -435,6 +435,36 @@ pub struct EventList {
     pub events: Vec<Event>,
 }
 
+/// A process on a GPU, and the reservation it is attributed to (`GET /v1/processes`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct GpuProcess {
+    /// Process id, as gpud's pid namespace sees it.
+    pub pid: u32,
+    /// Physical GPU index.
+    pub gpu: u32,
+    /// The GPU's or MIG instance's UUID.
+    pub uuid: String,
+    /// Memory it uses there, when the driver says.
+    pub memory_used_bytes: Option<u64>,
+    /// Its owner's uid, when known.
+    pub uid: Option<u32>,
+    /// Its command line (shortened), when readable.
+    pub command: Option<String>,
+    /// The reservation its memory counts against; absent when it has none (unreserved).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reservation: Option<String>,
+    /// It belongs to `reservation`, which does not hold this GPU.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub wrong_gpu: bool,
+}
+
+/// `GET /v1/processes` response: every process on the GPUs, as the last usage check saw it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct GpuProcessList {
+    /// By GPU, then pid.
+    pub processes: Vec<GpuProcess>,
+}
+
 /// A request waiting for capacity (`GET /v1/waiters`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct Waiter {

@@ -9,8 +9,8 @@ use schemars::generate::{SchemaGenerator, SchemaSettings};
 use serde_json::{Value, json};
 
 use crate::{
-    AttachCgroupRequest, ErrorBody, EventList, GpuList, Health, RenewRequest, Reservation,
-    ReservationList, ReservationRequest, WaiterList,
+    AttachCgroupRequest, ErrorBody, EventList, GpuList, GpuProcessList, Health, RenewRequest,
+    Reservation, ReservationList, ReservationRequest, WaiterList,
 };
 
 /// Builds the whole document.
@@ -28,6 +28,7 @@ pub fn document() -> Value {
     let error = r(&mut generator, |g| g.subschema_for::<ErrorBody>());
     let event_list = r(&mut generator, |g| g.subschema_for::<EventList>());
     let waiter_list = r(&mut generator, |g| g.subschema_for::<WaiterList>());
+    let process_list = r(&mut generator, |g| g.subschema_for::<GpuProcessList>());
     let components = generator.take_definitions(true);
 
     let body = |schema: &Value| json!({"content": {"application/json": {"schema": schema}}});
@@ -184,6 +185,10 @@ pub fn document() -> Value {
                      "schema": {"type": "integer", "format": "uint32", "minimum": 1, "maximum": 10000}}
                 ],
                 "responses": {"200": reply("Events", &event_list), "400": error_reply("Bad filter")}
+            }},
+            "/v1/processes": {"get": {
+                "summary": "Every process on the GPUs with its memory, owner, command line and the reservation it is attributed to, as the last usage check saw them",
+                "responses": {"200": reply("Processes", &process_list)}
             }},
             "/v1/waiters": {"get": {
                 "summary": "Requests waiting for capacity, in the order gpud tries them",

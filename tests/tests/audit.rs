@@ -120,6 +120,86 @@ fn a_holders_child_is_accounted_and_overuse_is_over_limit() {
 }
 
 #[test]
+fn gpuctl_ps_lists_every_gpu_process_with_its_reservation_and_show_its_use() {
+    let d = Daemon::start("t4-pair", "");
+    let mut holder = sleeper();
+    let r = reserve(&d, json!({"memory": "4GiB", "holder_pid": holder.id()}));
+    let id = r.body["id"].as_str().unwrap().to_owned();
+    let gpu = usize::try_from(r.body["gpus"][0]["index"].as_u64().unwrap()).unwrap();
+    let mut rogue = sleeper();
+    set_processes(&d, gpu, &[(holder.id(), 3 * GIB)]);
+    set_processes(&d, 1 - gpu, &[(rogue.id(), GIB), (holder.id(), GIB)]);
+    d.wait_for_audit_passes(2);
+    let listed = d.get("/v1/processes");
+    assert_eq!(listed.status, 200, "{}", listed.text);
+    let rows = listed.body["processes"].as_array().unwrap();
+    assert_eq!(rows.len(), 3, "{}", listed.text);
+    let row = |g: usize, pid: u32| {
+        rows.iter()
+            .find(|p| p["gpu"] == g && p["pid"] == pid)
+            .unwrap_or_else(|| panic!("no {pid} on GPU {g}: {}", listed.text))
+    };
+    assert_eq!(row(gpu, holder.id())["reservation"], id.as_str());
+    assert_eq!(row(gpu, holder.id())["memory_used_bytes"], 3 * GIB);
+    assert_eq!(row(gpu, holder.id())["command"], "sleep 60");
+    assert!(row(1 - gpu, rogue.id()).get("reservation").is_none());
+    assert_eq!(row(1 - gpu, holder.id())["wrong_gpu"], true);
+    let out = d.gpuctl().args(["ps"]).output().unwrap();
+    assert!(out.status.success());
+    let table = String::from_utf8(out.stdout).unwrap();
+    let line = |pid: u32, g: usize| {
+        table
+            .lines()
+            .find(|l| {
+                let cols: Vec<&str> = l.split_whitespace().collect();
+                cols.len() > 2 && cols[0] == g.to_string() && cols[1] == pid.to_string()
+            })
+            .unwrap_or_else(|| panic!("no {pid} on {g} in {table}"))
+            .split_whitespace()
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    assert!(
+        line(holder.id(), gpu).ends_with(&format!("root 3 GiB {id} sleep 60")),
+        "{table}"
+    );
+    assert!(line(rogue.id(), 1 - gpu).contains("unreserved"), "{table}");
+    assert!(
+        line(holder.id(), 1 - gpu).contains(&format!("{id} (not its GPU)")),
+        "{table}"
+    );
+    // show: what the reservation's processes use on its GPU.
+    let out = d.gpuctl().args(["show", &id]).output().unwrap();
+    let shown = String::from_utf8(out.stdout).unwrap();
+    let squeezed: Vec<String> = shown
+        .lines()
+        .map(|l| l.split_whitespace().collect::<Vec<_>>().join(" "))
+        .collect();
+    assert!(
+        squeezed
+            .iter()
+            .any(|l| l.ends_with("MEMORY USED PROCESSES")),
+        "{shown}"
+    );
+    assert!(
+        squeezed.iter().any(|l| l.ends_with("4 GiB 3 GiB 1")),
+        "{shown}"
+    );
+    for mut p in [holder, rogue] {
+        p.kill().unwrap();
+        p.wait().unwrap();
+    }
+    set_processes(&d, 0, &[]);
+    set_processes(&d, 1, &[]);
+    d.wait_for_audit_passes(2);
+    let out = d.gpuctl().args(["ps"]).output().unwrap();
+    assert_eq!(
+        String::from_utf8(out.stdout).unwrap(),
+        "no processes on the GPUs\n"
+    );
+}
+
+#[test]
 fn a_process_on_a_gpu_its_reservation_does_not_hold_is_wrong_gpu() {
     let d = Daemon::start("t4-pair", "");
     let mut holder = sleeper();

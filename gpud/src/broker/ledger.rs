@@ -152,6 +152,8 @@ pub struct Ledger {
     pub(super) loads: Vec<UnitLoad>,
     /// Memory used per unit, as last measured (all processes).
     used: Vec<u64>,
+    /// The processes on the GPUs, as the last audit pass attributed them.
+    processes: Arc<Vec<super::GpuProcessRow>>,
     pub(super) active: HashMap<String, Arc<Reservation>>,
     /// Active driver-mode reservations by the cgroup their limits are on.
     pub(super) limited: HashMap<String, BTreeSet<String>>,
@@ -204,6 +206,7 @@ impl Ledger {
             driver_version: inventory.driver_version.clone(),
             topology: Arc::new(inventory.topology.clone()),
             used: vec![0; units.len()],
+            processes: Arc::default(),
             units: Arc::new(units),
             unit_by_uuid,
             loads,
@@ -325,6 +328,7 @@ impl Ledger {
             units: self.units.clone(),
             loads: self.loads.clone(),
             used: self.used.clone(),
+            processes: self.processes.clone(),
             reservations,
             waiters: Arc::new(self.queue.listing()),
             settings: self.settings.clone(),
@@ -1330,6 +1334,9 @@ impl Ledger {
         }
         for (slot, u) in self.used.iter_mut().zip(&findings.used) {
             *slot = *u;
+        }
+        if !findings.used.is_empty() {
+            self.processes = Arc::new(findings.processes);
         }
         // When memory nobody reserved shrinks somewhere (a stray process ended, a job over
         // its reservation exited), the queue is tried again: nothing else would wake a

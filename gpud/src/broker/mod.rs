@@ -245,6 +245,29 @@ pub struct AuditFindings {
     pub unaccounted: Vec<(u64, bool)>,
     /// Events to record.
     pub events: Vec<Event>,
+    /// Every process seen on a GPU, attributed.
+    pub processes: Vec<GpuProcessRow>,
+}
+
+/// A process on a GPU as the last audit pass saw it, and whose it is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuProcessRow {
+    /// Host pid.
+    pub pid: u32,
+    /// Physical GPU index.
+    pub gpu_index: u32,
+    /// The unit (GPU or MIG instance) it runs on.
+    pub unit_uuid: String,
+    /// Memory it uses there, when the driver says.
+    pub used_bytes: Option<u64>,
+    /// Its owner.
+    pub uid: Option<u32>,
+    /// Its command line, shortened.
+    pub command: Option<String>,
+    /// The reservation it is attributed to.
+    pub reservation: Option<String>,
+    /// Attributed to a reservation that does not hold this GPU.
+    pub wrong_gpu: bool,
 }
 
 /// The state as of the last commit: immutable, shared by every reader until the next.
@@ -262,6 +285,8 @@ pub struct Snapshot {
     pub loads: Vec<UnitLoad>,
     /// Measured memory use per unit.
     pub used: Vec<u64>,
+    /// The processes on the GPUs, as the last audit pass attributed them.
+    pub processes: Arc<Vec<GpuProcessRow>>,
     /// Active reservations, oldest first.
     pub reservations: Arc<Vec<Arc<Reservation>>>,
     /// Queued requests, in the order they are tried.
