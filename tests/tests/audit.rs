@@ -122,11 +122,11 @@ fn a_holders_child_is_accounted_and_overuse_is_over_limit() {
 #[test]
 fn gpuctl_ps_lists_every_gpu_process_with_its_reservation_and_show_its_use() {
     let d = Daemon::start("t4-pair", "");
-    let mut holder = sleeper();
+    let holder = sleeper();
     let r = reserve(&d, json!({"memory": "4GiB", "holder_pid": holder.id()}));
     let id = r.body["id"].as_str().unwrap().to_owned();
     let gpu = usize::try_from(r.body["gpus"][0]["index"].as_u64().unwrap()).unwrap();
-    let mut rogue = sleeper();
+    let rogue = sleeper();
     set_processes(&d, gpu, &[(holder.id(), 3 * GIB)]);
     set_processes(&d, 1 - gpu, &[(rogue.id(), GIB), (holder.id(), GIB)]);
     d.wait_for_audit_passes(2);
