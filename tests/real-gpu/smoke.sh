@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # gpud against the real NVIDIA driver, end to end, in about a minute: for the few minutes a
-# session is lent a GPU machine (see the README, "Testing on a real GPU").
+# session is lent a GPU machine (see docs/testing.md, "Testing on a real GPU").
 #
 #   tests/real-gpu/smoke.sh          the real driver (libnvidia-ml.so.1), CUDA processes
 #   tests/real-gpu/smoke.sh --fake   the same steps on the fake NVML (CI runs this, so the
