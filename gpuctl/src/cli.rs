@@ -9,7 +9,7 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use gpud_schema::{DEFAULT_SOCKET, MemoryAmount, PolicyName, parse_memory};
 
-/// Exit codes, as `--help`, the man page and the README list them.
+/// Exit codes, as `--help`, the man page and docs/gpuctl.md list them.
 pub const EXIT_CODES_HELP: &str = "\
 Exit status:
   0    success (with `reserve ... -- COMMAND`: the command's own exit status)
@@ -140,8 +140,8 @@ pub enum Command {
     /// cgroup.
     #[command(after_help = CDI_HOOK_AFTER_HELP)]
     CdiHook(CdiHookArgs),
-    /// Slurm's node hooks: gpud as the GPU allocator of a Slurm node (see the README's
-    /// Slurm section). slurm.conf names links to gpuctl (gpud-slurm-prolog, ...).
+    /// Slurm's node hooks: gpud as the GPU allocator of a Slurm node (see docs/slurm.md).
+    /// slurm.conf names links to gpuctl (gpud-slurm-prolog, ...).
     #[command(after_help = SLURM_AFTER_HELP)]
     Slurm {
         /// Which hook.

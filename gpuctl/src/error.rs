@@ -1,7 +1,7 @@
 //! What can go wrong, as one line for a person and one exit code for a script.
 //!
 //! [`CliError::exit_code`] is the one mapping from failures (and gpud's stable error codes)
-//! to the exit statuses that `--help` and the README document.
+//! to the exit statuses that `--help` and docs/gpuctl.md document.
 
 use std::io;
 use std::path::PathBuf;

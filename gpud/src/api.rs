@@ -263,7 +263,7 @@ impl Api {
                 StatusCode::NOT_FOUND,
                 codes::NOT_FOUND,
                 format!(
-                    "no route {path}; see the API in gpud's README (GET /v1/gpus, POST /v1/reservations, ...)"
+                    "no route {path}; see the API in docs/api.md (GET /v1/gpus, POST /v1/reservations, ...)"
                 ),
             )),
         }

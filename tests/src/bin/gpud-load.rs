@@ -25,7 +25,7 @@
 //! - `--spawn-gpud FIXTURE` starts `gpud` from this binary's directory on the fake NVML
 //!   (`libfake_nvml.so` beside it) in a temporary directory, instead of `--socket`.
 //!
-//! Reproduce the README's figures (release builds of everything first):
+//! Reproduce the figures of docs/performance.md (release builds of everything first):
 //!
 //! ```sh
 //! cargo build --release --workspace && target/release/gpud-load --spawn-gpud dgx1-v100 \
