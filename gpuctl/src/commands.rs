@@ -68,6 +68,13 @@ pub fn list(
     let list = rt.block_on(client.list(args.state.as_str(), args.owner))?;
     match args.output {
         Output::Json => print(&json(&list)?)?,
+        Output::Table if list.reservations.is_empty() => {
+            let which = match args.state.as_str() {
+                "all" => String::new(),
+                state => format!("{state} "),
+            };
+            print(&format!("no {which}reservations\n"))?;
+        }
         Output::Table => {
             // MIG instances by the names `gpuctl gpus` gives them, when there are any.
             let has_mig = list
@@ -159,6 +166,7 @@ pub fn waiters(
     let list = rt.block_on(Client::new(socket).waiters())?;
     match args.output {
         Output::Json => print(&json(&list)?)?,
+        Output::Table if list.waiters.is_empty() => print("no requests waiting\n")?,
         Output::Table => print(&waiters_table(&list.waiters, now, &user_names()))?,
     }
     Ok(ExitCode::SUCCESS)
@@ -202,12 +210,14 @@ pub fn events(
                     ))?;
                 }
             }
+            (Output::Table, false) if list.events.is_empty() => print("no events\n")?,
             (Output::Table, _) => print(&events_table(&list.events, first))?,
         }
         if !args.follow {
             return Ok(ExitCode::SUCCESS);
         }
-        first = false;
+        // The column titles come with the first events there are.
+        first &= list.events.is_empty();
         std::thread::sleep(std::time::Duration::from_secs(1));
     }
 }

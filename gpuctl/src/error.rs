@@ -223,7 +223,7 @@ pub fn api_exit_code(status: u16, code: &str) -> u8 {
 fn unreachable_hint(e: &io::Error) -> &'static str {
     match e.kind() {
         io::ErrorKind::PermissionDenied => {
-            "you may not be allowed to use gpud: check the socket's owner and mode (socket_mode in gpud.toml)"
+            "you may not use gpud's socket: ask an administrator to add you to the gpud group (then log in again), or check the socket's owner and mode (socket_mode in gpud.toml)"
         }
         io::ErrorKind::NotFound | io::ErrorKind::ConnectionRefused => {
             "gpud may not be running, or it listens elsewhere: use --socket or GPUD_SOCKET"
@@ -308,6 +308,14 @@ mod tests {
              not be running, or it listens elsewhere: use --socket or GPUD_SOCKET"
         );
         assert_eq!(e.exit_code(), 3);
+        let denied = CliError::Unreachable {
+            socket: "/run/gpud/gpud.sock".into(),
+            source: io::Error::from(io::ErrorKind::PermissionDenied),
+        };
+        assert!(
+            denied.to_string().contains("add you to the gpud group"),
+            "{denied}"
+        );
     }
 
     #[test]

@@ -553,7 +553,7 @@ fn refuse(config: &SlurmConfig, job: &JobEnv, info: &JobInfo, how: Refusal, why:
     let what = match (how, info.batch) {
         (Refusal::NotNow, true) => format!(
             "requeued: no GPU room on this node now ({why}); it starts again in {} or later",
-            humantime::format_duration(config.requeue_delay)
+            gpud_schema::format_duration(config.requeue_delay)
         ),
         (Refusal::NotNow, false) => format!(
             "not started: no GPU room on this node now ({why}); try again later, or submit \

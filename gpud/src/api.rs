@@ -280,7 +280,7 @@ impl Api {
                 codes::BODY_TIMEOUT,
                 format!(
                     "the request body did not arrive within {}; send it whole",
-                    humantime::format_duration(within)
+                    gpud_schema::format_duration(within)
                 ),
             ));
         };

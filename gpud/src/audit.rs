@@ -758,7 +758,7 @@ impl<S: ProcessSource, T: ProcessTable> Auditor<S, T> {
                 });
                 done.push(format!(
                     "{pid}: sigterm, sigkill in {}",
-                    humantime::format_duration(config.grace)
+                    gpud_schema::format_duration(config.grace)
                 ));
             } else {
                 done.push(format!("{pid}: gone"));
@@ -1692,7 +1692,7 @@ mod tests {
         let report = a.pass(&config, 1_000);
         let actions: Vec<&str> = report.events.iter().map(|e| e.action.as_str()).collect();
         assert!(
-            actions[0].contains("6000: sigterm, sigkill in 500ms"),
+            actions[0].contains("6000: sigterm, sigkill in 500 ms"),
             "{actions:?}"
         );
         assert!(actions[1].contains("spared (root's process"), "{actions:?}");

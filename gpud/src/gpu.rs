@@ -686,7 +686,7 @@ impl Nvml {
                         // audit's queries.
                         let text = e.to_string();
                         if last_error.as_ref() != Some(&text) {
-                            tracing::warn!(error = %text, every = %humantime::format_duration(step), "waiting for Xid errors failed; retrying");
+                            tracing::warn!(error = %text, every = %gpud_schema::format_duration(step), "waiting for Xid errors failed; retrying");
                             last_error = Some(text);
                         }
                         std::thread::sleep(step);

@@ -9,11 +9,13 @@ use std::collections::BTreeMap;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+pub mod duration;
 #[cfg(feature = "manual")]
 pub mod manual;
 pub mod openapi;
 pub mod size;
 
+pub use duration::format_duration;
 pub use size::{MemoryAmount, SizeError, format_basis_points, format_bytes, parse_memory};
 
 pub mod env;

@@ -625,7 +625,7 @@ fn every_exit_status_is_produced() {
         &["reserve", "--mem", "1GiB", "--ttl", "1m", "--wait", "1s"],
         5,
     );
-    assert!(err.contains("waited 1s"), "{err}");
+    assert!(err.contains("waited 1 s"), "{err}");
     assert!(started.elapsed() >= Duration::from_millis(900), "{err}");
     // 1: not found, and not active any more.
     expect(&d, &["release", "no-such-reservation"], 1);
@@ -798,6 +798,22 @@ fn ran_on_a_gpu(child: std::process::Child) -> Output {
 }
 
 #[test]
+fn empty_tables_say_so() {
+    let d = Daemon::start("t4-pair", "");
+    assert_eq!(expect(&d, &["ls"], 0), "no active reservations\n");
+    assert_eq!(
+        expect(&d, &["ls", "--state", "all"], 0),
+        "no reservations\n"
+    );
+    assert_eq!(expect(&d, &["waiters"], 0), "no requests waiting\n");
+    assert_eq!(expect(&d, &["events"], 0), "no events\n");
+    assert_eq!(expect(&d, &["ps"], 0), "no processes on the GPUs\n");
+    // JSON stays the API's, empty lists and all.
+    let listed: Value = serde_json::from_str(&expect(&d, &["ls", "-o", "json"], 0)).unwrap();
+    assert_eq!(listed["reservations"], json!([]));
+}
+
+#[test]
 fn gpus_says_what_is_free_and_counts_each_reservation_once() {
     let d = Daemon::start("t4-pair", "");
     expect(&d, &["reserve", "--mem", "4GiB", "--ttl", "10m"], 0);
@@ -958,7 +974,7 @@ fn a_terminal_shows_a_live_status_line_while_waiting() {
         "{screen:?}"
     );
     // The line is cleared before the final message.
-    assert!(screen.contains("\r\x1b[2Kgpuctl: waited 2s"), "{screen:?}");
+    assert!(screen.contains("\r\x1b[2Kgpuctl: waited 2 s"), "{screen:?}");
 }
 
 #[test]

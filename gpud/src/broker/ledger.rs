@@ -507,9 +507,9 @@ impl Ledger {
             let max = wait_config.max_wait_seconds;
             return Err(BrokerError::Invalid(format!(
                 "a wait of {} (wait_seconds {}) is longer than this gpud allows ({}); ask for less",
-                humantime::format_duration(wait),
+                gpud_schema::format_duration(wait),
                 wait.as_secs(),
-                humantime::format_duration(Duration::from_secs(max))
+                gpud_schema::format_duration(Duration::from_secs(max))
             )));
         }
         if request.holder_pid.is_none()
@@ -565,7 +565,7 @@ impl Ledger {
                     BrokerError::NoCapacity(_) => BrokerError::NoCapacity(format!(
                         "capacity is being held for a request that has waited more than {}; \
                          wait for it to be served",
-                        humantime::format_duration(self.settings.config.wait.starvation_after)
+                        gpud_schema::format_duration(self.settings.config.wait.starvation_after)
                     )),
                     e => e,
                 }),
@@ -1393,7 +1393,7 @@ fn check_ttl(ttl: u64) -> Result<u64, BrokerError> {
         t if t > MAX_TTL_SECONDS => Err(BrokerError::Invalid(format!(
             "a lease of {} (ttl_seconds {t}) is longer than ten years; renew a lease \
              that must last longer, or give holder_pid to hold it as long as a process runs",
-            humantime::format_duration(Duration::from_secs(t))
+            gpud_schema::format_duration(Duration::from_secs(t))
         ))),
         t => Ok(t),
     }

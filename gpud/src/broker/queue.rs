@@ -41,7 +41,7 @@ impl Waiter {
         let waited = Duration::from_millis(self.gives_up_at.saturating_sub(self.since));
         BrokerError::WaitTimeout(format!(
             "waited {} and nothing freed up: {}",
-            humantime::format_duration(waited),
+            gpud_schema::format_duration(waited),
             self.why
         ))
     }

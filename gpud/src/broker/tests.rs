@@ -460,7 +460,7 @@ fn a_waiter_is_served_when_capacity_frees_and_gives_up_at_its_deadline() {
     assert!(matches!(e, BrokerError::WaitTimeout(_)), "{e}");
     assert!(
         e.to_string()
-            .starts_with("waited 5s and nothing freed up: "),
+            .starts_with("waited 5 s and nothing freed up: "),
         "{e}"
     );
     assert_eq!(rules.ledger.next_deadline(), Some(31_000));
@@ -500,7 +500,7 @@ fn a_waiter_says_why_it_waits_as_the_machine_is_now_and_its_timeout_too() {
     rules.reserved(CAROL, lease(gib(2), 600), 3_000);
     assert_eq!(rules.run(|l, t| l.expire_due(t, 6_000)).unwrap(), 0);
     let e = bob.try_recv().unwrap().unwrap_err().to_string();
-    assert!(e.starts_with("waited 5s and nothing freed up: "), "{e}");
+    assert!(e.starts_with("waited 5 s and nothing freed up: "), "{e}");
     assert!(e.contains("1 GiB") && !e.contains("3 GiB"), "{e}");
 }
 

@@ -341,7 +341,7 @@ async fn serve(config: Config, config_path: Option<PathBuf>) -> anyhow::Result<(
 /// accepting connections it can no longer answer.
 async fn watchdog(broker: Arc<Broker>, every: Duration) {
     let every = every.max(Duration::from_millis(10));
-    tracing::info!(every = %humantime::format_duration(every), "sending watchdog keep-alives");
+    tracing::info!(every = %gpud_schema::format_duration(every), "sending watchdog keep-alives");
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -388,7 +388,7 @@ async fn history_loop(broker: Arc<Broker>, metrics: Arc<Metrics>) {
             tracing::info!(
                 reservations,
                 events,
-                keep = %humantime::format_duration(history.keep),
+                keep = %gpud_schema::format_duration(history.keep),
                 max_rows = history.max_rows,
                 "deleted history older than [history] keep or beyond [history] max_rows"
             );
