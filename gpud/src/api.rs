@@ -112,8 +112,13 @@ pub fn status_for(e: &BrokerError) -> (StatusCode, &'static str) {
 impl From<BrokerError> for ApiError {
     fn from(e: BrokerError) -> ApiError {
         let (status, code) = status_for(&e);
-        if status.is_server_error() {
-            tracing::error!(error = %e, "request failed");
+        match &e {
+            // Its waiters told, as a stop or restart does: nothing went wrong.
+            BrokerError::ShuttingDown => {
+                tracing::debug!(error = %e, "request answered: gpud is stopping");
+            }
+            _ if status.is_server_error() => tracing::error!(error = %e, "request failed"),
+            _ => {}
         }
         let message = if code == codes::OUT_OF_RESOURCES {
             format!(

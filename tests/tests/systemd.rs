@@ -312,6 +312,9 @@ fn sighup_applies_a_new_quota_and_keeps_the_old_config_when_the_new_one_is_broke
     );
     let text = log();
     assert!(text.contains("section=\"quotas\""), "{text}");
+    // The new value as the file writes it, not as Rust's debug output.
+    assert!(text.contains("max_reservations = 2"), "{text}");
+    assert!(!text.contains("Quota {"), "{text}");
     assert!(text.contains("key=\"server\""), "{text}");
     assert!(!text.contains("key=\"socket\""), "{text}");
     // max_body_bytes = 1024 was not applied: a 2000-byte body is still accepted.

@@ -136,8 +136,17 @@ pub fn reload(broker: &Broker, path: &Path, at_start: &Config) -> Result<ReloadP
             path: path.to_owned(),
             source,
         })?;
-    for (section, value) in &plan.changed {
-        tracing::info!(config = %path.display(), section, now = %value, "config section changed on reload");
+    // Each changed section as the file writes it (inline TOML), or `defaults` when the file
+    // no longer has it.
+    let written: Option<toml::Table> = std::fs::read_to_string(path)
+        .ok()
+        .and_then(|text| text.parse().ok());
+    for (section, _) in &plan.changed {
+        let now = written
+            .as_ref()
+            .and_then(|t| t.get(*section))
+            .map_or_else(|| "defaults".to_owned(), ToString::to_string);
+        tracing::info!(config = %path.display(), section, %now, "config section changed on reload");
     }
     if plan.changed.is_empty() {
         tracing::info!(config = %path.display(), "config reloaded: no reloadable section changed");
