@@ -34,7 +34,10 @@ pub fn json<T: Serialize>(value: &T) -> Result<String, CliError> {
 
 /// `gpuctl release ID`.
 pub fn release(args: &IdArgs, socket: &Path, rt: &Runtime) -> Result<ExitCode, CliError> {
-    let r = rt.block_on(Client::new(socket).release(&args.id))?;
+    let client = Client::new(socket);
+    let r = rt.block_on(by_prefix(&client, &args.id, "active", async |id: &str| {
+        client.release(id).await
+    }))?;
     match args.output {
         Output::Json => print(&json(&r)?)?,
         Output::Table => print(&format!("released {}\n", r.id))?,
@@ -45,7 +48,10 @@ pub fn release(args: &IdArgs, socket: &Path, rt: &Runtime) -> Result<ExitCode, C
 /// `gpuctl renew ID [--ttl DURATION]`.
 pub fn renew(args: &RenewArgs, socket: &Path, rt: &Runtime) -> Result<ExitCode, CliError> {
     let ttl = args.ttl.map(whole_seconds);
-    let r = rt.block_on(Client::new(socket).renew(&args.id, ttl))?;
+    let client = Client::new(socket);
+    let r = rt.block_on(by_prefix(&client, &args.id, "active", async |id: &str| {
+        client.renew(id, ttl).await
+    }))?;
     match args.output {
         Output::Json => print(&json(&r)?)?,
         Output::Table => print(&format!(
@@ -55,6 +61,37 @@ pub fn renew(args: &RenewArgs, socket: &Path, rt: &Runtime) -> Result<ExitCode, 
         ))?,
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Runs `op` on reservation `id`; when gpud has no such id, on the one reservation (of
+/// `state`) whose id starts with it, as `git` takes a commit's prefix. An ambiguous prefix
+/// is an error that lists the candidates.
+async fn by_prefix(
+    client: &Client,
+    id: &str,
+    state: &str,
+    op: impl AsyncFn(&str) -> Result<gpud_schema::Reservation, CliError>,
+) -> Result<gpud_schema::Reservation, CliError> {
+    let missing = match op(id).await {
+        Err(e) if e.code() == Some(gpud_schema::codes::NOT_FOUND) => e,
+        done => return done,
+    };
+    let list = client.list(state, None).await?;
+    let candidates: Vec<&str> = list
+        .reservations
+        .iter()
+        .map(|r| r.id.as_str())
+        .filter(|candidate| candidate.starts_with(id))
+        .collect();
+    match candidates.as_slice() {
+        [] => Err(missing),
+        [one] => op(one).await,
+        many => Err(CliError::Usage(format!(
+            "{} reservations start with {id:?}: {}; give more of the id",
+            many.len(),
+            many.join(", ")
+        ))),
+    }
 }
 
 /// `gpuctl ls`.
@@ -113,7 +150,9 @@ pub fn show(
     now: SystemTime,
 ) -> Result<ExitCode, CliError> {
     let client = Client::new(socket);
-    let r = rt.block_on(client.get(&args.id))?;
+    let r = rt.block_on(by_prefix(&client, &args.id, "all", async |id: &str| {
+        client.get(id).await
+    }))?;
     match args.output {
         Output::Json => print(&json(&r)?)?,
         Output::Table => {

@@ -798,6 +798,27 @@ fn ran_on_a_gpu(child: std::process::Child) -> Output {
 }
 
 #[test]
+fn an_unambiguous_prefix_of_an_id_names_the_reservation() {
+    let d = Daemon::start("t4-pair", "");
+    for id in ["job-alpha-1", "job-alpha-2", "job-beta"] {
+        let body = json!({"id": id, "memory": "1GiB", "ttl_seconds": 600}).to_string();
+        assert_eq!(d.post("/v1/reservations", &body).status, 201);
+    }
+    assert!(expect(&d, &["show", "job-b"], 0).starts_with("id:        job-beta\n"));
+    let err = expect_err(&d, &["release", "job-alpha"], 2);
+    assert!(
+        err.contains("2 reservations start with \"job-alpha\": job-alpha-1, job-alpha-2"),
+        "{err}"
+    );
+    assert_eq!(expect(&d, &["release", "job-b"], 0), "released job-beta\n");
+    assert!(expect(&d, &["renew", "job-alpha-2"], 0).starts_with("renewed job-alpha-2 "));
+    // An ended one is still shown by its prefix; release looks among active ones only.
+    assert!(expect(&d, &["show", "job-b"], 0).contains("state:     released"));
+    expect_err(&d, &["release", "job-b"], 1);
+    expect_err(&d, &["show", "nothing"], 1);
+}
+
+#[test]
 fn empty_tables_say_so() {
     let d = Daemon::start("t4-pair", "");
     assert_eq!(expect(&d, &["ls"], 0), "no active reservations\n");
