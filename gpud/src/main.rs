@@ -4,7 +4,7 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use clap::{CommandFactory, Parser, Subcommand};
+use clap::{Args, CommandFactory, Parser, Subcommand};
 
 use gpud::config::{Config, DEFAULT_CONFIG};
 use gpud_schema::manual;
@@ -30,20 +30,28 @@ struct Cli {
     /// NVML library to load instead of the system's libnvidia-ml.so.1.
     #[arg(long, global = true, value_name = "PATH")]
     nvml_lib: Option<PathBuf>,
-    /// Unix socket to serve on [default: /run/gpud/gpud.sock].
-    #[arg(long, global = true, value_name = "PATH")]
-    socket: Option<PathBuf>,
-    /// Directory for the state database [default: /var/lib/gpud].
-    #[arg(long, global = true, value_name = "DIR")]
-    state_dir: Option<PathBuf>,
+    /// Where to serve (for `gpud` and `gpud run` only: `probe` serves nothing).
+    #[command(flatten)]
+    serve: ServeArgs,
     #[command(subcommand)]
     command: Option<Command>,
+}
+
+/// The options of serving.
+#[derive(Debug, Default, Args)]
+struct ServeArgs {
+    /// Unix socket to serve on [default: /run/gpud/gpud.sock].
+    #[arg(long, value_name = "PATH")]
+    socket: Option<PathBuf>,
+    /// Directory for the state database [default: /var/lib/gpud].
+    #[arg(long, value_name = "DIR")]
+    state_dir: Option<PathBuf>,
 }
 
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Serve reservations (the default when no command is given).
-    Run,
+    Run(ServeArgs),
     /// Print what gpud sees: GPUs, memory, MIG instances and the link matrix.
     Probe {
         /// Machine-readable JSON instead of the table.
@@ -73,12 +81,25 @@ fn main() -> ExitCode {
 }
 
 fn run(mut cli: Cli) -> anyhow::Result<()> {
-    match cli.command.take().unwrap_or(Command::Run) {
-        Command::Run => {
+    match cli
+        .command
+        .take()
+        .unwrap_or(Command::Run(ServeArgs::default()))
+    {
+        Command::Run(serve) => {
+            // `gpud --socket X run` and `gpud run --socket X` alike.
+            cli.serve.socket = serve.socket.or(cli.serve.socket);
+            cli.serve.state_dir = serve.state_dir.or(cli.serve.state_dir);
             let (config, path) = load_config(cli)?;
             gpud::server::run(config, Some(path))
         }
         Command::Probe { json } => {
+            if cli.serve.socket.is_some() || cli.serve.state_dir.is_some() {
+                anyhow::bail!(
+                    "probe serves nothing and reads no state: --socket and --state-dir are for \
+                     gpud and gpud run"
+                );
+            }
             let (config, _) = load_config(cli)?;
             let nvml = gpud::gpu::Nvml::open(config.nvml_lib.as_deref())?;
             let inventory = nvml.discover()?;
@@ -110,10 +131,10 @@ fn load_config(cli: Cli) -> anyhow::Result<(Config, PathBuf)> {
     if let Some(lib) = cli.nvml_lib {
         config.nvml_lib = Some(lib);
     }
-    if let Some(socket) = cli.socket {
+    if let Some(socket) = cli.serve.socket {
         config.socket = socket;
     }
-    if let Some(dir) = cli.state_dir {
+    if let Some(dir) = cli.serve.state_dir {
         config.state_dir = dir;
     }
     Ok((config, path))

@@ -135,3 +135,34 @@ fn a_lost_gpu_is_listed_unhealthy_and_the_rest_still_probe() {
         .collect();
     assert_eq!(healthy, [true, true, true, false, true, true, true, true]);
 }
+
+#[test]
+fn probe_help_lists_only_what_probe_uses() {
+    let help = |args: &[&str]| {
+        let out = Command::new(gpud_bin()).args(args).output().unwrap();
+        assert!(out.status.success());
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let probe = help(&["probe", "--help"]);
+    assert!(
+        probe.contains("--nvml-lib") && probe.contains("--json"),
+        "{probe}"
+    );
+    assert!(
+        !probe.contains("--socket") && !probe.contains("--state-dir"),
+        "{probe}"
+    );
+    let run = help(&["run", "--help"]);
+    assert!(
+        run.contains("--socket") && run.contains("--state-dir"),
+        "{run}"
+    );
+    // Given anyway, before the subcommand: refused, not ignored.
+    let out = Command::new(gpud_bin())
+        .args(["--socket", "/tmp/x.sock", "probe"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert!(err.contains("probe serves nothing"), "{err}");
+}
