@@ -26,6 +26,23 @@ Exit status:
   130  interrupted by Ctrl-C before the reservation was made; nothing is held
        (143 for SIGTERM, 129 for SIGHUP)";
 
+/// The exit codes of a command that only reads (ls, show, gpus, ps, waiters, events).
+const READ_EXIT_CODES: &str = "\
+Exit status:
+  0    success
+  1    any other error (not found, gpud failed)
+  2    usage error (bad flag or value)
+  3    gpud unreachable (socket missing, refused, or connection lost)";
+
+/// The exit codes of release and renew.
+const CHANGE_EXIT_CODES: &str = "\
+Exit status:
+  0    success
+  1    any other error (not found, not active any more, gpud failed)
+  2    usage error (bad flag or value, or an id prefix that names several reservations)
+  3    gpud unreachable (socket missing, refused, or connection lost)
+  6    forbidden: not yours (only its owner, root or an admin group may)";
+
 const RESERVE_AFTER_HELP: &str = "\
 Sizes are per GPU and binary, like nvidia-smi's: 512MiB, 4GiB, 1.5G; G, GB and GiB all mean
 2^30 bytes. A percentage (25%) is that share of each chosen GPU's memory.
@@ -110,31 +127,31 @@ pub enum Command {
     #[command(after_help = RESERVE_AFTER_HELP)]
     Reserve(ReserveArgs),
     /// Release a reservation now.
-    #[command(after_help = EXIT_CODES_HELP)]
+    #[command(after_help = CHANGE_EXIT_CODES)]
     Release(IdArgs),
     /// Extend a TTL lease.
-    #[command(after_help = EXIT_CODES_HELP)]
+    #[command(after_help = CHANGE_EXIT_CODES)]
     Renew(RenewArgs),
     /// List reservations.
-    #[command(visible_alias = "list", after_help = EXIT_CODES_HELP)]
+    #[command(visible_alias = "list", after_help = READ_EXIT_CODES)]
     Ls(ListArgs),
     /// Show one reservation: GPUs, holder, lease and environment.
-    #[command(after_help = EXIT_CODES_HELP)]
+    #[command(after_help = READ_EXIT_CODES)]
     Show(IdArgs),
     /// Per GPU (and MIG instance): memory reserved, used and total, reservations, health.
-    #[command(after_help = EXIT_CODES_HELP)]
+    #[command(after_help = READ_EXIT_CODES)]
     Gpus(TableArgs),
     /// Processes on the GPUs: memory, user, command, and the reservation each counts against
     /// (or unreserved), as gpud's usage check last saw them.
-    #[command(after_help = EXIT_CODES_HELP)]
+    #[command(after_help = READ_EXIT_CODES)]
     Ps(TableArgs),
     /// Requests waiting for capacity (`reserve --wait`), in the order gpud tries them: who
     /// asked, for what, since when.
-    #[command(after_help = EXIT_CODES_HELP)]
+    #[command(after_help = READ_EXIT_CODES)]
     Waiters(TableArgs),
     /// Audit events: processes nobody reserved for, on the wrong GPU, or over their limit;
     /// GPUs lost and recovered.
-    #[command(after_help = EXIT_CODES_HELP)]
+    #[command(after_help = READ_EXIT_CODES)]
     Events(EventsArgs),
     /// The CDI hook of a reservation's device: puts its memory limits on a new container's
     /// cgroup.
@@ -544,6 +561,33 @@ fn parse_id(s: &str) -> Result<String, String> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn each_subcommand_lists_only_its_own_exit_codes() {
+        let help = |name: &str| {
+            let mut cmd = Cli::command();
+            let sub = cmd.find_subcommand_mut(name).unwrap();
+            sub.render_long_help().to_string()
+        };
+        let reserve = help("reserve");
+        assert!(
+            reserve.contains("--wait timed out") && reserve.contains("127"),
+            "{reserve}"
+        );
+        for read in ["ls", "show", "gpus", "ps", "waiters", "events"] {
+            let text = help(read);
+            assert!(text.contains("3    gpud unreachable"), "{read}: {text}");
+            assert!(
+                !text.contains("--wait timed out") && !text.contains("127"),
+                "{read}: {text}"
+            );
+        }
+        for change in ["release", "renew"] {
+            let text = help(change);
+            assert!(text.contains("6    forbidden"), "{change}: {text}");
+            assert!(!text.contains("--wait timed out"), "{change}: {text}");
+        }
+    }
+
     use super::*;
     use clap::CommandFactory;
 
