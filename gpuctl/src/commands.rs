@@ -315,7 +315,7 @@ fn colour() -> bool {
 }
 
 /// uid → user name from the passwd database, the uid itself when there is none.
-fn user_names() -> impl Fn(u32) -> String {
+pub fn user_names() -> impl Fn(u32) -> String {
     let cache = RefCell::new(BTreeMap::new());
     move |uid| {
         cache

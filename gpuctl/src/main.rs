@@ -54,7 +54,14 @@ fn main() -> ExitCode {
     match run(&cli) {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("gpuctl: {e}");
+            // gpud's messages name users by uid; people know them by name.
+            let line = match &e {
+                CliError::Api { message, .. } => {
+                    output::name_uids(message, &commands::user_names())
+                }
+                e => e.to_string(),
+            };
+            eprintln!("gpuctl: {line}");
             if cli.command.prints_json() {
                 let _ = print(&format!("{}\n", e.to_json()));
             }

@@ -348,7 +348,10 @@ pub fn waiters_table(
             describe(&asked(w)).into(),
             age_cell(&w.waiting_since, now).into(),
             span_cell(Some(now), parse_time(&w.gives_up_at)).into(),
-            w.reason.clone().unwrap_or_else(|| "-".to_owned()).into(),
+            w.reason
+                .as_deref()
+                .map_or_else(|| "-".to_owned(), |r| name_uids(r, owner_name))
+                .into(),
         ]);
     }
     t.render(false)
@@ -400,7 +403,7 @@ pub fn reservation_details(
         field("expires", format!("{expires}{ttl}"));
     }
     if let Some(ended) = &r.ended_at {
-        let why = r.end_reason.as_deref().unwrap_or("");
+        let why = name_uids(r.end_reason.as_deref().unwrap_or(""), owner_name);
         field("ended", format!("{ended} ({why})"));
     }
     field("memory", format!("{} per GPU", memory_cell(r)));
@@ -450,6 +453,29 @@ pub fn percent(n: u64, of: u64) -> u64 {
     }
     let p = (u128::from(n) * 200 + u128::from(of)) / (u128::from(of) * 2);
     u64::try_from(p).unwrap_or(u64::MAX)
+}
+
+/// `text` with each `uid N` of gpud's messages followed by the user's name, as the tables
+/// name owners: `released by uid 1007 (bob)`. A uid without a name stays as it is.
+pub fn name_uids(text: &str, user_name: &dyn Fn(u32) -> String) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(at) = rest.find("uid ") {
+        let (before, after) = rest.split_at(at + 4);
+        out.push_str(before);
+        let digits = after.chars().take_while(char::is_ascii_digit).count();
+        let (number, tail) = after.split_at(digits);
+        out.push_str(number);
+        if let Ok(uid) = number.parse::<u32>() {
+            let name = user_name(uid);
+            if name != number && !tail.starts_with(" (") {
+                out.push_str(&format!(" ({name})"));
+            }
+        }
+        rest = tail;
+    }
+    out.push_str(rest);
+    out
 }
 
 /// `gpuctl ps`: every process on the GPUs, whose it is and what it uses.
@@ -811,6 +837,30 @@ mod tests {
             details.contains("isolation: driver-enforced on /sys/fs/cgroup/gpud/r1"),
             "{details}"
         );
+    }
+
+    #[test]
+    fn uids_in_messages_get_their_names() {
+        let names = |uid: u32| match uid {
+            1007 => "bob".to_owned(),
+            uid => uid.to_string(),
+        };
+        assert_eq!(
+            name_uids("released by uid 1007", &names),
+            "released by uid 1007 (bob)"
+        );
+        assert_eq!(
+            name_uids(
+                "quota for uid 1007 allows 1; uid 42 holds it; uid x",
+                &names
+            ),
+            "quota for uid 1007 (bob) allows 1; uid 42 holds it; uid x"
+        );
+        assert_eq!(
+            name_uids("uid 1007 (bob) already", &names),
+            "uid 1007 (bob) already"
+        );
+        assert_eq!(name_uids("no uids here", &names), "no uids here");
     }
 
     #[test]

@@ -813,9 +813,32 @@ fn an_unambiguous_prefix_of_an_id_names_the_reservation() {
     assert_eq!(expect(&d, &["release", "job-b"], 0), "released job-beta\n");
     assert!(expect(&d, &["renew", "job-alpha-2"], 0).starts_with("renewed job-alpha-2 "));
     // An ended one is still shown by its prefix; release looks among active ones only.
-    assert!(expect(&d, &["show", "job-b"], 0).contains("state:     released"));
+    let shown = expect(&d, &["show", "job-b"], 0);
+    assert!(shown.contains("state:     released"), "{shown}");
     expect_err(&d, &["release", "job-b"], 1);
     expect_err(&d, &["show", "nothing"], 1);
+}
+
+#[test]
+fn a_refusal_names_the_user_behind_a_uid() {
+    if !gpud_tests::is_root() {
+        gpud_tests::missing_prerequisite("root (to act as another uid)");
+        return;
+    }
+    use std::os::unix::process::CommandExt;
+    let d = Daemon::start("t4-pair", "");
+    let body = json!({"id": "roots", "memory": "1GiB", "ttl_seconds": 600}).to_string();
+    assert_eq!(d.post("/v1/reservations", &body).status, 201);
+    let out = d
+        .gpuctl()
+        .args(["release", "roots"])
+        .uid(65534)
+        .gid(65534)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(6));
+    let err = text(&out.stderr);
+    assert!(err.contains("belongs to uid 0 (root)"), "{err}");
 }
 
 #[test]
