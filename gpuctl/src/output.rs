@@ -50,6 +50,8 @@ pub struct Table {
     header: Vec<&'static str>,
     align: Vec<Align>,
     rows: Vec<Vec<Cell>>,
+    /// Columns at least this wide, whatever the rows (pages that must line up).
+    min_widths: Vec<usize>,
 }
 
 impl Table {
@@ -59,7 +61,15 @@ impl Table {
             header: columns.iter().map(|c| c.0).collect(),
             align: columns.iter().map(|c| c.1).collect(),
             rows: Vec::new(),
+            min_widths: Vec::new(),
         }
+    }
+
+    /// Makes the columns at least `widths` wide, so that tables rendered apart line up.
+    #[must_use]
+    pub fn at_least(mut self, widths: &[usize]) -> Table {
+        self.min_widths = widths.to_vec();
+        self
     }
 
     /// Adds a row (as many cells as columns).
@@ -69,7 +79,16 @@ impl Table {
 
     /// Renders the table; `colour` turns on the cells' colours.
     pub fn render(&self, colour: bool) -> String {
-        let mut widths: Vec<usize> = self.header.iter().map(|h| h.chars().count()).collect();
+        let mut widths: Vec<usize> = self
+            .header
+            .iter()
+            .enumerate()
+            .map(|(i, h)| {
+                h.chars()
+                    .count()
+                    .max(self.min_widths.get(i).copied().unwrap_or(0))
+            })
+            .collect();
         for row in &self.rows {
             for (w, cell) in widths.iter_mut().zip(row) {
                 *w = (*w).max(cell.text.chars().count());
@@ -681,11 +700,14 @@ pub fn summary(r: &Reservation) -> String {
 }
 
 /// Events as a table; `header: false` leaves the column titles off (later pages of
-/// `--follow`).
+/// `--follow`). Every page has the same column widths, so that followed pages line up:
+/// the free-text columns come last, the action before the message.
 pub fn events_table(events: &[gpud_schema::Event], header: bool) -> String {
     if events.is_empty() {
         return String::new();
     }
+    // RFC 3339 with milliseconds, `gpu_unhealthy`, `start`, a GPU index, a pid, an id,
+    // the usual actions.
     let mut t = Table::new(&[
         ("TIME", Align::Left),
         ("KIND", Align::Left),
@@ -693,9 +715,10 @@ pub fn events_table(events: &[gpud_schema::Event], header: bool) -> String {
         ("GPU", Align::Right),
         ("PID", Align::Right),
         ("RESERVATION", Align::Left),
-        ("WHAT", Align::Left),
         ("ACTION", Align::Left),
-    ]);
+        ("WHAT", Align::Left),
+    ])
+    .at_least(&[24, 13, 5, 3, 7, 16, 24]);
     let dash = |v: Option<String>| v.unwrap_or_else(|| "-".to_owned());
     for e in events {
         t.row(vec![
@@ -705,8 +728,8 @@ pub fn events_table(events: &[gpud_schema::Event], header: bool) -> String {
             dash(e.gpu_index.map(|g| g.to_string())).into(),
             dash(e.pid.map(|p| p.to_string())).into(),
             dash(e.reservation_id.clone()).into(),
-            e.message.as_str().into(),
             e.action.as_str().into(),
+            e.message.as_str().into(),
         ]);
     }
     let text = t.render(false);
@@ -837,6 +860,39 @@ mod tests {
             details.contains("isolation: driver-enforced on /sys/fs/cgroup/gpud/r1"),
             "{details}"
         );
+    }
+
+    #[test]
+    fn followed_pages_of_events_line_up() {
+        let event = |kind: &str, pid: u32, action: &str| gpud_schema::Event {
+            id: 1,
+            at: "2026-11-24T08:00:00.000Z".into(),
+            kind: kind.into(),
+            phase: "start".into(),
+            gpu_index: Some(0),
+            unit_uuid: None,
+            pid: Some(pid),
+            uid: None,
+            reservation_id: None,
+            used_bytes: None,
+            reserved_bytes: None,
+            action: action.into(),
+            message: "a message of some length".into(),
+        };
+        let first = events_table(&[event("isolation", 7, "recorded")], true);
+        let later = events_table(
+            &[event("gpu_unhealthy", 1_234_567, "no new placements")],
+            false,
+        );
+        let column = |line: &str, what: &str| line.find(what).unwrap();
+        let (a, b) = (first.lines().nth(1).unwrap(), later.lines().next().unwrap());
+        assert_eq!(
+            column(a, "a message"),
+            column(b, "a message"),
+            "{first}{later}"
+        );
+        assert!(first.starts_with("TIME"));
+        assert!(!later.contains("TIME"));
     }
 
     #[test]
