@@ -12,16 +12,17 @@ fn gpud() -> Command {
 fn missing_nvml_library_is_one_actionable_line() {
     let dir = tempfile::tempdir().unwrap();
     let missing = dir.path().join("libnvidia-ml.so.1");
+    let socket = dir.path().join("s.sock");
+    let socket = socket.to_str().unwrap();
+    // probe serves nothing: it takes no --socket or --state-dir.
     for args in [
         vec!["probe"],
-        vec!["--state-dir", "/nonexistent-gpud-state"],
+        vec!["--state-dir", "/nonexistent-gpud-state", "--socket", socket],
     ] {
         let out = gpud()
             .args(&args)
             .arg("--nvml-lib")
             .arg(&missing)
-            .arg("--socket")
-            .arg(dir.path().join("s.sock"))
             .output()
             .unwrap();
         assert!(!out.status.success(), "{args:?} must fail");
