@@ -487,6 +487,7 @@ fn gpus_shows_reserved_and_used_memory_that_match_the_fixture() {
         [
             "GPU",
             "NAME",
+            "FREE",
             "RESERVED",
             "USED",
             "TOTAL",
@@ -497,12 +498,12 @@ fn gpus_shows_reserved_and_used_memory_that_match_the_fixture() {
     );
     assert_eq!(
         squeezed(&table, "0"),
-        "0 Tesla T4 5 GiB 3 GiB 15 GiB 2 ok advisory",
+        "0 Tesla T4 7 GiB 5 GiB 3 GiB 15 GiB 2 ok advisory",
         "{table}"
     );
     assert_eq!(
         squeezed(&table, "1"),
-        "1 Tesla T4 0 B 1.5 GiB 15 GiB 0 ok advisory",
+        "1 Tesla T4 13.5 GiB 0 B 1.5 GiB 15 GiB 0 ok advisory",
         "{table}"
     );
     assert_eq!(
@@ -542,7 +543,16 @@ fn gpus_lists_mig_instances_under_their_gpu() {
         ("0:3", "1g.10gb"),
     ] {
         assert!(
-            squeezed(&table, row).starts_with(&format!("{row} MIG {profile} 0 B 0 B")),
+            squeezed(&table, row).contains(&format!("{row} MIG {profile} ")),
+            "{table}"
+        );
+        // A free instance is free whole: FREE is its total.
+        let cols: Vec<String> = squeezed(&table, row)
+            .split(' ')
+            .map(str::to_owned)
+            .collect();
+        assert!(
+            cols[3..5] == cols[9..11] && cols[5..9] == ["0", "B", "0", "B"],
             "{table}"
         );
     }

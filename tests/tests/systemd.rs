@@ -196,7 +196,7 @@ fn socket_activated_gpud_reports_ready_serves_the_passed_socket_and_pings_the_wa
     let log = a.log();
     assert!(
         log.lines()
-            .any(|l| l.contains("watchdog") && l.contains("every=150ms")),
+            .any(|l| l.contains("watchdog") && l.contains("every=150 ms")),
         "{log}"
     );
 
