@@ -1,7 +1,8 @@
 //! The HTTP client: gpud's API over its Unix socket, one typed method per route.
 //!
-//! hyper's client on hyperlocal's Unix connector, driven by a current-thread tokio runtime
-//! (gpuctl makes one or two requests; a thread pool would only cost start-up time). Replies
+//! hyper's HTTP/1.1 client connection on a tokio `UnixStream`, one connection per request,
+//! driven by a current-thread tokio runtime (gpuctl makes one or two requests; a thread
+//! pool, a connection pool or a connector service would only cost start-up time). Replies
 //! are deserialized into the schema crate's types and nothing else: gpud's error bodies
 //! become [`CliError::Api`] with their stable code.
 
@@ -9,12 +10,12 @@ use std::path::{Path, PathBuf};
 
 use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
-use hyper::header::{CONTENT_TYPE, HeaderValue};
+use hyper::header::{CONTENT_TYPE, HOST};
 use hyper::{Method, Request, StatusCode};
-use hyper_util::client::legacy::Client as HttpClient;
-use hyperlocal::{UnixClientExt, UnixConnector};
+use hyper_util::rt::TokioIo;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
+use tokio::net::UnixStream;
 
 use gpud_schema::{
     AttachCgroupRequest, ErrorBody, EventList, GpuList, GpuProcessList, RenewRequest, Reservation,
@@ -27,15 +28,13 @@ use crate::error::CliError;
 #[derive(Debug, Clone)]
 pub struct Client {
     socket: PathBuf,
-    http: HttpClient<UnixConnector, Full<Bytes>>,
 }
 
 impl Client {
-    /// A client for the gpud listening on `socket`. Connects lazily.
+    /// A client for the gpud listening on `socket`. Connects for each request.
     pub fn new(socket: &Path) -> Client {
         Client {
             socket: socket.to_owned(),
-            http: HttpClient::unix(),
         }
     }
 
@@ -143,17 +142,24 @@ impl Client {
             }
             None => Vec::new(),
         };
-        let mut request = Request::builder()
+        let request = Request::builder()
             .method(method)
-            .uri(hyperlocal::Uri::new(&self.socket, path))
+            .uri(path)
+            .header(HOST, "gpud")
+            .header(CONTENT_TYPE, "application/json")
             .body(Full::new(Bytes::from(bytes)))
             .map_err(|e| self.protocol(format!("building the request: {e}")))?;
-        request
-            .headers_mut()
-            .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
-        let response = self
-            .http
-            .request(request)
+        let stream = UnixStream::connect(&self.socket)
+            .await
+            .map_err(|e| self.unreachable(&e))?;
+        let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+            .await
+            .map_err(|e| self.unreachable(&e))?;
+        // The connection's I/O runs beside the request; a failure there fails the request
+        // too, which reports it. It ends once the reply is read and `sender` dropped.
+        tokio::spawn(connection);
+        let response = sender
+            .send_request(request)
             .await
             .map_err(|e| self.unreachable(&e))?;
         let status = response.status();
