@@ -229,16 +229,38 @@ pub struct PlacementConfig {
     pub default_policy: Policy,
 }
 
+/// How the wait queue lets a later request go ahead of an earlier one that does not fit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "kebab-case")]
+pub enum QueuePolicy {
+    /// Lease-aware backfill: the first waiter gets a planned start (when enough capacity
+    /// frees, from lease ends and estimated holds); a later request goes ahead only if it
+    /// does not delay that start.
+    #[default]
+    Planned,
+    /// Anything that fits goes ahead until the first waiter has waited `starvation_after`;
+    /// from then on nothing goes on GPUs it could use.
+    Guard,
+}
+
 /// Waiting for capacity.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct WaitConfig {
     /// Longest `wait_seconds` accepted.
     pub max_wait_seconds: u64,
-    /// Once the oldest waiter has waited this long, later requests may no longer go ahead
-    /// of it (backfill stops) until it is served.
+    /// How later requests may go ahead of the first waiter.
+    pub policy: QueuePolicy,
+    /// `guard`: once the first waiter has waited this long, later requests may no longer
+    /// go ahead of it on GPUs it could use. `planned`: how long the first waiter may wait
+    /// past the start it was first promised (holds that outlive their prediction) before
+    /// the same holds.
     #[serde(deserialize_with = "duration")]
     pub starvation_after: Duration,
+    /// `planned`: how long a reservation without a lease is expected to be held, until its
+    /// owner's own ended reservations say otherwise.
+    #[serde(deserialize_with = "duration")]
+    pub assumed_hold: Duration,
     /// Requests one uid may have waiting at once (root excepted).
     pub max_waiting_per_user: usize,
 }
@@ -247,7 +269,9 @@ impl Default for WaitConfig {
     fn default() -> WaitConfig {
         WaitConfig {
             max_wait_seconds: 24 * 3600,
+            policy: QueuePolicy::Planned,
             starvation_after: Duration::from_secs(60),
+            assumed_hold: Duration::from_secs(3600),
             max_waiting_per_user: 16,
         }
     }
