@@ -355,6 +355,7 @@ pub fn waiters_table(
         ("WANTS", Align::Left),
         ("WAITING", Align::Right),
         ("GIVES UP IN", Align::Right),
+        ("EXPECTED", Align::Right),
         ("REASON", Align::Left),
     ]);
     for w in waiters {
@@ -367,13 +368,46 @@ pub fn waiters_table(
             describe(&asked(w)).into(),
             age_cell(&w.waiting_since, now).into(),
             span_cell(Some(now), parse_time(&w.gives_up_at)).into(),
-            w.reason
-                .as_deref()
-                .map_or_else(|| "-".to_owned(), |r| name_uids(r, owner_name))
+            expected_in(w, now)
+                .map_or_else(
+                    || "-".to_owned(),
+                    |d| {
+                        if d.is_zero() {
+                            "now".to_owned()
+                        } else {
+                            format!("in {}", short_duration(d))
+                        }
+                    },
+                )
+                .into(),
+            waiting_reason(w)
+                .map_or_else(|| "-".to_owned(), |r| name_uids(&r, owner_name))
                 .into(),
         ]);
     }
     t.render(false)
+}
+
+/// How long until `w` is expected to start, as of `now` (zero once that time has come);
+/// `None` when gpud plans no start for it.
+pub fn expected_in(w: &Waiter, now: SystemTime) -> Option<Duration> {
+    let at = parse_time(w.expected_start.as_deref()?)?;
+    Some(at.duration_since(now).unwrap_or_default())
+}
+
+/// Why `w` waits, and what its expected start waits for: `no GPU has 4 GiB free: …;
+/// starts when uid 1000's lease on GPU 2 ends`.
+pub fn waiting_reason(w: &Waiter) -> Option<String> {
+    let plan = w.plan.as_deref().filter(|p| *p != "it fits now");
+    let plan = match (&w.expected_start, plan) {
+        (Some(_), Some(p)) => Some(format!("starts {p}")),
+        (None, p) => p.map(str::to_owned),
+        (Some(_), None) => None,
+    };
+    match (w.reason.as_deref(), plan) {
+        (Some(r), Some(p)) => Some(format!("{r}; {p}")),
+        (r, p) => r.map(str::to_owned).or(p),
+    }
 }
 
 /// What a waiter asked for, as a request (for [`describe`]).

@@ -18,7 +18,7 @@ use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use gpud_schema::{
     MemoryAmount, MemorySpec, Reservation, ReservationRequest, WaiterList, codes,
@@ -444,7 +444,10 @@ async fn status_lines(
         if last_poll.is_none_or(|t| t.elapsed() >= Duration::from_secs(1)) && due {
             last_poll = Some(Instant::now());
             if let Ok(list) = client.waiters().await {
-                queue = queue_place(&list.waiters, me);
+                let (place, why) = queue_place(&list.waiters, me, SystemTime::now());
+                let names = crate::commands::user_names();
+                let why = why.map(|w| crate::output::name_uids(&w, &names));
+                queue = (place, why);
             }
         }
         let elapsed = clock(started.elapsed());
@@ -490,16 +493,30 @@ async fn wait_limit(client: &Client) -> Duration {
 /// `2nd of 3 waiting: <why>`, or the queue's length unless exactly one waiter is `me`
 /// (uid, pid): inside a container gpuctl's pid is not the one gpud sees, and may be
 /// another's.
-fn queue_place(waiters: &[gpud_schema::Waiter], me: (u32, u32)) -> (String, Option<String>) {
+fn queue_place(
+    waiters: &[gpud_schema::Waiter],
+    me: (u32, u32),
+    now: SystemTime,
+) -> (String, Option<String>) {
     let n = waiters.len();
     let mut mine = waiters
         .iter()
         .filter(|w| (w.owner_uid, w.pid) == (me.0, Some(me.1)));
     match (mine.next(), mine.next()) {
-        (Some(w), None) => (
-            format!("{} of {n} waiting", ordinal(w.position)),
-            w.reason.clone(),
-        ),
+        (Some(w), None) => {
+            let expected = match crate::output::expected_in(w, now) {
+                Some(d) if d.is_zero() => ", expected now".to_owned(),
+                Some(d) => format!(
+                    ", expected in ~{}",
+                    gpud_schema::format_duration(Duration::from_secs(d.as_secs()))
+                ),
+                None => String::new(),
+            };
+            (
+                format!("{} of {n} waiting{expected}", ordinal(w.position)),
+                crate::output::waiting_reason(w),
+            )
+        }
         _ if n == 1 => ("1 request waiting".to_owned(), None),
         _ => (format!("{n} requests waiting"), None),
     }
@@ -598,9 +615,12 @@ mod tests {
             waiting_since: String::new(),
             gives_up_at: String::new(),
             reason: None,
+            expected_start: None,
+            plan: None,
         };
         let queue = [waiter(1, Some(10)), waiter(2, None), waiter(3, Some(30))];
-        let place = |w: &[gpud_schema::Waiter], me| queue_place(w, me).0;
+        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_800_000_000);
+        let place = |w: &[gpud_schema::Waiter], me| queue_place(w, me, now).0;
         assert_eq!(place(&queue, (7, 30)), "3rd of 3 waiting");
         // With gpud's reason, it is said.
         let why = gpud_schema::Waiter {
@@ -608,10 +628,26 @@ mod tests {
             ..waiter(1, Some(10))
         };
         assert_eq!(
-            queue_place(&[why], (7, 10)),
+            queue_place(&[why.clone()], (7, 10), now),
             (
                 "1st of 1 waiting".to_owned(),
                 Some("GPU 0 is held exclusively".to_owned())
+            )
+        );
+        // With a planned start: when, and what it waits for.
+        let planned = gpud_schema::Waiter {
+            expected_start: Some("2027-01-15T08:04:00Z".to_owned()),
+            plan: Some("when uid 1000's lease on GPU 0 ends".to_owned()),
+            ..why
+        };
+        assert_eq!(
+            queue_place(&[planned], (7, 10), now),
+            (
+                "1st of 1 waiting, expected in ~4 min".to_owned(),
+                Some(
+                    "GPU 0 is held exclusively; starts when uid 1000's lease on GPU 0 ends"
+                        .to_owned()
+                )
             )
         );
         assert_eq!(fit("abcdef", Some(5)), "abc…");

@@ -365,6 +365,8 @@ impl Api {
                 waiting_since: rfc3339(w.since),
                 gives_up_at: rfc3339(w.gives_up_at),
                 reason: Some(w.reason.clone()),
+                expected_start: w.expected_start.map(rfc3339),
+                plan: w.plan.clone(),
             })
             .collect();
         let max_wait_seconds = Some(snap.settings.config.wait.max_wait_seconds);

@@ -471,7 +471,7 @@ pub struct GpuProcessList {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct Waiter {
     /// Place in the queue, 1 for the first. gpud tries waiters in this order; a later one
-    /// is served first only when it fits and the first has not waited too long (backfill).
+    /// is served first only when it fits and does not delay the first (backfill).
     pub position: u32,
     /// Uid that asked (from the kernel).
     pub owner_uid: u32,
@@ -494,6 +494,16 @@ pub struct Waiter {
     /// a quota). Absent from gpuds before it was added.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
+    /// When it is expected to start, RFC 3339 UTC: when enough capacity is expected to
+    /// free for it (from lease ends, and estimated holds where there is no lease), after
+    /// the requests ahead of it. Backfill may serve it sooner. Absent when no start can be
+    /// planned (see `plan`) or with `[wait] policy = "guard"`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expected_start: Option<String>,
+    /// What that start waits for ("when uid 1000's lease on GPU 2 ends"), or why no start
+    /// can be planned.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub plan: Option<String>,
 }
 
 /// `GET /v1/waiters` response.

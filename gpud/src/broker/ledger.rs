@@ -19,6 +19,7 @@ use gpud_schema::format_bytes;
 
 use super::queue::{WaitQueue, Waiter};
 use super::{AuditFindings, BrokerError, BrokerSettings, Caller, ReserveRequest, Snapshot};
+use crate::config::QueuePolicy;
 use crate::holder::PinnedProcess;
 use crate::model::{
     Event, Gpu, GpuInventory, Holder, MemoryAsk, Millis, Reservation, ReservationState,
@@ -27,6 +28,10 @@ use crate::model::{
 use crate::placement::{self, PlacementError, PlacementRequest, PlacementState, UnitLoad};
 use crate::store::{Store, StoreError, Txn};
 use crate::workload_env::workload_env;
+
+mod plan;
+
+pub(super) use plan::Gate;
 
 /// The longest lease a request may ask for: ten years. A reservation meant to last longer is
 /// renewed, or held by a process.
@@ -166,6 +171,9 @@ pub struct Ledger {
     /// Per uid: changes it may still make now, in thousandths, and when that was counted.
     buckets: HashMap<u32, (u64, Millis)>,
     queue: WaitQueue,
+    /// Per uid: how long its reservations without a lease were held lately (a moving
+    /// average, ms), for the queue's plan.
+    holds: HashMap<u32, Millis>,
     pub(super) settings: Arc<BrokerSettings>,
     pub(super) shutting_down: bool,
     pub(super) effects: Effects,
@@ -218,6 +226,7 @@ impl Ledger {
             expiries: BTreeSet::new(),
             buckets: HashMap::new(),
             queue: WaitQueue::default(),
+            holds: HashMap::new(),
             settings: Arc::new(settings),
             shutting_down: false,
             effects: Effects::default(),
@@ -555,22 +564,14 @@ impl Ledger {
                 )));
             }
         }
-        // Waiters come first: a request may go ahead of them (backfill) freely until the
-        // oldest one that can be served at all has waited `starvation_after`; from then on
-        // only on units that one could not use.
-        let attempt = match self.guard(now) {
-            Some((_, held)) => self
-                .try_reserve(txn, &caller, &request, holder.as_ref(), now, Some(&held))
-                .map_err(|e| match e {
-                    BrokerError::NoCapacity(_) => BrokerError::NoCapacity(format!(
-                        "capacity is being held for a request that has waited more than {}; \
-                         wait for it to be served",
-                        gpud_schema::format_duration(self.settings.config.wait.starvation_after)
-                    )),
-                    e => e,
-                }),
-            None => self.try_reserve(txn, &caller, &request, holder.as_ref(), now, None),
+        // Waiters come first: a request goes ahead of them only as far as the queue's
+        // policy lets it (the gate).
+        let mut gate = if self.queue.waiters.is_empty() {
+            Gate::Open
+        } else {
+            self.gate(now)
         };
+        let attempt = self.try_behind(txn, &mut gate, &caller, &request, holder.as_ref(), now);
         match attempt {
             Ok(r) => {
                 if let Some(pinned) = holder {
@@ -646,6 +647,34 @@ impl Ledger {
         None
     }
 
+    /// Reserves `request` if it fits now and `gate` lets it go ahead of the queue's first
+    /// waiter; tells the gate what went ahead.
+    fn try_behind(
+        &mut self,
+        txn: &mut Txn<'_>,
+        gate: &mut Gate,
+        caller: &Caller,
+        request: &ReserveRequest,
+        holder: Option<&PinnedProcess>,
+        now: Millis,
+    ) -> Result<Reservation, BrokerError> {
+        let held = self.admit(gate, caller, request, now)?;
+        let r = self
+            .try_reserve(txn, caller, request, holder, now, held.as_deref())
+            .map_err(|e| match (e, &*gate) {
+                (BrokerError::NoCapacity(_), Gate::Held { .. }) => {
+                    BrokerError::NoCapacity(format!(
+                        "capacity is being held for a request that has waited more than {}; \
+                         wait for it to be served",
+                        gpud_schema::format_duration(self.settings.config.wait.starvation_after)
+                    ))
+                }
+                (e, _) => e,
+            })?;
+        self.went_ahead(gate, &r, now);
+        Ok(r)
+    }
+
     /// Whether active reservation `r` is what `request` from `caller` would make: same
     /// owner, GPUs, memory, lifetime and labels (a retry of the request that made it).
     fn is_same_request(
@@ -686,37 +715,19 @@ impl Ledger {
                     .flatten()
     }
 
-    /// The units `request` of `caller` would get now, with their sizes, or why none: placement
-    /// (the units `held` for a starved waiter out of reach), then quotas. Changes nothing.
-    fn choose(
-        &mut self,
-        caller: &Caller,
+    /// Where placement would put `request` on units loaded as `loads` (aligned with
+    /// `self.units`): each unit's position and the bytes it gets. Quotas are not asked.
+    pub(super) fn place_on(
+        &self,
         request: &ReserveRequest,
-        held: Option<&[bool]>,
-    ) -> Result<(Vec<ReservedUnit>, Vec<u64>), BrokerError> {
+        loads: &[UnitLoad],
+    ) -> Result<Vec<(usize, u64)>, BrokerError> {
         let placement_request = PlacementRequest {
             gpus: request.gpus,
             memory: request.memory,
             policy: request
                 .policy
                 .unwrap_or(self.settings.config.placement.default_policy),
-        };
-        // Units held back by the starvation guard are out of reach, as if unhealthy.
-        let masked: Vec<UnitLoad>;
-        let loads = match held {
-            Some(held) => {
-                masked = self
-                    .loads
-                    .iter()
-                    .zip(held)
-                    .map(|(load, held)| UnitLoad {
-                        healthy: load.healthy && !held,
-                        ..*load
-                    })
-                    .collect();
-                &masked
-            }
-            None => &self.loads,
         };
         // Named units: placement sees only those (and says why they do not fit), and its
         // positions map back through `named`.
@@ -742,21 +753,56 @@ impl Ledger {
             PlacementError::Impossible(m) => BrokerError::Unsatisfiable(m),
             PlacementError::NoCapacity(m) => BrokerError::NoCapacity(m),
         })?;
+        placement
+            .assignments
+            .iter()
+            .map(|a| {
+                let position = if request.devices.is_empty() {
+                    Some(a.unit)
+                } else {
+                    named.get(a.unit).copied()
+                };
+                position
+                    .filter(|&p| p < self.units.len())
+                    .map(|p| (p, a.memory_bytes))
+                    .ok_or(BrokerError::Internal("placement chose an unknown unit"))
+            })
+            .collect()
+    }
+
+    /// The units `request` of `caller` would get now, with their sizes, or why none: placement
+    /// (the units `held` back for a waiter out of reach), then quotas. Changes nothing.
+    fn choose(
+        &mut self,
+        caller: &Caller,
+        request: &ReserveRequest,
+        held: Option<&[bool]>,
+    ) -> Result<(Vec<ReservedUnit>, Vec<u64>), BrokerError> {
+        // Units held back for a waiter are out of reach, as if unhealthy.
+        let masked: Vec<UnitLoad>;
+        let loads = match held {
+            Some(held) => {
+                masked = self
+                    .loads
+                    .iter()
+                    .zip(held)
+                    .map(|(load, held)| UnitLoad {
+                        healthy: load.healthy && !held,
+                        ..*load
+                    })
+                    .collect();
+                &masked
+            }
+            None => &self.loads,
+        };
         let mut units: Vec<ReservedUnit> = Vec::new();
         let mut totals = Vec::new();
-        for a in &placement.assignments {
-            let position = if request.devices.is_empty() {
-                Some(a.unit)
-            } else {
-                named.get(a.unit).copied()
-            };
-            let unit = position
-                .and_then(|p| self.units.get(p))
-                .ok_or(BrokerError::Internal("placement chose an unknown unit"))?;
+        for (p, memory_bytes) in self.place_on(request, loads)? {
+            let unit = &self.units[p];
             units.push(ReservedUnit {
                 uuid: unit.uuid.clone(),
                 gpu_index: unit.gpu_index,
-                memory_bytes: a.memory_bytes,
+                memory_bytes,
             });
             totals.push(unit.memory_total_bytes);
         }
@@ -767,22 +813,36 @@ impl Ledger {
     /// Says anew why each waiter waits, against the machine as it is at `now` (what
     /// `GET /v1/waiters` and a time-out's message tell). Changes nothing else.
     pub fn refresh_reasons(&mut self, now: Millis) {
-        let guard = self.guard(now);
+        if self.queue.waiters.is_empty() {
+            return;
+        }
+        let gate = self.gate(now);
+        let mut expected = match self.settings.config.wait.policy {
+            QueuePolicy::Planned => self.project(now, true),
+            QueuePolicy::Guard => Vec::new(),
+        };
+        let mut behind = false;
         for i in 0..self.queue.waiters.len() {
-            let held = match &guard {
-                Some((head, held)) if i > *head => Some(held.as_slice()),
-                _ => None,
-            };
             let w = &self.queue.waiters[i];
-            let (caller, request) = (w.caller, w.request.clone());
-            let why = match self.choose(&caller, &request, held) {
+            let (caller, request, ticket) = (w.caller, w.request.clone(), w.ticket);
+            let why = match behind
+                .then(|| self.admit(&gate, &caller, &request, now))
+                .unwrap_or(Ok(None))
+                .and_then(|held| self.choose(&caller, &request, held.as_deref()))
+            {
                 Ok(_) => "it fits now and is served next".to_owned(),
                 Err(BrokerError::QuotaExceeded(q)) => {
                     format!("{q}; it waits for that user's own reservations to end")
                 }
                 Err(e) => e.to_string(),
             };
-            self.queue.waiters[i].why = why;
+            behind |= gate.ticket() == Some(ticket);
+            let w = &mut self.queue.waiters[i];
+            w.why = why;
+            w.expected = expected
+                .iter()
+                .position(|e| e.ticket == ticket)
+                .map(|p| expected.swap_remove(p).start);
         }
     }
 
@@ -1073,6 +1133,9 @@ impl Ledger {
             if self.settings.config.cdi.enabled {
                 self.effects.cdi_removed.push(id.clone());
             }
+            if r.ttl_seconds.is_none() {
+                self.note_hold(r.owner_uid, now.saturating_sub(r.created_at));
+            }
             let mut r = Arc::unwrap_or_clone(r);
             r.state = *state;
             r.ended_at = Some(now);
@@ -1241,6 +1304,9 @@ impl Ledger {
     /// transaction is committed ([`Ledger::take_effects`]).
     pub(super) fn serve_waiters(&mut self, txn: &mut Txn<'_>, now: Millis) {
         let mut i = 0;
+        // Who is protected, and how; planned anew whenever the protected one is served.
+        let mut plan: Option<Gate> = None;
+        let mut behind = false;
         while i < self.queue.waiters.len() {
             let waiter = &self.queue.waiters[i];
             if waiter.reply.is_closed() {
@@ -1260,22 +1326,32 @@ impl Ledger {
                 }
                 continue;
             }
-            // Behind a starved waiter, only what it cannot use is handed out.
-            let held = match self.guard(now) {
-                Some((head, held)) if i > head => Some(held),
-                _ => None,
+            let gate = match &mut plan {
+                Some(gate) => gate,
+                None => {
+                    let gate = self.gate(now);
+                    behind = gate
+                        .ticket()
+                        .and_then(|t| self.queue.waiters.iter().position(|w| w.ticket == t))
+                        .is_some_and(|p| p < i);
+                    plan.insert(gate)
+                }
             };
             let waiter = &self.queue.waiters[i];
-            let (caller, request) = (waiter.caller, waiter.request.clone());
+            let (caller, request, ticket) = (waiter.caller, waiter.request.clone(), waiter.ticket);
+            let first = gate.ticket() == Some(ticket);
             let holder = self.queue.waiters[i].holder.take();
-            let tried = self.try_reserve(
-                txn,
-                &caller,
-                &request,
-                holder.as_ref(),
-                now,
-                held.as_deref(),
-            );
+            // Up to the first waiter, anything that fits is served; behind it, what the gate
+            // lets go ahead.
+            let tried = if behind {
+                self.try_behind(txn, gate, &caller, &request, holder.as_ref(), now)
+            } else {
+                self.try_reserve(txn, &caller, &request, holder.as_ref(), now, None)
+            };
+            behind |= first;
+            if first && tried.is_ok() {
+                plan = None;
+            }
             match tried {
                 Ok(reservation) => {
                     let Some(Waiter { reply, .. }) = self.queue.waiters.remove(i) else {

@@ -100,6 +100,11 @@ pub struct WaitingRequest {
     pub gives_up_at: Millis,
     /// Why it waits, as of the last change.
     pub reason: String,
+    /// When it is expected to start (`planned` policy), as of the last change.
+    pub expected_start: Option<Millis>,
+    /// What that start waits for ("when uid 1000's lease on GPU 2 ends"), or why no start
+    /// can be planned.
+    pub plan: Option<String>,
 }
 
 /// Why a broker operation failed. Each variant maps to one HTTP status in `api`.

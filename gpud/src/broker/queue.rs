@@ -22,6 +22,11 @@ pub(super) struct Waiter {
     pub gives_up_at: Millis,
     /// Why it does not fit: when it came, then as of the last change (`refresh_reasons`).
     pub why: String,
+    /// When it is expected to start and what it waits for, or why no start can be
+    /// planned, as of the last change (`refresh_reasons`; `planned` policy only).
+    pub expected: Option<Result<(Millis, String), String>>,
+    /// The start it was planned for when it first came first in line.
+    pub promised: Option<Millis>,
     pub reply: oneshot::Sender<Result<Reservation, BrokerError>>,
 }
 
@@ -80,6 +85,8 @@ impl WaitQueue {
             since: now,
             gives_up_at: now.saturating_add(millis(wait)),
             why,
+            expected: None,
+            promised: None,
             request,
             reply,
         });
@@ -153,6 +160,15 @@ impl WaitQueue {
                 since: w.since,
                 gives_up_at: w.gives_up_at,
                 reason: w.why.clone(),
+                expected_start: w
+                    .expected
+                    .as_ref()
+                    .and_then(|e| e.as_ref().ok())
+                    .map(|e| e.0),
+                plan: w.expected.as_ref().map(|e| match e {
+                    Ok((_, because)) => because.clone(),
+                    Err(why) => why.clone(),
+                }),
             })
             .collect()
     }

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use super::ledger::{Admitted, Ledger};
 use super::*;
-use crate::config::Quota;
+use crate::config::{QueuePolicy, Quota};
 use crate::model::Holder;
 
 const GIB: u64 = 1 << 30;
@@ -152,6 +152,18 @@ impl Rules {
 fn quota(q: Quota) -> Config {
     Config {
         quotas: vec![q],
+        ..Config::default()
+    }
+}
+
+/// Today's default configuration, with the queue policy before plans: backfill until the
+/// first waiter has waited `starvation_after`.
+fn guarded() -> Config {
+    Config {
+        wait: crate::config::WaitConfig {
+            policy: QueuePolicy::Guard,
+            ..Default::default()
+        },
         ..Config::default()
     }
 }
@@ -493,11 +505,12 @@ fn a_waiter_says_why_it_waits_as_the_machine_is_now_and_its_timeout_too() {
         "{}",
         reason(&mut rules)
     );
-    // The machine fills up: the reason follows it, though nothing was freed.
-    rules.reserved(CAROL, lease(gib(7), 600), 2_000);
+    // The machine fills up (with leases that end before Alice's, so that they do not delay
+    // Bob): the reason follows it, though nothing was freed.
+    rules.reserved(CAROL, lease(gib(7), 60), 2_000);
     let now = reason(&mut rules);
     assert!(now.contains("3 GiB") && !now.contains("10 GiB"), "{now}");
-    rules.reserved(CAROL, lease(gib(2), 600), 3_000);
+    rules.reserved(CAROL, lease(gib(2), 60), 3_000);
     assert_eq!(rules.run(|l, t| l.expire_due(t, 6_000)).unwrap(), 0);
     let e = bob.try_recv().unwrap().unwrap_err().to_string();
     assert!(e.starts_with("waited 5 s and nothing freed up: "), "{e}");
@@ -557,6 +570,7 @@ fn an_over_quota_request_that_may_wait_waits_for_its_owners_reservations_to_end(
 fn backfill_goes_ahead_until_the_head_has_waited_past_the_starvation_guard() {
     let config = Config {
         wait: crate::config::WaitConfig {
+            policy: QueuePolicy::Guard,
             starvation_after: Duration::from_secs(60),
             ..Default::default()
         },
@@ -745,7 +759,7 @@ fn a_waiter_its_quota_no_longer_allows_holds_nothing_back() {
             max_gpus: Some(2),
             ..NO_QUOTA
         }],
-        ..Config::default()
+        ..guarded()
     };
     let mut rules = Rules::new(3, config, vec![]);
     rules.reserved(BOB, lease(MemoryAsk::Exclusive, 600), 0);
@@ -770,7 +784,7 @@ fn a_starved_waiter_holds_back_only_the_gpus_it_could_use() {
     inventory.gpus[1].memory_total_bytes = 8 * GIB;
     let settings = BrokerSettings {
         admin_gids: vec![],
-        config: Config::default(),
+        config: guarded(),
         groups: GroupLookup::default(),
     };
     let mut rules = Rules::on(inventory, settings);

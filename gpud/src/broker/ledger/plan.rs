@@ -1,0 +1,433 @@
+//! The queue's plan: when each waiter is expected to fit, and which later requests may go
+//! ahead of the first one without delaying it (`[wait] policy = "planned"`).
+//!
+//! **Expected ends.** A reservation with a lease is expected to end when its lease does
+//! (the holder may release sooner, and a renewal moves it; every decision plans anew from
+//! the ledger as it is). One without a lease (held by a process, a cgroup, a pod) is
+//! expected to last as long as its owner's recent lease-less reservations did (a moving
+//! average of their lengths, [`Ledger::note_hold`]), or `[wait] assumed_hold` while the
+//! owner has none. One that outlives that is expected to last twice as long, then four
+//! times, and so on: the plan follows reality instead of insisting on a past end.
+//!
+//! **The projection.** The machine's loads are carried forward through the expected ends,
+//! in order; each waiter, in queue order, starts at the first moment it fits (never before
+//! the waiter ahead of it) and then holds what it was placed on for its own expected hold.
+//! The first waiter's start is the plan that matters: the *gate* protects it. The others'
+//! starts are what `GET /v1/waiters` shows, an estimate (backfill may serve them sooner).
+//!
+//! **The gate.** A later request (new, or further back in the queue) goes ahead of the
+//! first waiter only if it fits now and either uses no GPU the first waiter is planned on,
+//! or is expected to end by the planned start, or leaves the first waiter room at its
+//! planned start even so. What goes ahead is placed off the first waiter's GPUs where it
+//! fits there.
+//!
+//! **What keeps the plan honest.** Asking for a long lease never helps a request go ahead:
+//! its lease is its expected end, so a longer one only makes it less likely to end before
+//! the planned start. A short lease binds its holder (gpud ends it unless renewed). A hold
+//! without a lease is judged by its owner's own past holds, so overstaying makes that
+//! owner's later requests less likely to go ahead. And whatever outlives its prediction,
+//! the first waiter's first planned start is remembered: once it has waited
+//! `starvation_after` past it, nothing more goes on the GPUs it could use (the guard).
+
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+use std::time::Duration;
+
+use gpud_schema::format_duration;
+
+use super::{BrokerError, Caller, Counted, Ledger, ReserveRequest};
+use crate::config::QueuePolicy;
+use crate::model::{Millis, Reservation};
+use crate::placement::UnitLoad;
+
+/// Moving average weight of the newest hold, in quarters: new = (3·old + hold) / 4.
+const NEWEST_HOLD_QUARTERS: u64 = 1;
+
+/// What the queue lets a request that is not its first waiter do now.
+#[derive(Debug, Clone)]
+pub(in crate::broker) enum Gate {
+    /// Nobody to protect: anything that fits goes.
+    Open,
+    /// The units marked are held back for the waiter with `ticket` (the guard).
+    Held { ticket: u64, held: Vec<bool> },
+    /// The waiter with `ticket` is planned to start at `start` on `units`; `at_start` is
+    /// the load expected then, before it, including what went ahead and outlasts `start`.
+    Planned {
+        ticket: u64,
+        request: Box<ReserveRequest>,
+        start: Millis,
+        units: Vec<bool>,
+        at_start: Vec<UnitLoad>,
+    },
+}
+
+impl Gate {
+    /// The waiter the gate protects, if any.
+    pub(super) fn ticket(&self) -> Option<u64> {
+        match self {
+            Gate::Open => None,
+            Gate::Held { ticket, .. } | Gate::Planned { ticket, .. } => Some(*ticket),
+        }
+    }
+}
+
+/// One waiter's expected start, from [`Ledger::project`].
+#[derive(Debug, Clone)]
+pub(in crate::broker) struct Expected {
+    pub ticket: u64,
+    /// When it is expected to fit, and what it waits for (`when uid 1000's lease on GPU 2
+    /// ends`); or why no start can be planned.
+    pub start: Result<(Millis, String), String>,
+    /// The units it is planned on (only for a planned start).
+    pub units: Vec<usize>,
+    /// The load just before it starts.
+    pub before: Vec<UnitLoad>,
+}
+
+/// A change of load at a moment of the projection.
+#[derive(Debug, PartialEq, Eq, PartialOrd, Ord)]
+struct Ending {
+    at: Millis,
+    seq: usize,
+}
+
+/// What ends at an [`Ending`]: the units it frees and how to say so.
+#[derive(Debug)]
+struct Freed {
+    units: Vec<(usize, u64)>,
+    exclusive: bool,
+    what: String,
+}
+
+fn add(loads: &mut [UnitLoad], units: &[(usize, u64)], exclusive: bool) {
+    for &(i, bytes) in units {
+        if let Some(load) = loads.get_mut(i) {
+            load.reserved_bytes = load.reserved_bytes.saturating_add(bytes);
+            load.reservations += 1;
+            load.exclusive |= exclusive;
+        }
+    }
+}
+
+fn remove(loads: &mut [UnitLoad], units: &[(usize, u64)], exclusive: bool) {
+    for &(i, bytes) in units {
+        if let Some(load) = loads.get_mut(i) {
+            load.reserved_bytes = load.reserved_bytes.saturating_sub(bytes);
+            load.reservations = load.reservations.saturating_sub(1);
+            if exclusive {
+                load.exclusive = false;
+            }
+        }
+    }
+}
+
+/// `at` as people read it against `now`: "now", "in 4 min".
+pub(in crate::broker) fn from_now(at: Millis, now: Millis) -> String {
+    match at.saturating_sub(now) {
+        0 => "now".to_owned(),
+        ms => format!("in {}", format_duration(Duration::from_millis(ms))),
+    }
+}
+
+impl Ledger {
+    /// Records that a reservation of `uid` without a lease was held for `held` ms.
+    pub(super) fn note_hold(&mut self, uid: u32, held: Millis) {
+        let estimate = self
+            .holds
+            .get(&uid)
+            .map_or(held, |&old| {
+                (old.saturating_mul(4 - NEWEST_HOLD_QUARTERS))
+                    .saturating_add(held.saturating_mul(NEWEST_HOLD_QUARTERS))
+                    / 4
+            })
+            .max(1);
+        self.holds.insert(uid, estimate);
+    }
+
+    /// How long a reservation of `uid` without a lease is expected to be held.
+    fn assumed_hold(&self, uid: u32) -> Millis {
+        self.holds.get(&uid).copied().unwrap_or_else(|| {
+            super::super::queue::millis(self.settings.config.wait.assumed_hold).max(1)
+        })
+    }
+
+    /// How long `request` of `uid` is expected to hold what it gets.
+    pub(super) fn expected_hold(&self, uid: u32, request: &ReserveRequest) -> Millis {
+        match request.ttl_seconds {
+            Some(ttl) => ttl.saturating_mul(1000),
+            None => self.assumed_hold(uid),
+        }
+    }
+
+    /// When `r` is expected to end, as of `now` (always later than `now`).
+    fn expected_end(&self, r: &Reservation, now: Millis) -> Millis {
+        if let Some(at) = r.expires_at {
+            return at.max(now.saturating_add(1));
+        }
+        let mut hold = self.assumed_hold(r.owner_uid);
+        let held = now.saturating_sub(r.created_at);
+        // Outlived: twice the estimate, then four times, … until it lies ahead.
+        while hold <= held && hold < Millis::MAX / 2 {
+            hold = hold.saturating_mul(2);
+        }
+        r.created_at.saturating_add(hold).max(now.saturating_add(1))
+    }
+
+    fn ending_of(&self, r: &Reservation) -> Freed {
+        let units: Vec<(usize, u64)> = r
+            .units
+            .iter()
+            .filter_map(|u| Some((self.unit_index(&u.uuid)?, u.memory_bytes)))
+            .collect();
+        let gpus: Vec<String> = r.units.iter().map(|u| u.gpu_index.to_string()).collect();
+        let on = format!(
+            "GPU{} {}",
+            if gpus.len() == 1 { "" } else { "s" },
+            gpus.join(", ")
+        );
+        let what = match r.expires_at {
+            Some(_) => format!("uid {}'s lease on {on} ends", r.owner_uid),
+            None => format!(
+                "uid {}'s reservation on {on} is expected to end (no lease: estimated from \
+                 that user's past holds)",
+                r.owner_uid
+            ),
+        };
+        Freed {
+            units,
+            exclusive: r.exclusive,
+            what,
+        }
+    }
+
+    /// Whether the queue's first waiter (in queue order, skipping those whose quotas do
+    /// not allow them now) is this position.
+    fn first_waiter(&mut self) -> Option<usize> {
+        for i in 0..self.queue.waiters.len() {
+            let w = &self.queue.waiters[i];
+            if w.reply.is_closed() {
+                continue;
+            }
+            let (caller, request) = (w.caller, w.request.clone());
+            if self
+                .check_quota_of_request(&caller, &request, Counted::Held)
+                .is_ok()
+            {
+                return Some(i);
+            }
+        }
+        None
+    }
+
+    /// Projects the queue forward from `now` through the expected ends: each waiter whose
+    /// quotas allow it now, in order, from the first; all of them, or only the first.
+    pub(in crate::broker) fn project(&mut self, now: Millis, all: bool) -> Vec<Expected> {
+        let Some(first) = self.first_waiter() else {
+            return Vec::new();
+        };
+        let mut freed: Vec<Freed> = Vec::new();
+        let mut heap = BinaryHeap::new();
+        for r in self.active.values() {
+            heap.push(Reverse(Ending {
+                at: self.expected_end(r, now),
+                seq: freed.len(),
+            }));
+            freed.push(self.ending_of(r));
+        }
+        let mut loads = self.loads.clone();
+        let mut t = now;
+        let mut last = String::new();
+        let mut out = Vec::new();
+        for i in first..self.queue.waiters.len() {
+            let w = &self.queue.waiters[i];
+            if w.reply.is_closed() {
+                continue;
+            }
+            let (caller, request, ticket) = (w.caller, w.request.clone(), w.ticket);
+            if i > first
+                && self
+                    .check_quota_of_request(&caller, &request, Counted::Held)
+                    .is_err()
+            {
+                continue;
+            }
+            let placed = loop {
+                match self.place_on(&request, &loads) {
+                    Ok(units) => break Ok(units),
+                    Err(e @ BrokerError::Unsatisfiable(_)) => break Err(e.to_string()),
+                    Err(e) => {
+                        let Some(Reverse(next)) = heap.pop() else {
+                            break Err(format!(
+                                "no start can be planned: {e}, and would be even once every \
+                                 reservation has ended"
+                            ));
+                        };
+                        t = t.max(next.at);
+                        if let Some(f) = freed.get(next.seq) {
+                            remove(&mut loads, &f.units, f.exclusive);
+                            last.clone_from(&f.what);
+                        }
+                    }
+                }
+            };
+            match placed {
+                Ok(units) => {
+                    let before = loads.clone();
+                    let exclusive = request.memory == crate::model::MemoryAsk::Exclusive;
+                    add(&mut loads, &units, exclusive);
+                    let what = format!("the request of uid {} ahead of it ends", caller.uid);
+                    heap.push(Reverse(Ending {
+                        at: t.saturating_add(self.expected_hold(caller.uid, &request)),
+                        seq: freed.len(),
+                    }));
+                    freed.push(Freed {
+                        units: units.clone(),
+                        exclusive,
+                        what,
+                    });
+                    let because = if t == now {
+                        "it fits now".to_owned()
+                    } else {
+                        format!("when {last}")
+                    };
+                    out.push(Expected {
+                        ticket,
+                        start: Ok((t, because)),
+                        units: units.iter().map(|&(u, _)| u).collect(),
+                        before,
+                    });
+                }
+                Err(why) => out.push(Expected {
+                    ticket,
+                    start: Err(why),
+                    units: Vec::new(),
+                    before: Vec::new(),
+                }),
+            }
+            if !all {
+                break;
+            }
+        }
+        out
+    }
+
+    /// What the queue lets a request that is not its first waiter do now.
+    pub(in crate::broker) fn gate(&mut self, now: Millis) -> Gate {
+        let guard = |ledger: &mut Ledger| match ledger.guard(now) {
+            Some((i, held)) => Gate::Held {
+                ticket: ledger.queue.waiters[i].ticket,
+                held,
+            },
+            None => Gate::Open,
+        };
+        if self.settings.config.wait.policy == QueuePolicy::Guard {
+            return guard(self);
+        }
+        let Some(first) = self.project(now, false).into_iter().next() else {
+            return Gate::Open;
+        };
+        let Some(i) = self
+            .queue
+            .waiters
+            .iter()
+            .position(|w| w.ticket == first.ticket)
+        else {
+            return Gate::Open;
+        };
+        let late = super::super::queue::millis(self.settings.config.wait.starvation_after);
+        let waiter = &mut self.queue.waiters[i];
+        match first.start {
+            Ok((start, _)) => {
+                let promised = *waiter.promised.get_or_insert(start);
+                if now >= promised.saturating_add(late) {
+                    // Overdue: something outlived its prediction. Hold back all it could use.
+                    return guard(self);
+                }
+                let mut units = vec![false; self.units.len()];
+                for u in first.units {
+                    if let Some(slot) = units.get_mut(u) {
+                        *slot = true;
+                    }
+                }
+                Gate::Planned {
+                    ticket: first.ticket,
+                    request: Box::new(waiter.request.clone()),
+                    start,
+                    units,
+                    at_start: first.before,
+                }
+            }
+            // Nothing to plan on (usage outside gpud, a GPU lost): the guard, after its wait.
+            Err(_) => guard(self),
+        }
+    }
+
+    /// The units `request` of `caller` may not use now because of `gate` (`None`: all may
+    /// be used), or why it may not go ahead at all. `Ok` does not mean it fits.
+    pub(in crate::broker) fn admit(
+        &mut self,
+        gate: &Gate,
+        caller: &Caller,
+        request: &ReserveRequest,
+        now: Millis,
+    ) -> Result<Option<Vec<bool>>, BrokerError> {
+        match gate {
+            Gate::Open => Ok(None),
+            Gate::Held { held, .. } => Ok(Some(held.clone())),
+            Gate::Planned {
+                request: first,
+                start,
+                units,
+                at_start,
+                ..
+            } => {
+                // Off the first waiter's GPUs, it cannot delay it.
+                if self.choose(caller, request, Some(units)).is_ok() {
+                    return Ok(Some(units.clone()));
+                }
+                let (chosen, _) = self.choose(caller, request, None)?;
+                if now.saturating_add(self.expected_hold(caller.uid, request)) <= *start {
+                    return Ok(None);
+                }
+                let mut then = at_start.clone();
+                let placed: Vec<(usize, u64)> = chosen
+                    .iter()
+                    .filter_map(|u| Some((self.unit_index(&u.uuid)?, u.memory_bytes)))
+                    .collect();
+                add(
+                    &mut then,
+                    &placed,
+                    request.memory == crate::model::MemoryAsk::Exclusive,
+                );
+                if self.place_on(first, &then).is_ok() {
+                    return Ok(None);
+                }
+                Err(BrokerError::NoCapacity(format!(
+                    "it would delay the first request in line, planned to start {} on GPU {}; \
+                     it waits its turn (a lease ending by then could go ahead)",
+                    from_now(*start, now),
+                    units
+                        .iter()
+                        .zip(self.units.iter())
+                        .filter(|(held, _)| **held)
+                        .map(|(_, u)| u.gpu_index.to_string())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )))
+            }
+        }
+    }
+
+    /// Tells `gate` that `r` went ahead of its first waiter: what outlasts the planned
+    /// start is there at the start too.
+    pub(in crate::broker) fn went_ahead(&self, gate: &mut Gate, r: &Reservation, now: Millis) {
+        if let Gate::Planned {
+            start, at_start, ..
+        } = gate
+            && self.expected_end(r, now) > *start
+        {
+            let f = self.ending_of(r);
+            add(at_start, &f.units, f.exclusive);
+        }
+    }
+}
