@@ -138,6 +138,16 @@ impl Rules {
             .collect()
     }
 
+    /// Memory reserved on each unit.
+    fn snapshot_loads(&mut self) -> Vec<u64> {
+        self.ledger
+            .snapshot((0, 0))
+            .loads
+            .iter()
+            .map(|l| l.reserved_bytes)
+            .collect()
+    }
+
     /// The served waiters' reservations, told as the broker thread tells them after a commit.
     fn tell_served(&mut self) -> usize {
         let served = self.ledger.take_effects().served;
@@ -1116,4 +1126,267 @@ fn after_a_graceful_stop_requests_are_refused_and_waiters_told() {
     assert!(matches!(e, BrokerError::ShuttingDown), "{e}");
     let e = b.reserve(BOB, lease(gib(1), 60), None).wait().unwrap_err();
     assert!(matches!(e, BrokerError::ShuttingDown), "{e}");
+}
+
+/// A request that chooses its id and has no lease: held until released (as a process or a
+/// cgroup holds one), so its end can only be estimated.
+fn held(memory: MemoryAsk, id: &str) -> ReserveRequest {
+    ReserveRequest {
+        ttl_seconds: None,
+        id: Some(id.to_owned()),
+        ..lease(memory, 0)
+    }
+}
+
+/// The queue as `GET /v1/waiters` lists it at `now`: (uid, expected start, plan).
+fn expected(rules: &mut Rules, now: Millis) -> Vec<(u32, Option<Millis>, String)> {
+    rules.ledger.refresh_reasons(now);
+    rules
+        .ledger
+        .snapshot((0, 0))
+        .waiters
+        .iter()
+        .map(|w| {
+            (
+                w.caller.uid,
+                w.expected_start,
+                w.plan.clone().unwrap_or_default(),
+            )
+        })
+        .collect()
+}
+
+const DAVE: Caller = Caller {
+    uid: 1003,
+    gid: 100,
+    pid: None,
+};
+
+#[test]
+fn the_first_waiter_is_planned_from_lease_ends_and_what_would_delay_it_waits() {
+    let mut rules = Rules::plain(2);
+    rules.reserved(ALICE, lease(MemoryAsk::Exclusive, 600), 0);
+    rules.reserved(BOB, lease(gib(8), 300), 0);
+    // Carol wants both GPUs whole: GPU 0 frees at 600 s, GPU 1 at 300 s.
+    let two = ReserveRequest {
+        gpus: 2,
+        ..waiting(MemoryAsk::Exclusive, 600, Duration::from_secs(3600))
+    };
+    let Admitted::Queued { rx: mut carol, .. } = rules.reserve(CAROL, two, 1_000).unwrap() else {
+        panic!("two whole GPUs are not free: it waits");
+    };
+    assert_eq!(
+        expected(&mut rules, 1_000),
+        [(
+            CAROL.uid,
+            Some(600_000),
+            "when uid 1000's lease on GPU 0 ends".to_owned()
+        )]
+    );
+    // A lease that ends before the planned start goes ahead of her (on GPU 1).
+    let short = rules.reserved(DAVE, lease(gib(4), 100), 2_000);
+    assert_eq!(short.units[0].gpu_index, 1);
+    // One that would still hold GPU 1 at 600 s waits, and says why.
+    let e = rules.reserve(DAVE, lease(gib(4), 3600), 3_000).unwrap_err();
+    assert!(matches!(e, BrokerError::NoCapacity(_)), "{e}");
+    assert_eq!(
+        e.to_string(),
+        "it would delay the first request in line, planned to start in 9 min 57 s on GPU 0, \
+         1; it waits its turn (a lease ending by then could go ahead)"
+    );
+    // Waiting, the same two: the short one is served when Bob's lease ends, the long one
+    // keeps waiting, planned after Carol (her lease of 600 s from 600 s).
+    let Admitted::Queued { rx: mut long, .. } = rules
+        .reserve(
+            DAVE,
+            waiting(gib(4), 3600, Duration::from_secs(3600)),
+            4_000,
+        )
+        .unwrap()
+    else {
+        panic!("it would delay Carol: it waits");
+    };
+    rules.run(|l, t| l.expire_due(t, 102_000)).unwrap();
+    rules.reserved(DAVE, lease(gib(4), 100), 150_000);
+    let Admitted::Queued { rx: mut quick, .. } = rules
+        .reserve(
+            DAVE,
+            waiting(gib(8), 60, Duration::from_secs(3600)),
+            150_000,
+        )
+        .unwrap()
+    else {
+        panic!("GPU 1 has 4 GiB free: it waits");
+    };
+    assert_eq!(
+        expected(&mut rules, 150_000),
+        [
+            (
+                CAROL.uid,
+                Some(600_000),
+                "when uid 1000's lease on GPU 0 ends".to_owned()
+            ),
+            (
+                DAVE.uid,
+                Some(1_200_000),
+                "when the request of uid 1002 ahead of it ends".to_owned()
+            ),
+            (
+                DAVE.uid,
+                Some(1_200_000),
+                "when the request of uid 1002 ahead of it ends".to_owned()
+            ),
+        ]
+    );
+    // Dave's 4 GiB end at 250 s: of the two waiting behind Carol, only the quick one goes.
+    rules.run(|l, t| l.expire_due(t, 250_000)).unwrap();
+    assert_eq!(rules.tell_served(), 1, "only the quick one goes ahead");
+    assert_eq!(quick.try_recv().unwrap().unwrap().units[0].gpu_index, 1);
+    assert!(long.try_recv().is_err());
+    // Alice's lease ends: Carol starts as planned, then nothing is left for the long one.
+    rules.run(|l, t| l.expire_due(t, 600_000)).unwrap();
+    assert_eq!(rules.tell_served(), 1);
+    assert_eq!(carol.try_recv().unwrap().unwrap().units.len(), 2);
+    assert!(long.try_recv().is_err());
+}
+
+#[test]
+fn what_goes_ahead_may_share_the_first_waiters_gpu_when_it_leaves_room_at_the_start() {
+    let mut rules = Rules::plain(1);
+    rules.reserved(ALICE, lease(gib(10), 600), 0);
+    let Admitted::Queued { rx: _bob, .. } = rules
+        .reserve(BOB, waiting(gib(12), 600, Duration::from_secs(3600)), 0)
+        .unwrap()
+    else {
+        panic!("6 GiB free, 12 asked: it waits");
+    };
+    // 4 GiB for an hour leaves Bob his 12 GiB once Alice's 10 end.
+    rules.reserved(CAROL, lease(gib(4), 3600), 1_000);
+    // 2 GiB more for an hour would not; for 5 minutes, it ends before Bob's start.
+    let e = rules.reserve(DAVE, lease(gib(2), 3600), 2_000).unwrap_err();
+    assert!(e.to_string().contains("would delay"), "{e}");
+    rules.reserved(DAVE, lease(gib(2), 300), 2_000);
+}
+
+#[test]
+fn what_goes_ahead_is_placed_off_the_first_waiters_gpus() {
+    let mut rules = Rules::plain(3);
+    rules.reserved(ALICE, lease(gib(10), 600), 0);
+    rules.reserved(BOB, lease(gib(10), 300), 0);
+    let on_2 = ReserveRequest {
+        devices: vec!["2".to_owned()],
+        ..lease(gib(6), 900)
+    };
+    rules.reserved(ALICE, on_2, 0);
+    assert_eq!(
+        rules.snapshot_loads(),
+        [10 * GIB, 10 * GIB, 6 * GIB],
+        "GPU 0, 1, 2"
+    );
+    // 12 GiB fits no GPU now; GPU 1 frees first (Bob's lease, 300 s).
+    let Admitted::Queued { rx: _carol, .. } = rules
+        .reserve(
+            CAROL,
+            waiting(gib(12), 600, Duration::from_secs(3600)),
+            1_000,
+        )
+        .unwrap()
+    else {
+        panic!("it waits");
+    };
+    let (_, start, _) = expected(&mut rules, 1_000).remove(0);
+    assert_eq!(start, Some(300_000));
+    // Best fit alone would put 4 GiB on GPU 0 or 1 (6 GiB free each, the tightest); GPU 1
+    // is Carol's at 300 s, so GPU 0.
+    let r = rules.reserved(DAVE, lease(gib(4), 3600), 2_000);
+    assert_eq!(r.units[0].gpu_index, 0);
+    let r = rules.reserved(DAVE, lease(gib(4), 3600), 2_000);
+    assert_eq!(r.units[0].gpu_index, 2, "GPU 0 is full now: GPU 2, not 1");
+}
+
+#[test]
+fn a_hold_without_a_lease_is_expected_to_last_as_its_owners_did_and_longer_once_outlived() {
+    let mut rules = Rules::plain(1);
+    rules.reserved(ALICE, held(MemoryAsk::Exclusive, "a1"), 0);
+    let Admitted::Queued { rx: _bob, .. } = rules
+        .reserve(
+            BOB,
+            waiting(MemoryAsk::Exclusive, 60, Duration::from_secs(24 * 3600)),
+            0,
+        )
+        .unwrap()
+    else {
+        panic!("it waits");
+    };
+    // Alice has no history: `[wait] assumed_hold`, an hour.
+    let (_, start, plan) = expected(&mut rules, 1_000).remove(0);
+    assert_eq!(start, Some(3_600_000));
+    assert!(plan.contains("uid 1000's reservation on GPU 0 is expected to end (no lease"));
+    // She releases after 10 minutes: Bob is served; her next hold is expected to last 10.
+    rules.release(ALICE, "a1", 600_000).unwrap();
+    assert_eq!(rules.tell_served(), 1);
+    rules.run(|l, t| l.expire_due(t, 660_000)).unwrap();
+    rules.reserved(ALICE, held(MemoryAsk::Exclusive, "a2"), 660_000);
+    let Admitted::Queued { rx: _carol, .. } = rules
+        .reserve(
+            CAROL,
+            waiting(MemoryAsk::Exclusive, 60, Duration::from_secs(24 * 3600)),
+            660_000,
+        )
+        .unwrap()
+    else {
+        panic!("it waits");
+    };
+    assert_eq!(expected(&mut rules, 700_000)[0].1, Some(1_260_000));
+    // Outlived: twice as long, then four times.
+    assert_eq!(expected(&mut rules, 1_260_000)[0].1, Some(1_860_000));
+    assert_eq!(expected(&mut rules, 1_900_000)[0].1, Some(3_060_000));
+}
+
+#[test]
+fn a_first_waiter_kept_waiting_past_its_promised_start_holds_back_what_it_could_use() {
+    let mut rules = Rules::plain(2);
+    rules.reserved(ALICE, held(MemoryAsk::Exclusive, "a1"), 0);
+    let two = ReserveRequest {
+        gpus: 2,
+        ..waiting(MemoryAsk::Exclusive, 600, Duration::from_secs(24 * 3600))
+    };
+    let Admitted::Queued { rx: _bob, .. } = rules.reserve(BOB, two, 0).unwrap() else {
+        panic!("it waits");
+    };
+    // Promised for 1 h (Alice's assumed hold): a 10-minute lease on GPU 1 goes ahead.
+    rules.reserved(CAROL, lease(gib(4), 600), 1_000);
+    // Alice outlives the estimate; the plan moves to 2 h. A minute (starvation_after) past
+    // the first promise, nothing more goes on the GPUs Bob could use, however short.
+    rules.run(|l, t| l.expire_due(t, 3_600_000)).unwrap();
+    rules.reserved(CAROL, lease(gib(4), 60), 3_659_000);
+    let e = rules
+        .reserve(CAROL, lease(gib(4), 60), 3_660_000)
+        .unwrap_err();
+    assert!(e.to_string().contains("capacity is being held"), "{e}");
+}
+
+#[test]
+fn a_first_waiter_its_quota_does_not_allow_now_is_not_planned_for() {
+    let config = Config {
+        quotas: vec![Quota {
+            uid: Some(ALICE.uid),
+            max_gpus: Some(2),
+            ..NO_QUOTA
+        }],
+        ..Config::default()
+    };
+    let mut rules = Rules::new(3, config, vec![]);
+    rules.reserved(BOB, lease(MemoryAsk::Exclusive, 600), 0);
+    rules.reserved(ALICE, lease(gib(1), 600), 0);
+    let two = ReserveRequest {
+        gpus: 2,
+        ..waiting(MemoryAsk::Exclusive, 600, Duration::from_secs(3600))
+    };
+    let Admitted::Queued { rx: _alice, .. } = rules.reserve(ALICE, two, 1_000).unwrap() else {
+        panic!("her quota allows no third GPU while she holds one: it waits");
+    };
+    assert_eq!(expected(&mut rules, 1_000)[0].1, None);
+    // Nothing is kept for her: others take any GPU, for as long as they like.
+    rules.reserved(CAROL, lease(MemoryAsk::Exclusive, 7200), 2_000);
 }
