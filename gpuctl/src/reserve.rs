@@ -444,7 +444,9 @@ async fn status_lines(
         if last_poll.is_none_or(|t| t.elapsed() >= Duration::from_secs(1)) && due {
             last_poll = Some(Instant::now());
             if let Ok(list) = client.waiters().await {
-                let (place, why) = queue_place(&list.waiters, me, SystemTime::now());
+                #[allow(clippy::disallowed_methods)] // the wall clock the expected start is on
+                let now = SystemTime::now();
+                let (place, why) = queue_place(&list.waiters, me, now);
                 let names = crate::commands::user_names();
                 let why = why.map(|w| crate::output::name_uids(&w, &names));
                 queue = (place, why);
@@ -628,7 +630,7 @@ mod tests {
             ..waiter(1, Some(10))
         };
         assert_eq!(
-            queue_place(&[why.clone()], (7, 10), now),
+            queue_place(std::slice::from_ref(&why), (7, 10), now),
             (
                 "1st of 1 waiting".to_owned(),
                 Some("GPU 0 is held exclusively".to_owned())

@@ -825,10 +825,12 @@ impl Ledger {
         for i in 0..self.queue.waiters.len() {
             let w = &self.queue.waiters[i];
             let (caller, request, ticket) = (w.caller, w.request.clone(), w.ticket);
-            let why = match behind
-                .then(|| self.admit(&gate, &caller, &request, now))
-                .unwrap_or(Ok(None))
-                .and_then(|held| self.choose(&caller, &request, held.as_deref()))
+            let allowed = if behind {
+                self.admit(&gate, &caller, &request, now)
+            } else {
+                Ok(None)
+            };
+            let why = match allowed.and_then(|held| self.choose(&caller, &request, held.as_deref()))
             {
                 Ok(_) => "it fits now and is served next".to_owned(),
                 Err(BrokerError::QuotaExceeded(q)) => {
