@@ -6,7 +6,7 @@
 use std::io::Write;
 use std::os::unix::net::UnixStream;
 use std::process::Command;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use gpud_tests::{Daemon, GIB, PATIENCE, Reply, curl_as, is_root, missing_prerequisite, wait_for};
 use serde_json::{Value, json};
@@ -642,7 +642,10 @@ fn backfill_lets_a_small_request_past_a_big_waiter() {
 
 #[test]
 fn the_starvation_guard_stops_backfill() {
-    let d = Daemon::start("t4-pair", "[wait]\nstarvation_after = \"200ms\"\n");
+    let d = Daemon::start(
+        "t4-pair",
+        "[wait]\npolicy = \"guard\"\nstarvation_after = \"200ms\"\n",
+    );
     let part = reserve(&d, json!({"memory": "2GiB", "ttl_seconds": 600}));
     assert_eq!(part.status, 201);
     let big = queue(
@@ -666,6 +669,51 @@ fn the_starvation_guard_stops_backfill() {
         d.delete(&format!("/v1/reservations/{}", id(&part))).status,
         200
     );
+    assert_eq!(big.join().unwrap().status, 201);
+}
+
+#[test]
+fn the_first_waiter_is_planned_and_only_what_does_not_delay_it_goes_ahead() {
+    let d = Daemon::start("t4-pair", "");
+    let part = reserve(&d, json!({"memory": "2GiB", "ttl_seconds": 600}));
+    assert_eq!(part.status, 201);
+    let big = queue(
+        &d,
+        json!({"gpus": 2, "exclusive": true, "ttl_seconds": 60, "wait_seconds": 20}),
+    );
+    let deadline = Instant::now() + PATIENCE;
+    let waiter = loop {
+        let list = d.get("/v1/waiters");
+        if let Some(w) = list.body["waiters"].get(0) {
+            break w.clone();
+        }
+        assert!(Instant::now() < deadline, "the request never queued");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    // Planned for when the 2 GiB lease ends, and it says so.
+    let expected = waiter["expected_start"].as_str().unwrap();
+    assert_eq!(expected, part.body["expires_at"].as_str().unwrap());
+    assert_eq!(
+        waiter["plan"],
+        format!(
+            "when uid {}'s lease on GPU {} ends",
+            part.body["owner_uid"], part.body["gpus"][0]["index"]
+        )
+    );
+    // A lease that ends before then goes ahead; one that would outlast it, where the
+    // waiter needs every GPU, is refused with the reason.
+    let short = reserve(&d, json!({"memory": "1GiB", "ttl_seconds": 60}));
+    assert_eq!(short.status, 201, "{}", short.text);
+    let long = reserve(&d, json!({"memory": "1GiB", "ttl_seconds": 3600}));
+    assert_eq!(long.status, 409, "{}", long.text);
+    let message = long.body["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("would delay the first request in line"),
+        "{message}"
+    );
+    for r in [&part, &short] {
+        assert_eq!(d.delete(&format!("/v1/reservations/{}", id(r))).status, 200);
+    }
     assert_eq!(big.join().unwrap().status, 201);
 }
 

@@ -932,9 +932,19 @@ fn a_wait_without_a_terminal_says_where_it_stands_and_why_in_lines() {
     let err = text(&out.stderr);
     let waiting_lines: Vec<&str> = err
         .lines()
-        .filter(|l| l.starts_with("gpuctl: waiting for 4 GiB on 1 GPU; 1st of 1 waiting; 0:0"))
+        .filter(|l| {
+            l.starts_with("gpuctl: waiting for 4 GiB on 1 GPU; 1st of 1 waiting, expected in ~")
+                && l.contains("; 0:0")
+        })
         .collect();
     assert!(waiting_lines.len() >= 2, "{err}");
+    // When it expects to start (the fill's ten-minute leases end), and why then.
+    assert!(
+        waiting_lines[0].contains("expected in ~9 min")
+            && waiting_lines[0].contains("; starts when uid 0 (root)'s lease on GPU 0 ends"),
+        "{}",
+        waiting_lines[0]
+    );
     // gpud's reason, as the machine is: both GPUs held exclusively.
     assert!(
         waiting_lines[0].contains("held exclusively"),
@@ -968,14 +978,19 @@ fn ctrl_c_while_waiting_cancels_and_holds_nothing() {
         row.starts_with(&format!("1 {} {} 4 GiB on 1 GPU ", whoami(), child.id())),
         "{table}"
     );
-    // GIVES UP IN: the 30 s wait less the time since it was queued; then the REASON.
+    // GIVES UP IN: the 30 s wait less the time since it was queued; EXPECTED: when the
+    // first lease on the GPUs ends (ten minutes); then the REASON.
     let (before, reason) = row
         .split_once(" no GPU")
         .unwrap_or_else(|| panic!("no reason in {table}"));
     assert!(reason.contains("held exclusively"), "{table}");
-    let left: u64 = before
-        .rsplit(' ')
-        .next()
+    let cells: Vec<&str> = before.split_whitespace().collect();
+    assert!(
+        cells.ends_with(&["in", "9m59s"]) || cells.ends_with(&["in", "9m58s"]),
+        "{table}"
+    );
+    let left: u64 = cells
+        .get(cells.len() - 3)
         .and_then(|c| c.strip_suffix('s'))
         .and_then(|c| c.parse().ok())
         .unwrap_or_else(|| panic!("{table}"));
@@ -1022,9 +1037,9 @@ fn a_terminal_shows_a_live_status_line_while_waiting() {
     let screen = text(&out.stdout);
     // What, where, how long, and gpud's reason (cut to the terminal's width).
     assert!(
-        screen.contains(
-            "gpuctl: waiting for 4 GiB on 1 GPU; 1st of 1 waiting; 0:01 of 0:02 (Ctrl-C cancels): no GPU"
-        ),
+        screen
+            .contains("gpuctl: waiting for 4 GiB on 1 GPU; 1st of 1 waiting, expected in ~9 min 5")
+            && screen.contains("; 0:01 of 0:02 (Ctrl-C cancels): no GPU"),
         "{screen:?}"
     );
     // The line is cleared before the final message.

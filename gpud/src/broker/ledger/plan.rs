@@ -91,12 +91,43 @@ struct Ending {
     seq: usize,
 }
 
-/// What ends at an [`Ending`]: the units it frees and how to say so.
+/// What ends at an [`Ending`]: the units it frees, and whose they are.
 #[derive(Debug)]
 struct Freed {
     units: Vec<(usize, u64)>,
     exclusive: bool,
-    what: String,
+    whose: Whose,
+}
+
+/// Whose hold an [`Ending`] ends: a reservation's, or a waiter's planned one.
+#[derive(Debug, Clone)]
+enum Whose {
+    Reservation(std::sync::Arc<Reservation>),
+    Waiter(u32),
+}
+
+impl Whose {
+    /// `uid 1000's lease on GPU 2 ends`.
+    fn ends(&self) -> String {
+        let r = match self {
+            Whose::Waiter(uid) => return format!("the request of uid {uid} ahead of it ends"),
+            Whose::Reservation(r) => r,
+        };
+        let gpus: Vec<String> = r.units.iter().map(|u| u.gpu_index.to_string()).collect();
+        let on = format!(
+            "GPU{} {}",
+            if gpus.len() == 1 { "" } else { "s" },
+            gpus.join(", ")
+        );
+        match r.expires_at {
+            Some(_) => format!("uid {}'s lease on {on} ends", r.owner_uid),
+            None => format!(
+                "uid {}'s reservation on {on} is expected to end (no lease: estimated from \
+                 that user's past holds)",
+                r.owner_uid
+            ),
+        }
+    }
 }
 
 fn add(loads: &mut [UnitLoad], units: &[(usize, u64)], exclusive: bool) {
@@ -173,31 +204,12 @@ impl Ledger {
         r.created_at.saturating_add(hold).max(now.saturating_add(1))
     }
 
-    fn ending_of(&self, r: &Reservation) -> Freed {
-        let units: Vec<(usize, u64)> = r
-            .units
+    /// The units `r` holds, by position, with their bytes.
+    fn held_by(&self, r: &Reservation) -> Vec<(usize, u64)> {
+        r.units
             .iter()
             .filter_map(|u| Some((self.unit_index(&u.uuid)?, u.memory_bytes)))
-            .collect();
-        let gpus: Vec<String> = r.units.iter().map(|u| u.gpu_index.to_string()).collect();
-        let on = format!(
-            "GPU{} {}",
-            if gpus.len() == 1 { "" } else { "s" },
-            gpus.join(", ")
-        );
-        let what = match r.expires_at {
-            Some(_) => format!("uid {}'s lease on {on} ends", r.owner_uid),
-            None => format!(
-                "uid {}'s reservation on {on} is expected to end (no lease: estimated from \
-                 that user's past holds)",
-                r.owner_uid
-            ),
-        };
-        Freed {
-            units,
-            exclusive: r.exclusive,
-            what,
-        }
+            .collect()
     }
 
     /// Whether the queue's first waiter (in queue order, skipping those whose quotas do
@@ -227,16 +239,23 @@ impl Ledger {
         };
         let mut freed: Vec<Freed> = Vec::new();
         let mut heap = BinaryHeap::new();
-        for r in self.active.values() {
+        // In a fixed order, so that ends at the same moment are told the same way every time.
+        let mut active: Vec<&std::sync::Arc<Reservation>> = self.active.values().collect();
+        active.sort_by(|a, b| (a.created_at, &a.id).cmp(&(b.created_at, &b.id)));
+        for r in active {
             heap.push(Reverse(Ending {
                 at: self.expected_end(r, now),
                 seq: freed.len(),
             }));
-            freed.push(self.ending_of(r));
+            freed.push(Freed {
+                units: self.held_by(r),
+                exclusive: r.exclusive,
+                whose: Whose::Reservation(r.clone()),
+            });
         }
         let mut loads = self.loads.clone();
         let mut t = now;
-        let mut last = String::new();
+        let mut last: Option<Whose> = None;
         let mut out = Vec::new();
         for i in first..self.queue.waiters.len() {
             let w = &self.queue.waiters[i];
@@ -263,9 +282,19 @@ impl Ledger {
                             ));
                         };
                         t = t.max(next.at);
-                        if let Some(f) = freed.get(next.seq) {
-                            remove(&mut loads, &f.units, f.exclusive);
-                            last.clone_from(&f.what);
+                        // Everything that ends at that moment.
+                        let mut seqs = vec![next.seq];
+                        while let Some(Reverse(also)) = heap.peek()
+                            && also.at == next.at
+                        {
+                            seqs.push(also.seq);
+                            heap.pop();
+                        }
+                        for seq in seqs {
+                            if let Some(f) = freed.get(seq) {
+                                remove(&mut loads, &f.units, f.exclusive);
+                                last = Some(f.whose.clone());
+                            }
                         }
                     }
                 }
@@ -275,7 +304,6 @@ impl Ledger {
                     let before = loads.clone();
                     let exclusive = request.memory == crate::model::MemoryAsk::Exclusive;
                     add(&mut loads, &units, exclusive);
-                    let what = format!("the request of uid {} ahead of it ends", caller.uid);
                     heap.push(Reverse(Ending {
                         at: t.saturating_add(self.expected_hold(caller.uid, &request)),
                         seq: freed.len(),
@@ -283,12 +311,11 @@ impl Ledger {
                     freed.push(Freed {
                         units: units.clone(),
                         exclusive,
-                        what,
+                        whose: Whose::Waiter(caller.uid),
                     });
-                    let because = if t == now {
-                        "it fits now".to_owned()
-                    } else {
-                        format!("when {last}")
+                    let because = match &last {
+                        Some(whose) if t > now => format!("when {}", whose.ends()),
+                        _ => "it fits now".to_owned(),
                     };
                     out.push(Expected {
                         ticket,
@@ -426,8 +453,7 @@ impl Ledger {
         } = gate
             && self.expected_end(r, now) > *start
         {
-            let f = self.ending_of(r);
-            add(at_start, &f.units, f.exclusive);
+            add(at_start, &self.held_by(r), r.exclusive);
         }
     }
 }
