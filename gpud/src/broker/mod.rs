@@ -45,6 +45,7 @@ mod executor;
 mod isolation;
 mod ledger;
 mod queue;
+pub mod sim;
 
 pub use command::{Command, Pending, WaitTicket};
 pub use exact::{AllocateRequest, ExactRequest};
