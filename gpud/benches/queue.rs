@@ -146,8 +146,9 @@ fn print_table(clients: usize, runs: &[(&str, Report, Duration)]) {
     println!("\n== {clients} waiting clients ==");
     for (name, report, took) in runs {
         println!(
-            "{name:>8}: allocated {:5.1}% (time-averaged) | {} steps in {:.2} s real time | {} leases ran out",
+            "{name:>8}: allocated {:5.1}%, {:.1} reservations held (time-averaged) | {} steps in {:.2} s real time | {} leases ran out",
             report.allocated * 100.0,
+            report.held,
             report.steps,
             took.as_secs_f64(),
             report.expired,
