@@ -356,6 +356,9 @@ pub struct Report {
     /// Time-averaged share of the node's GPU memory reserved (a GPU held exclusively counts
     /// whole).
     pub allocated: f64,
+    /// Time-averaged number of reservations held at once: with the clients and the mean
+    /// hold, what sets the mean wait once the queue never empties (Little's law).
+    pub held: f64,
     /// Per class, in [`Class::ALL`]'s order.
     pub classes: Vec<ClassReport>,
     /// The workload's median hold, the unit waits are also given in.
@@ -483,6 +486,8 @@ struct Sim {
     total_memory: u64,
     /// Reserved bytes × milliseconds, in the measured time.
     integral: u128,
+    /// Reservations × milliseconds, in the measured time.
+    held_integral: u128,
     classes: BTreeMap<Class, ClassReport>,
     expired: u64,
     committed: u64,
@@ -538,6 +543,7 @@ impl Sim {
             end: start.saturating_add(super::queue::millis(params.duration)),
             total_memory: inventory.gpus.iter().map(|g| g.memory_total_bytes).sum(),
             integral: 0,
+            held_integral: 0,
             classes: Class::ALL
                 .into_iter()
                 .map(|c| (c, ClassReport::new(c)))
@@ -621,6 +627,8 @@ impl Sim {
                 })
                 .sum();
             self.integral += u128::from(reserved) * u128::from(to - from);
+            let held = u64::try_from(self.ledger.active.len()).unwrap_or(u64::MAX);
+            self.held_integral += u128::from(held) * u128::from(to - from);
         }
         self.now = self.now.max(t);
     }
@@ -792,10 +800,13 @@ impl Sim {
         let capacity = u128::from(self.total_memory) * span;
         // A ratio of two integers that fit f64 closely enough for a percentage.
         #[allow(clippy::cast_precision_loss)]
-        let allocated = if capacity == 0 {
-            0.0
+        let (allocated, held) = if capacity == 0 {
+            (0.0, 0.0)
         } else {
-            self.integral as f64 / capacity as f64
+            (
+                self.integral as f64 / capacity as f64,
+                self.held_integral as f64 / span as f64,
+            )
         };
         let classes = self
             .classes
@@ -807,6 +818,7 @@ impl Sim {
             .collect();
         Report {
             allocated,
+            held,
             classes,
             median_hold: self.retry_after,
             expired: self.expired,
@@ -954,6 +966,8 @@ mod tests {
                 "{}",
                 report.allocated
             );
+            // One reservation at every moment.
+            assert!((report.held - 1.0).abs() < 1e-9, "{}", report.held);
             let fractional = report.class(Class::Fractional).unwrap();
             // Asks at 0 s (placed), then 10, 50, ..., 330 s (served after 30 s), and at
             // 370 s, still waiting at 400 s (30 s so far).
