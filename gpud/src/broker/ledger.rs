@@ -1313,6 +1313,8 @@ impl Ledger {
             let waiter = &self.queue.waiters[i];
             if waiter.reply.is_closed() {
                 self.queue.waiters.remove(i);
+                // It may have been the one protected: plan anew.
+                plan = None;
                 continue;
             }
             if waiter
@@ -1320,6 +1322,7 @@ impl Ledger {
                 .as_ref()
                 .is_some_and(PinnedProcess::has_exited)
             {
+                plan = None;
                 if let Some(w) = self.queue.waiters.remove(i) {
                     let pid = w.holder.as_ref().map_or(0, |h| h.holder.pid);
                     let _ = w.reply.send(Err(BrokerError::Invalid(format!(
@@ -1380,6 +1383,7 @@ impl Ledger {
                     i += 1;
                 }
                 Err(e) => {
+                    plan = None;
                     if let Some(w) = self.queue.waiters.remove(i) {
                         let _ = w.reply.send(Err(e));
                     }

@@ -1390,3 +1390,24 @@ fn a_first_waiter_its_quota_does_not_allow_now_is_not_planned_for() {
     // Nothing is kept for her: others take any GPU, for as long as they like.
     rules.reserved(CAROL, lease(MemoryAsk::Exclusive, 7200), 2_000);
 }
+
+#[test]
+fn a_hold_without_a_lease_never_goes_ahead_on_its_estimate() {
+    let mut rules = Rules::plain(2);
+    // Carol trains her estimate down: a hold of one second.
+    rules.reserved(CAROL, held(gib(1), "c0"), 0);
+    rules.release(CAROL, "c0", 1_000).unwrap();
+    rules.reserved(ALICE, lease(MemoryAsk::Exclusive, 600), 1_000);
+    let two = ReserveRequest {
+        gpus: 2,
+        ..waiting(MemoryAsk::Exclusive, 600, Duration::from_secs(3600))
+    };
+    let Admitted::Queued { rx: _bob, .. } = rules.reserve(BOB, two, 2_000).unwrap() else {
+        panic!("it waits");
+    };
+    // Expected to end in a second, but nothing binds it to: it may not take GPU 1.
+    let e = rules.reserve(CAROL, held(gib(4), "c1"), 3_000).unwrap_err();
+    assert!(e.to_string().contains("would delay"), "{e}");
+    // With a lease that ends in time, it may.
+    rules.reserved(CAROL, lease(gib(4), 60), 3_000);
+}

@@ -221,9 +221,14 @@ impl Ledger {
                 continue;
             }
             let (caller, request) = (w.caller, w.request.clone());
+            // Its quotas allow it: by the least it could add, and by where it would go now.
             if self
                 .check_quota_of_request(&caller, &request, Counted::Held)
                 .is_ok()
+                && !matches!(
+                    self.choose(&caller, &request, None),
+                    Err(BrokerError::QuotaExceeded(_))
+                )
             {
                 return Some(i);
             }
@@ -362,6 +367,13 @@ impl Ledger {
             return Gate::Open;
         };
         let late = super::super::queue::millis(self.settings.config.wait.starvation_after);
+        // A promise is the first waiter's alone: one that stopped being first (an older
+        // one came first again) gets a new one when its turn comes back.
+        for w in &mut self.queue.waiters {
+            if w.ticket != first.ticket {
+                w.promised = None;
+            }
+        }
         let waiter = &mut self.queue.waiters[i];
         match first.start {
             Ok((start, _)) => {
@@ -413,7 +425,10 @@ impl Ledger {
                     return Ok(Some(units.clone()));
                 }
                 let (chosen, _) = self.choose(caller, request, None)?;
-                if now.saturating_add(self.expected_hold(caller.uid, request)) <= *start {
+                // Only a lease is a bound on when it ends; an estimate could be trained.
+                if request.ttl_seconds.is_some()
+                    && now.saturating_add(self.expected_hold(caller.uid, request)) <= *start
+                {
                     return Ok(None);
                 }
                 let mut then = at_start.clone();
@@ -449,11 +464,25 @@ impl Ledger {
     /// start is there at the start too.
     pub(in crate::broker) fn went_ahead(&self, gate: &mut Gate, r: &Reservation, now: Millis) {
         if let Gate::Planned {
-            start, at_start, ..
+            request,
+            start,
+            units,
+            at_start,
+            ..
         } = gate
             && self.expected_end(r, now) > *start
         {
             add(at_start, &self.held_by(r), r.exclusive);
+            // It may have taken the first waiter's planned GPUs, leaving it room elsewhere
+            // at its start: those are the ones to keep free of what outlasts the start.
+            if let Ok(placed) = self.place_on(request, at_start) {
+                units.iter_mut().for_each(|u| *u = false);
+                for (p, _) in placed {
+                    if let Some(u) = units.get_mut(p) {
+                        *u = true;
+                    }
+                }
+            }
         }
     }
 }
