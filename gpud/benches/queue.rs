@@ -11,7 +11,9 @@
 //! `GPUD_SIM_HOLDS`: measured virtual time, in median holds (default 500, after a warm-up of
 //! a tenth of it); `GPUD_SIM_SEED`: the generator's seed (default 1); `GPUD_SIM_CLIENTS`:
 //! client counts, comma-separated (default 8,24,96); `GPUD_SIM_STARVATION_AFTER`: the
-//! queue's `starvation_after` in seconds (default gpud's, 60).
+//! queue's `starvation_after` in seconds (default gpud's, 60); `GPUD_SIM_MULTI_SHARE`,
+//! `GPUD_SIM_LEASE_FACTOR`, `GPUD_SIM_LEASELESS_SHARE`: the mix's share of multi-GPU
+//! requests (0.01), lease as a multiple of the hold (2), share without a lease (0).
 
 // A benchmark: a run that fails should stop it loudly.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
@@ -54,7 +56,11 @@ fn main() {
         ("guard", QueuePolicy::Guard),
     ];
 
-    let base = Params::new(0, WaitConfig::default());
+    let mut base = Params::new(0, WaitConfig::default());
+    let w = &mut base.workload;
+    w.multi_share = env_or("GPUD_SIM_MULTI_SHARE", w.multi_share);
+    w.lease_factor = env_or("GPUD_SIM_LEASE_FACTOR", w.lease_factor);
+    w.leaseless_share = env_or("GPUD_SIM_LEASELESS_SHARE", w.leaseless_share);
     let median = base.workload.median_hold;
     let params = |clients: usize, policy: QueuePolicy| Params {
         clients,

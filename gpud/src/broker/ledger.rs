@@ -816,11 +816,12 @@ impl Ledger {
         if self.queue.waiters.is_empty() {
             return;
         }
-        let gate = self.gate(now);
+        // One projection serves the gate (its first entry) and the listing.
         let mut expected = match self.settings.config.wait.policy {
             QueuePolicy::Planned => self.project(now, true),
             QueuePolicy::Guard => Vec::new(),
         };
+        let gate = self.gate_for(now, expected.first().cloned());
         let mut behind = false;
         for i in 0..self.queue.waiters.len() {
             let w = &self.queue.waiters[i];
@@ -1301,20 +1302,55 @@ impl Ledger {
         self.queue.withdraw(ticket)
     }
 
-    /// Serves queued requests that fit now, oldest first, with backfill until the oldest is
-    /// starved. Waiters whose client went away are dropped. Those served are told once the
+    /// Serves queued requests that fit now, in queue order: up to the first waiter (the one
+    /// the gate protects) anything that fits, behind it what the gate lets go ahead.
+    /// Waiters whose client or holder went away are dropped. Those served are told once the
     /// transaction is committed ([`Ledger::take_effects`]).
     pub(super) fn serve_waiters(&mut self, txn: &mut Txn<'_>, now: Millis) {
+        self.drop_gone_waiters();
+        'plan: loop {
+            let mut gate = self.gate(now);
+            let first = gate
+                .ticket()
+                .and_then(|t| self.queue.waiters.iter().position(|w| w.ticket == t));
+            let upto = first.map_or(self.queue.waiters.len(), |p| p + 1);
+            let ahead: Vec<u64> = self
+                .queue
+                .waiters
+                .iter()
+                .take(upto)
+                .map(|w| w.ticket)
+                .collect();
+            for ticket in ahead {
+                self.serve_waiter(txn, ticket, None, now);
+                if gate.ticket() == Some(ticket)
+                    && !self.queue.waiters.iter().any(|w| w.ticket == ticket)
+                {
+                    // The first waiter is served (or failed for good): plan for the next.
+                    continue 'plan;
+                }
+            }
+            let behind: Vec<u64> = self
+                .queue
+                .waiters
+                .iter()
+                .skip(upto)
+                .map(|w| w.ticket)
+                .collect();
+            for ticket in behind {
+                self.serve_waiter(txn, ticket, Some(&mut gate), now);
+            }
+            return;
+        }
+    }
+
+    /// Drops the waiters whose client went away, or whose holder exited (telling them).
+    fn drop_gone_waiters(&mut self) {
         let mut i = 0;
-        // Who is protected, and how; planned anew whenever the protected one is served.
-        let mut plan: Option<Gate> = None;
-        let mut behind = false;
         while i < self.queue.waiters.len() {
             let waiter = &self.queue.waiters[i];
             if waiter.reply.is_closed() {
                 self.queue.waiters.remove(i);
-                // It may have been the one protected: plan anew.
-                plan = None;
                 continue;
             }
             if waiter
@@ -1322,7 +1358,6 @@ impl Ledger {
                 .as_ref()
                 .is_some_and(PinnedProcess::has_exited)
             {
-                plan = None;
                 if let Some(w) = self.queue.waiters.remove(i) {
                     let pid = w.holder.as_ref().map_or(0, |h| h.holder.pid);
                     let _ = w.reply.send(Err(BrokerError::Invalid(format!(
@@ -1331,62 +1366,56 @@ impl Ledger {
                 }
                 continue;
             }
-            let gate = match &mut plan {
-                Some(gate) => gate,
-                None => {
-                    let gate = self.gate(now);
-                    behind = gate
-                        .ticket()
-                        .and_then(|t| self.queue.waiters.iter().position(|w| w.ticket == t))
-                        .is_some_and(|p| p < i);
-                    plan.insert(gate)
-                }
-            };
-            let waiter = &self.queue.waiters[i];
-            let (caller, request, ticket) = (waiter.caller, waiter.request.clone(), waiter.ticket);
-            let first = gate.ticket() == Some(ticket);
-            let holder = self.queue.waiters[i].holder.take();
-            // Up to the first waiter, anything that fits is served; behind it, what the gate
-            // lets go ahead.
-            let tried = if behind {
-                self.try_behind(txn, gate, &caller, &request, holder.as_ref(), now)
-            } else {
-                self.try_reserve(txn, &caller, &request, holder.as_ref(), now, None)
-            };
-            behind |= first;
-            if first && tried.is_ok() {
-                plan = None;
-            }
-            match tried {
-                Ok(reservation) => {
-                    let Some(Waiter { reply, .. }) = self.queue.waiters.remove(i) else {
-                        break;
-                    };
+            i += 1;
+        }
+    }
+
+    /// Tries waiter `ticket` now: ungated (`gate` None: it is not behind the first waiter),
+    /// or as far as `gate` lets it go ahead. Served, it leaves the queue (told after the
+    /// commit); over capacity, or over quota for now, it stays; otherwise it leaves with
+    /// the error.
+    fn serve_waiter(
+        &mut self,
+        txn: &mut Txn<'_>,
+        ticket: u64,
+        gate: Option<&mut Gate>,
+        now: Millis,
+    ) {
+        let Some(i) = self.queue.waiters.iter().position(|w| w.ticket == ticket) else {
+            return;
+        };
+        let waiter = &mut self.queue.waiters[i];
+        let (caller, request) = (waiter.caller, waiter.request.clone());
+        let holder = waiter.holder.take();
+        let tried = match gate {
+            Some(gate) => self.try_behind(txn, gate, &caller, &request, holder.as_ref(), now),
+            None => self.try_reserve(txn, &caller, &request, holder.as_ref(), now, None),
+        };
+        match tried {
+            Ok(reservation) => {
+                if let Some(Waiter { reply, .. }) = self.queue.waiters.remove(i) {
                     self.effects.served.push(Served {
                         reply,
                         reservation,
                         holder,
                     });
                 }
-                // Over quota for now (its owner holds other reservations): it goes on
-                // waiting for them to end, as long as its quotas could ever let it through.
-                Err(BrokerError::NoCapacity(_)) => {
-                    self.queue.waiters[i].holder = holder;
-                    i += 1;
-                }
-                Err(BrokerError::QuotaExceeded(_))
-                    if self
-                        .check_quota_of_request(&caller, &request, Counted::Nothing)
-                        .is_ok() =>
-                {
-                    self.queue.waiters[i].holder = holder;
-                    i += 1;
-                }
-                Err(e) => {
-                    plan = None;
-                    if let Some(w) = self.queue.waiters.remove(i) {
-                        let _ = w.reply.send(Err(e));
-                    }
+            }
+            // Over quota for now (its owner holds other reservations): it goes on waiting
+            // for them to end, as long as its quotas could ever let it through.
+            Err(BrokerError::NoCapacity(_)) => {
+                self.queue.waiters[i].holder = holder;
+            }
+            Err(BrokerError::QuotaExceeded(_))
+                if self
+                    .check_quota_of_request(&caller, &request, Counted::Nothing)
+                    .is_ok() =>
+            {
+                self.queue.waiters[i].holder = holder;
+            }
+            Err(e) => {
+                if let Some(w) = self.queue.waiters.remove(i) {
+                    let _ = w.reply.send(Err(e));
                 }
             }
         }

@@ -345,6 +345,15 @@ impl Ledger {
 
     /// What the queue lets a request that is not its first waiter do now.
     pub(in crate::broker) fn gate(&mut self, now: Millis) -> Gate {
+        let first = match self.settings.config.wait.policy {
+            QueuePolicy::Planned => self.project(now, false).into_iter().next(),
+            QueuePolicy::Guard => None,
+        };
+        self.gate_for(now, first)
+    }
+
+    /// The gate, given the projection's first entry (`planned` policy).
+    pub(in crate::broker) fn gate_for(&mut self, now: Millis, first: Option<Expected>) -> Gate {
         let guard = |ledger: &mut Ledger| match ledger.guard(now) {
             Some((i, held)) => Gate::Held {
                 ticket: ledger.queue.waiters[i].ticket,
@@ -355,7 +364,7 @@ impl Ledger {
         if self.settings.config.wait.policy == QueuePolicy::Guard {
             return guard(self);
         }
-        let Some(first) = self.project(now, false).into_iter().next() else {
+        let Some(first) = first else {
             return Gate::Open;
         };
         let Some(i) = self
