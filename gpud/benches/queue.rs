@@ -152,9 +152,12 @@ fn print_table(clients: usize, runs: &[(&str, Report, Duration)]) {
     println!("\n== {clients} waiting clients ==");
     for (name, report, took) in runs {
         println!(
-            "{name:>8}: allocated {:5.1}%, {:.1} reservations held (time-averaged) | {} steps in {:.2} s real time | {} leases ran out",
+            "{name:>8}: allocated {:5.1}%, {:.1} reservations held (time-averaged); idle: {:.1}% on empty GPUs, {:.1}% in gaps smaller than any request, {:.1}% in larger gaps | {} steps in {:.2} s real time | {} leases ran out",
             report.allocated * 100.0,
             report.held,
+            report.idle[0] * 100.0,
+            report.idle[1] * 100.0,
+            report.idle[2] * 100.0,
             report.steps,
             took.as_secs_f64(),
             report.expired,

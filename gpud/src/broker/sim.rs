@@ -359,6 +359,10 @@ pub struct Report {
     /// Time-averaged number of reservations held at once: with the clients and the mean
     /// hold, what sets the mean wait once the queue never empties (Little's law).
     pub held: f64,
+    /// Time-averaged shares of the node's GPU memory left idle: on GPUs that hold nothing,
+    /// in gaps on shared GPUs smaller than the smallest request of the mix (no order of
+    /// serving could fill them), and in larger gaps. With `allocated`, they add up to 1.
+    pub idle: [f64; 3],
     /// Per class, in [`Class::ALL`]'s order.
     pub classes: Vec<ClassReport>,
     /// The workload's median hold, the unit waits are also given in.
@@ -432,6 +436,18 @@ pub fn run(params: &Params) -> Result<Report, SimError> {
     simulate(params, &mut generator)
 }
 
+/// The fewest bytes of one GPU a request of `w` asks for.
+fn smallest_request(w: &Workload) -> u64 {
+    // A share of a GPU's memory, in whole MiB as the generator draws it.
+    #[allow(
+        clippy::cast_possible_truncation,
+        clippy::cast_sign_loss,
+        clippy::cast_precision_loss
+    )]
+    let mib = ((w.gpu_memory >> 20) as f64 * w.fraction_min).floor() as u64;
+    mib << 20
+}
+
 /// Runs `params` with requests from `source` (`params.workload` gives the node and the
 /// median hold).
 pub fn simulate(params: &Params, source: &mut dyn Source) -> Result<Report, SimError> {
@@ -488,6 +504,10 @@ struct Sim {
     integral: u128,
     /// Reservations × milliseconds, in the measured time.
     held_integral: u128,
+    /// Idle bytes × milliseconds, as [`Report::idle`] splits them.
+    idle_integral: [u128; 3],
+    /// The smallest request of the mix, in bytes of one GPU.
+    smallest: u64,
     classes: BTreeMap<Class, ClassReport>,
     expired: u64,
     committed: u64,
@@ -544,6 +564,8 @@ impl Sim {
             total_memory: inventory.gpus.iter().map(|g| g.memory_total_bytes).sum(),
             integral: 0,
             held_integral: 0,
+            idle_integral: [0; 3],
+            smallest: smallest_request(w),
             classes: Class::ALL
                 .into_iter()
                 .map(|c| (c, ClassReport::new(c)))
@@ -629,6 +651,20 @@ impl Sim {
             self.integral += u128::from(reserved) * u128::from(to - from);
             let held = u64::try_from(self.ledger.active.len()).unwrap_or(u64::MAX);
             self.held_integral += u128::from(held) * u128::from(to - from);
+            for (unit, load) in self.ledger.units.iter().zip(&self.ledger.loads) {
+                if load.exclusive {
+                    continue;
+                }
+                let idle = unit.memory_total_bytes.saturating_sub(load.reserved_bytes);
+                let kind = if load.reservations == 0 {
+                    0
+                } else if idle < self.smallest {
+                    1
+                } else {
+                    2
+                };
+                self.idle_integral[kind] += u128::from(idle) * u128::from(to - from);
+            }
         }
         self.now = self.now.max(t);
     }
@@ -800,12 +836,13 @@ impl Sim {
         let capacity = u128::from(self.total_memory) * span;
         // A ratio of two integers that fit f64 closely enough for a percentage.
         #[allow(clippy::cast_precision_loss)]
-        let (allocated, held) = if capacity == 0 {
-            (0.0, 0.0)
+        let (allocated, held, idle) = if capacity == 0 {
+            (0.0, 0.0, [0.0; 3])
         } else {
             (
                 self.integral as f64 / capacity as f64,
                 self.held_integral as f64 / span as f64,
+                self.idle_integral.map(|i| i as f64 / capacity as f64),
             )
         };
         let classes = self
@@ -819,6 +856,7 @@ impl Sim {
         Report {
             allocated,
             held,
+            idle,
             classes,
             median_hold: self.retry_after,
             expired: self.expired,
@@ -968,6 +1006,11 @@ mod tests {
             );
             // One reservation at every moment.
             assert!((report.held - 1.0).abs() < 1e-9, "{}", report.held);
+            // The rest is the half GPU beside client 0's 40 GiB: a gap a request of the mix
+            // (a quarter of a GPU or more) could fill; the GPU is never empty.
+            let [empty, small, large] = report.idle;
+            assert_eq!((empty, small), (0.0, 0.0));
+            assert!((large - 0.125).abs() < 1e-9, "{large}");
             let fractional = report.class(Class::Fractional).unwrap();
             // Asks at 0 s (placed), then 10, 50, ..., 330 s (served after 30 s), and at
             // 370 s, still waiting at 400 s (30 s so far).
