@@ -10,6 +10,9 @@
 //! For scale it also times the bare floor: the same POST and DELETE sent from inside the
 //! benchmark process (no process started at all).
 //!
+//! Every process is started without cargo's `LD_LIBRARY_PATH` (`bench_command`), as a
+//! shell would start it.
+//!
 //! Each sample is the wall time from spawning the first process to the exit of the last.
 //! gpuctl's release happens in gpud after `true` exits (pidfd), not on the client's clock;
 //! the time until gpud reports it released is measured too and printed separately.
@@ -21,14 +24,14 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // a benchmark: stop at the failed step
 
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use gpud_tests::{Daemon, gpuctl_bin, try_http, wait_for};
+use gpud_tests::{Daemon, bench_command, gpuctl_bin, try_http, wait_for};
 
 fn gpuctl_once(socket: &Path) -> (Duration, Duration) {
     let start = Instant::now();
-    let status = Command::new(gpuctl_bin())
+    let status = bench_command(gpuctl_bin())
         .args(["reserve", "--mem", "1GiB", "--", "true"])
         .env("GPUD_SOCKET", socket)
         .stdin(Stdio::null())
@@ -47,7 +50,7 @@ fn gpuctl_once(socket: &Path) -> (Duration, Duration) {
 
 fn curl_once(socket: &Path) -> Duration {
     let start = Instant::now();
-    let out = Command::new("curl")
+    let out = bench_command("curl")
         .args(["-sf", "--unix-socket"])
         .arg(socket)
         .args([
@@ -63,8 +66,8 @@ fn curl_once(socket: &Path) -> Duration {
     assert!(out.status.success());
     let body: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let id = body["id"].as_str().unwrap();
-    assert!(Command::new("true").status().unwrap().success());
-    let status = Command::new("curl")
+    assert!(bench_command("true").status().unwrap().success());
+    let status = bench_command("curl")
         .args(["-sf", "-o", "/dev/null", "--unix-socket"])
         .arg(socket)
         .args(["-X", "DELETE", &format!("http://gpud/v1/reservations/{id}")])

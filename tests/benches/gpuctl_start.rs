@@ -12,6 +12,9 @@
 //!   started; and, for scale, the same for a 1 GiB lease without a holder. Both released
 //!   afterwards, untimed.
 //!
+//! Every process is started without cargo's `LD_LIBRARY_PATH` ([`bench_command`]), as a
+//! shell would start it.
+//!
 //! Each process sample is the wall time from spawning it to its exit (`wait`), and its CPU
 //! time (user + system, from `getrusage(RUSAGE_CHILDREN)`), which the machine's other work
 //! disturbs less. The report gives medians, the difference to `/bin/true` and the ratio,
@@ -34,7 +37,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use gpud_tests::{Daemon, PATIENCE, gpuctl_bin, openapi, parse_response, try_http};
+use gpud_tests::{Daemon, PATIENCE, bench_command, gpuctl_bin, openapi, parse_response, try_http};
 use nix::sys::resource::{UsageWho, getrusage};
 
 /// Rounds run before measuring (caches, gpud's first requests).
@@ -151,11 +154,11 @@ fn main() {
         .spawn()
         .unwrap();
     let holder_pid = holder.id();
-    let version = |gpuctl: PathBuf| move || run(Command::new(&gpuctl).arg("--version"));
+    let version = |gpuctl: PathBuf| move || run(bench_command(&gpuctl).arg("--version"));
     let reserve = |gpuctl: PathBuf| {
         let d = &d;
         move || {
-            let sample = run(Command::new(&gpuctl)
+            let sample = run(bench_command(&gpuctl)
                 .env("GPUD_SOCKET", &d.socket)
                 .args(["reserve", "--mem", "1GiB", "--", "true"]));
             settle(&d.socket);
@@ -163,7 +166,7 @@ fn main() {
         }
     };
     let mut rows: Vec<Row> = vec![
-        Row::process("/bin/true", || run(&mut Command::new("/bin/true"))),
+        Row::process("/bin/true", || run(&mut bench_command("/bin/true"))),
         Row::process("gpuctl --version", version(gpuctl_bin())),
         Row::process("gpuctl reserve --mem 1GiB -- true", reserve(gpuctl_bin())),
         Row::request("its request alone, in-process", || {

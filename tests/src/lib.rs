@@ -41,6 +41,16 @@ pub fn missing_prerequisite(what: &str) {
     eprintln!("SKIPPED: needs {what} (under CI this fails instead)");
 }
 
+/// A command for a benchmark to time: `program` as a user's shell would start it, without
+/// the `LD_LIBRARY_PATH` that `cargo bench` sets (the toolchain's and `target/…/deps`).
+/// With it, the dynamic loader searches those directories first for every shared library,
+/// which inflates every dynamically linked start, gpuctl's and `/bin/true`'s alike.
+pub fn bench_command(program: impl AsRef<std::ffi::OsStr>) -> Command {
+    let mut cmd = Command::new(program);
+    cmd.env_remove("LD_LIBRARY_PATH");
+    cmd
+}
+
 /// `target/debug` (or whichever profile dir holds this test binary).
 pub fn target_dir() -> PathBuf {
     let exe = std::env::current_exe().expect("current exe");
