@@ -121,7 +121,13 @@ pub struct Cli {
 }
 
 /// The subcommands.
+// `defer`: a subcommand's arguments are defined only when clap builds that subcommand, i.e.
+// for the one on the command line (and for all of them when the help, man pages or
+// completions are generated), not on every start: gpuctl starts for every workload. The
+// argument types below therefore carry `//` comments, not doc comments: clap would make a
+// type's doc comment its subcommand's description, in place of the variant's.
 #[derive(Debug, Subcommand)]
+#[command(defer = true)]
 pub enum Command {
     /// Reserve GPU memory or whole GPUs, then run a command with them or print the environment.
     #[command(after_help = RESERVE_AFTER_HELP)]
@@ -190,7 +196,7 @@ pub enum Command {
     },
 }
 
-/// `gpuctl reserve`.
+// `gpuctl reserve`.
 #[derive(Debug, Args)]
 #[command(group(clap::ArgGroup::new("size").required(true).args(["mem", "exclusive"])))]
 pub struct ReserveArgs {
@@ -297,7 +303,7 @@ pub enum Output {
     Json,
 }
 
-/// A command that takes a reservation id.
+// A command that takes a reservation id.
 #[derive(Debug, Args)]
 pub struct IdArgs {
     /// Reservation id (as `gpuctl ls` shows it, or $GPUD_RESERVATION_ID).
@@ -308,7 +314,7 @@ pub struct IdArgs {
     pub output: Output,
 }
 
-/// `gpuctl cdi-hook`.
+// `gpuctl cdi-hook`.
 #[derive(Debug, Args)]
 pub struct CdiHookArgs {
     /// The reservation whose CDI device the container was given.
@@ -316,7 +322,7 @@ pub struct CdiHookArgs {
     pub reservation: String,
 }
 
-/// `gpuctl renew`.
+// `gpuctl renew`.
 #[derive(Debug, Args)]
 pub struct RenewArgs {
     /// Reservation id.
@@ -330,7 +336,7 @@ pub struct RenewArgs {
     pub output: Output,
 }
 
-/// `gpuctl ls`.
+// `gpuctl ls`.
 #[derive(Debug, Args)]
 pub struct ListArgs {
     /// Which reservations.
@@ -344,7 +350,7 @@ pub struct ListArgs {
     pub output: Output,
 }
 
-/// `gpuctl events`.
+// `gpuctl events`.
 #[derive(Debug, Args)]
 pub struct EventsArgs {
     /// Only events of the last DURATION (`10m`, `2h`) or since a time (`2026-11-21T05:00:00Z`).
@@ -431,7 +437,7 @@ impl Cli {
     }
 }
 
-/// The hooks of `gpuctl slurm`.
+// The hooks of `gpuctl slurm`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Subcommand)]
 pub enum SlurmHook {
     /// Prolog (root): reserve what the job's GRES asks for, for the job's user; when nothing
@@ -474,7 +480,7 @@ impl Command {
     }
 }
 
-/// Commands with only an output format.
+// Commands with only an output format.
 #[derive(Debug, Args)]
 pub struct TableArgs {
     /// Output format (json: failures too, as {"error": {...}} on stdout).
