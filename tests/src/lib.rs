@@ -466,6 +466,8 @@ fn audit_pass_count(metrics: &str) -> Option<u64> {
 pub const SIGTERM: i32 = 15;
 /// SIGKILL.
 pub const SIGKILL: i32 = 9;
+/// SIGINT (what Ctrl-C sends).
+pub const SIGINT: i32 = 2;
 
 /// Sends signal `sig` to `pid` with kill(1) (no libc dependency in tests).
 pub fn signal(pid: u32, sig: i32) {

@@ -3,7 +3,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step should stop with its line
 
-use std::io::Write;
+use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -874,6 +874,37 @@ fn sigterm_stops_gracefully_and_removes_the_socket() {
     let status = d.stop();
     assert!(status.success(), "{status}");
     assert!(!d.socket.exists());
+}
+
+#[test]
+fn sigint_stops_gpud_at_once_with_idle_and_half_sent_connections_open() {
+    let mut d = Daemon::start("t4-pair", "");
+    // A client's keep-alive connection, idle after one request.
+    let mut idle = UnixStream::connect(&d.socket).unwrap();
+    write!(idle, "GET /v1/health HTTP/1.1\r\nHost: gpud\r\n\r\n").unwrap();
+    let mut reply = [0u8; 4096];
+    assert!(idle.read(&mut reply).unwrap() > 0);
+    // One whose request stopped halfway through its headers (gpud waits for the rest for
+    // `server.header_timeout`, 5 s by default).
+    let mut half = UnixStream::connect(&d.socket).unwrap();
+    write!(half, "GET /v1/health HTTP/1.1\r\nHost").unwrap();
+    // Accepted in order: once a later connection is answered, gpud serves both.
+    assert_eq!(d.get("/v1/health").status, 200);
+    let mut child = d.child.take().unwrap();
+    let asked = Instant::now();
+    gpud_tests::signal(child.id(), gpud_tests::SIGINT);
+    let status = child.wait().unwrap();
+    let took = asked.elapsed();
+    assert!(status.success(), "{status}");
+    assert!(took < Duration::from_secs(1), "Ctrl-C took {took:?}");
+    // Both were closed, not left hanging.
+    for mut stream in [idle, half] {
+        stream
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        let mut rest = Vec::new();
+        let _ = stream.read_to_end(&mut rest);
+    }
 }
 
 #[test]

@@ -240,6 +240,10 @@ async fn refuse(mut stream: UnixStream, why: String, permit: tokio::sync::OwnedS
     drop(permit);
 }
 
+/// How long a stopping gpud waits for a connection with no request in flight to close on
+/// its own before it drops it.
+const STOP_UNSERVED_AFTER: Duration = Duration::from_millis(100);
+
 /// One accepted connection.
 struct Connection {
     api: Arc<Api>,
@@ -297,6 +301,16 @@ impl Connection {
                     {
                         closing = true;
                         conn.as_mut().graceful_shutdown();
+                    }
+                }
+                // Stopping, and no request in flight: hyper closes an idle connection at
+                // once, but one whose request has begun to arrive and has not all arrived
+                // (headers cut short, a client that stalls) only at its header timeout,
+                // which held gpud's stop for seconds. Such a request was not being served:
+                // it is dropped, and the client sees its connection closed.
+                () = tokio::time::sleep(STOP_UNSERVED_AFTER), if closing => {
+                    if activity.idle_deadline(Duration::ZERO).is_some() {
+                        return;
                     }
                 }
             }
