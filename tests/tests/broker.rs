@@ -877,6 +877,46 @@ fn sigterm_stops_gracefully_and_removes_the_socket() {
 }
 
 #[test]
+fn a_waiter_answered_shutting_down_by_a_stop_is_not_logged_as_an_error() {
+    let mut d = Daemon::start("t4-pair", "");
+    fill_t4(&d);
+    // gpud again, with its log kept (debug, to see the line the answer is logged with).
+    assert!(d.stop().success());
+    let log_path = d.dir.path().join("gpud.log");
+    let log = std::fs::File::create(&log_path).unwrap();
+    let child = d
+        .command()
+        .env("GPUD_LOG", "gpud=debug")
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    d.child = Some(child);
+    wait_for(PATIENCE, || {
+        gpud_tests::try_http(&d.socket, "GET", "/v1/health", None).ok()
+    })
+    .expect("gpud answers again");
+    let waiter = queue(
+        &d,
+        json!({"memory": "4GiB", "ttl_seconds": 60, "wait_seconds": 600}),
+    );
+    assert!(d.stop().success());
+    let answer = waiter.join().unwrap();
+    assert_eq!(answer.status, 503, "{}", answer.text);
+    assert_eq!(answer.body["error"]["code"], "shutting_down");
+    // A stop with waiters is how every restart goes: nothing went wrong.
+    let text = std::fs::read_to_string(&log_path).unwrap();
+    let told = text
+        .lines()
+        .find(|l| l.contains("gpud is stopping"))
+        .unwrap_or_else(|| panic!("the answer is logged:\n{text}"));
+    assert!(told.contains("DEBUG"), "{told}");
+    assert!(
+        !text.lines().any(|l| l.contains("ERROR")),
+        "an ERROR line:\n{text}"
+    );
+}
+
+#[test]
 fn sigint_stops_gpud_at_once_with_idle_and_half_sent_connections_open() {
     let mut d = Daemon::start("t4-pair", "");
     // A client's keep-alive connection, idle after one request.
