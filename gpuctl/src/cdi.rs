@@ -10,7 +10,6 @@
 
 use std::io::{self, IsTerminal, Read};
 use std::path::Path;
-use std::process::ExitCode;
 use std::time::Duration;
 
 use serde::Deserialize;
@@ -20,7 +19,7 @@ use gpud_schema::{AttachCgroupRequest, IsolationMode};
 
 use crate::cli::CdiHookArgs;
 use crate::client::Client;
-use crate::error::CliError;
+use crate::error::{CliError, ExitCode};
 
 /// How long gpud may take to answer. Runtimes wait for a hook without a limit by default,
 /// and a container that waits for ever is worse than one refused with a reason.

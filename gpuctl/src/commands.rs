@@ -8,7 +8,6 @@ use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap};
 use std::io::IsTerminal;
 use std::path::Path;
-use std::process::ExitCode;
 use std::time::SystemTime;
 
 use serde::Serialize;
@@ -16,7 +15,7 @@ use tokio::runtime::Runtime;
 
 use crate::cli::{EventsArgs, IdArgs, ListArgs, Output, RenewArgs, TableArgs, whole_seconds};
 use crate::client::Client;
-use crate::error::CliError;
+use crate::error::{CliError, ExitCode};
 use crate::manual;
 use crate::output::{
     events_table, gpus_table, mig_names, processes_table, reservation_details, reservations_table,

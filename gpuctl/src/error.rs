@@ -5,7 +5,6 @@
 
 use std::io;
 use std::path::PathBuf;
-use std::process::ExitCode;
 
 use gpud_schema::codes;
 
@@ -32,6 +31,24 @@ pub mod exit {
     pub const COMMAND_NOT_FOUND: u8 = 127;
     /// 128 + the signal number, as shells report a death by signal.
     pub const SIGNAL_BASE: u8 = 128;
+}
+
+/// gpuctl's exit status: what its C `main` returns (gpuctl starts without Rust's runtime,
+/// whose `std::process::ExitCode` cannot be read back as a number).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExitCode(pub u8);
+
+impl ExitCode {
+    /// Success.
+    pub const SUCCESS: ExitCode = ExitCode(0);
+    /// Any other error.
+    pub const FAILURE: ExitCode = ExitCode(exit::FAILURE);
+}
+
+impl From<u8> for ExitCode {
+    fn from(code: u8) -> ExitCode {
+        ExitCode(code)
+    }
 }
 
 /// A failure of one gpuctl invocation.

@@ -9,6 +9,10 @@
 //! gpuctl depends on the schema crate for every wire type and never on rusqlite or
 //! nvml-wrapper.
 
+// The C `main` below is the entry point, without Rust's runtime start: see [`main`]. (The
+// unit tests keep the test harness's own.)
+#![cfg_attr(not(test), no_main)]
+
 mod cdi;
 mod cli;
 mod client;
@@ -20,15 +24,69 @@ mod reserve;
 mod slurm;
 
 use std::io::Write;
-use std::process::ExitCode;
 use std::time::SystemTime;
 
 use clap::Parser;
 
 use crate::cli::{Cli, Command};
-use crate::error::CliError;
+use crate::error::{CliError, ExitCode};
 
-fn main() -> ExitCode {
+/// The process's entry point, called by the C library in place of Rust's `fn main`.
+///
+/// gpuctl starts for every workload (`gpuctl reserve -- COMMAND`), so its start is on every
+/// job's path. Rust's runtime start (`std::rt::lang_start`) costs about 0.15 ms on a small
+/// VM, mostly for the stack-overflow guard: glibc reads and parses all of
+/// `/proc/self/maps` to find the main thread's stack, then std installs SIGSEGV and SIGBUS
+/// handlers on an alternate stack (`benches/gpuctl_start.rs` in gpud-tests measures the
+/// start). gpuctl does without them: a stack overflow is then a plain SIGSEGV instead of
+/// a message. What gpuctl relies on from that start is done here: standard descriptors
+/// that are closed are opened on `/dev/null` (so that a socket never becomes stdout),
+/// SIGPIPE is ignored (a closed pipe is an `EPIPE` error, which [`print`] takes as the
+/// reader being done), a panic exits with status 101, and stdout is flushed at the end.
+/// `std::env::args` works as always: glibc hands the arguments to std at load time.
+#[cfg_attr(not(test), unsafe(no_mangle))]
+extern "C" fn main(
+    _argc: std::ffi::c_int,
+    _argv: *const *const std::ffi::c_char,
+) -> std::ffi::c_int {
+    open_closed_standard_fds();
+    // SAFETY: nothing else runs yet, and ignoring a signal installs no handler.
+    let _ = unsafe {
+        nix::sys::signal::signal(
+            nix::sys::signal::Signal::SIGPIPE,
+            nix::sys::signal::SigHandler::SigIgn,
+        )
+    };
+    // A panic has printed its message already (the default hook).
+    let code = std::panic::catch_unwind(gpuctl).map_or(101, |code| code.0);
+    let _ = std::io::stdout().flush();
+    std::ffi::c_int::from(code)
+}
+
+/// Opens `/dev/null` on stdin, stdout or stderr when gpuctl was started with it closed,
+/// as Rust's runtime start does: otherwise the next file or socket gpuctl opens would
+/// take the descriptor, and output would go there.
+fn open_closed_standard_fds() {
+    use std::os::fd::{AsRawFd, IntoRawFd};
+    for fd in 0..=2 {
+        // SAFETY: F_GETFD only reads a descriptor's flags; a closed one fails with EBADF.
+        let flags = unsafe { nix::libc::fcntl(fd, nix::libc::F_GETFD) };
+        if flags == -1 && nix::errno::Errno::last() == nix::errno::Errno::EBADF {
+            // Opening takes the lowest free descriptor: this one.
+            if let Ok(null) = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open("/dev/null")
+                && null.as_raw_fd() == fd
+            {
+                let _ = null.into_raw_fd();
+            }
+        }
+    }
+}
+
+/// gpuctl itself: parses the command line, runs the command, and returns the exit status.
+fn gpuctl() -> ExitCode {
     // Slurm runs its hooks by path, without arguments: a link named gpud-slurm-prolog is
     // `gpuctl slurm prolog`.
     let mut args: Vec<std::ffi::OsString> = std::env::args_os().collect();

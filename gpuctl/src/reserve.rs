@@ -16,7 +16,6 @@ use std::convert::Infallible;
 use std::io::{IsTerminal, Write};
 use std::os::unix::process::CommandExt;
 use std::path::Path;
-use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant, SystemTime};
 
@@ -29,7 +28,7 @@ use tokio::signal::unix::{SignalKind, signal};
 
 use crate::cli::{ReserveArgs, ReserveOutput, whole_seconds};
 use crate::client::Client;
-use crate::error::CliError;
+use crate::error::{CliError, ExitCode};
 use crate::output::{describe, export_lines, summary};
 use crate::write_stdout;
 

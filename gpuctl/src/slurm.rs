@@ -18,7 +18,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
-use std::process::{Command, ExitCode};
+use std::process::Command;
 use std::time::{Duration, SystemTime};
 
 use serde::Deserialize;
@@ -28,7 +28,7 @@ use gpud_schema::{MemorySpec, Reservation, ReservationRequest, ReservationState,
 
 use crate::cli::SlurmHook;
 use crate::client::Client;
-use crate::error::CliError;
+use crate::error::{CliError, ExitCode};
 
 /// The label that carries the job id.
 pub const JOB_LABEL: &str = "slurm.job";
