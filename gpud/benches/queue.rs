@@ -182,15 +182,7 @@ fn print_table(clients: usize, runs: &[(&str, Report, Duration)]) {
             let c: &ClassReport = match report.class(class) {
                 Some(c) => c,
                 None => {
-                    empty = ClassReport {
-                        class,
-                        requests: 0,
-                        waits: Vec::new(),
-                        timed_out: 0,
-                        timed_out_with_room: 0,
-                        waiting_at_end: 0,
-                        refused: 0,
-                    };
+                    empty = ClassReport::new(class);
                     &empty
                 }
             };

@@ -1314,14 +1314,9 @@ impl Ledger {
                 .ticket()
                 .and_then(|t| self.queue.waiters.iter().position(|w| w.ticket == t));
             let upto = first.map_or(self.queue.waiters.len(), |p| p + 1);
-            let ahead: Vec<u64> = self
-                .queue
-                .waiters
-                .iter()
-                .take(upto)
-                .map(|w| w.ticket)
-                .collect();
-            for ticket in ahead {
+            let tickets: Vec<u64> = self.queue.waiters.iter().map(|w| w.ticket).collect();
+            let (ahead, behind) = tickets.split_at(upto);
+            for &ticket in ahead {
                 self.serve_waiter(txn, ticket, None, now);
                 if gate.ticket() == Some(ticket)
                     && !self.queue.waiters.iter().any(|w| w.ticket == ticket)
@@ -1330,14 +1325,7 @@ impl Ledger {
                     continue 'plan;
                 }
             }
-            let behind: Vec<u64> = self
-                .queue
-                .waiters
-                .iter()
-                .skip(upto)
-                .map(|w| w.ticket)
-                .collect();
-            for ticket in behind {
+            for &ticket in behind {
                 self.serve_waiter(txn, ticket, Some(&mut gate), now);
             }
             return;

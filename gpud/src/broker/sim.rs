@@ -312,7 +312,8 @@ pub struct ClassReport {
 }
 
 impl ClassReport {
-    fn new(class: Class) -> ClassReport {
+    /// No requests of `class` yet.
+    pub fn new(class: Class) -> ClassReport {
         ClassReport {
             class,
             requests: 0,

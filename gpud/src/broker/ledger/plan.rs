@@ -37,7 +37,7 @@ use gpud_schema::format_duration;
 
 use super::{BrokerError, Caller, Counted, Ledger, ReserveRequest};
 use crate::config::QueuePolicy;
-use crate::model::{Millis, Reservation};
+use crate::model::{Millis, Reservation, ReservedUnit};
 use crate::placement::UnitLoad;
 
 /// Moving average weight of the newest hold, in quarters: new = (3·old + hold) / 4.
@@ -80,7 +80,7 @@ pub(in crate::broker) struct Expected {
     pub start: Result<(Millis, String), String>,
     /// The units it is planned on (only for a planned start).
     pub units: Vec<usize>,
-    /// The load just before it starts.
+    /// The load just before it starts (for the first waiter only: the gate's).
     pub before: Vec<UnitLoad>,
 }
 
@@ -153,7 +153,7 @@ fn remove(loads: &mut [UnitLoad], units: &[(usize, u64)], exclusive: bool) {
 }
 
 /// `at` as people read it against `now`: "now", "in 4 min".
-pub(in crate::broker) fn from_now(at: Millis, now: Millis) -> String {
+fn from_now(at: Millis, now: Millis) -> String {
     match at.saturating_sub(now) {
         0 => "now".to_owned(),
         ms => format!("in {}", format_duration(Duration::from_millis(ms))),
@@ -204,9 +204,9 @@ impl Ledger {
         r.created_at.saturating_add(hold).max(now.saturating_add(1))
     }
 
-    /// The units `r` holds, by position, with their bytes.
-    fn held_by(&self, r: &Reservation) -> Vec<(usize, u64)> {
-        r.units
+    /// Reserved `units` by position, with their bytes.
+    fn positions(&self, units: &[ReservedUnit]) -> Vec<(usize, u64)> {
+        units
             .iter()
             .filter_map(|u| Some((self.unit_index(&u.uuid)?, u.memory_bytes)))
             .collect()
@@ -253,7 +253,7 @@ impl Ledger {
                 seq: freed.len(),
             }));
             freed.push(Freed {
-                units: self.held_by(r),
+                units: self.positions(&r.units),
                 exclusive: r.exclusive,
                 whose: Whose::Reservation(r.clone()),
             });
@@ -306,7 +306,11 @@ impl Ledger {
             };
             match placed {
                 Ok(units) => {
-                    let before = loads.clone();
+                    let before = if out.is_empty() {
+                        loads.clone()
+                    } else {
+                        Vec::new()
+                    };
                     let exclusive = request.memory == crate::model::MemoryAsk::Exclusive;
                     add(&mut loads, &units, exclusive);
                     heap.push(Reverse(Ending {
@@ -441,13 +445,9 @@ impl Ledger {
                     return Ok(None);
                 }
                 let mut then = at_start.clone();
-                let placed: Vec<(usize, u64)> = chosen
-                    .iter()
-                    .filter_map(|u| Some((self.unit_index(&u.uuid)?, u.memory_bytes)))
-                    .collect();
                 add(
                     &mut then,
-                    &placed,
+                    &self.positions(&chosen),
                     request.memory == crate::model::MemoryAsk::Exclusive,
                 );
                 if self.place_on(first, &then).is_ok() {
@@ -481,7 +481,7 @@ impl Ledger {
         } = gate
             && self.expected_end(r, now) > *start
         {
-            add(at_start, &self.held_by(r), r.exclusive);
+            add(at_start, &self.positions(&r.units), r.exclusive);
             // It may have taken the first waiter's planned GPUs, leaving it room elsewhere
             // at its start: those are the ones to keep free of what outlasts the start.
             if let Ok(placed) = self.place_on(request, at_start) {
