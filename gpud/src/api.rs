@@ -564,47 +564,54 @@ impl Api {
         let wire: schema::ReservationRequest = parse_json(body)?;
         let (named, own) = (wire.holder_cgroup.clone(), wire.own_cgroup);
         let mut request = to_request(wire)?;
-        let holder = match request.holder_pid {
-            Some(pid) => {
-                let pinned =
-                    tokio::task::spawn_blocking(move || crate::holder::pin_holder(&caller, pid))
-                        .await
-                        .map_err(|_| BrokerError::Internal("pinning the holder panicked"))?
-                        .map_err(BrokerError::from)?;
-                Some(pinned)
-            }
-            None => None,
-        };
         // A cgroup made for the holder is named after the reservation: its id is chosen here,
         // unless the client chose it.
         if own && request.id.is_none() {
             request.id = Some(crate::broker::new_reservation_id());
         }
-        let prepared = {
-            let workloads = self.workloads.clone();
-            let admin = self.broker.is_admin(&caller);
-            let holder_pid = holder.as_ref().map(|h| h.holder.pid);
-            let id = request.id.clone().unwrap_or_default();
-            let enforceable = self
-                .broker
-                .snapshot()
-                .gpus
-                .iter()
-                .any(|g| g.isolation.mode == schema::IsolationMode::Driver);
-            tokio::task::spawn_blocking(move || {
-                workloads.prepare(
+        let workloads = self.workloads.clone();
+        let admin = self.broker.is_admin(&caller);
+        let id = request.id.clone().unwrap_or_default();
+        let enforceable = self
+            .broker
+            .snapshot()
+            .gpus
+            .iter()
+            .any(|g| g.isolation.mode == schema::IsolationMode::Driver);
+        let holder_pid = request.holder_pid;
+        let reads_proc = holder_pid.is_some() || named.is_some() || own;
+        // Pinning the holder and finding its cgroup read /proc and cgroupfs: one trip to a
+        // blocking thread for both, and none for a request that names neither.
+        let pin_and_prepare = move || -> Result<_, ApiError> {
+            let holder = match holder_pid {
+                Some(pid) => Some(
+                    crate::holder::pin_holder(&caller, pid)
+                        .map_err(|e| ApiError::from(BrokerError::from(e)))?,
+                ),
+                None => None,
+            };
+            let pinned_pid = holder.as_ref().map(|h| h.holder.pid);
+            let prepared = workloads
+                .prepare(
                     &caller,
                     admin,
                     named.as_deref(),
                     own,
                     enforceable,
-                    holder_pid,
+                    pinned_pid,
                     &id,
                 )
-            })
-            .await
-            .map_err(|_| BrokerError::Internal("finding the request's cgroup panicked"))?
-            .map_err(target_error)?
+                .map_err(target_error)?;
+            Ok((holder, prepared))
+        };
+        let (holder, prepared) = if reads_proc {
+            tokio::task::spawn_blocking(pin_and_prepare)
+                .await
+                .map_err(|_| {
+                    BrokerError::Internal("pinning the holder or finding its cgroup panicked")
+                })??
+        } else {
+            pin_and_prepare()?
         };
         request.target = prepared.target.clone();
         let outcome = match self.broker.reserve(caller, request, holder).await {

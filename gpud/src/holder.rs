@@ -9,6 +9,7 @@
 
 use std::fs;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::OnceLock;
 
 use tokio::io::Interest;
 use tokio::io::unix::AsyncFd;
@@ -244,7 +245,12 @@ pub fn translate_pid(caller_pid: u32, pid: u32) -> Result<u32, HolderError> {
                  or later has it)"
             .to_owned(),
     };
-    let mine = namespace_pids("self").ok_or_else(|| unreadable(std::process::id()))?;
+    // gpud's own pids never change: read once, not on every request with a holder.
+    static MINE: OnceLock<Option<Vec<u32>>> = OnceLock::new();
+    let mine = MINE
+        .get_or_init(|| namespace_pids("self"))
+        .as_ref()
+        .ok_or_else(|| unreadable(std::process::id()))?;
     let theirs = namespace_pids(&caller_pid.to_string())
         .ok_or_else(|| unreadable(caller_pid))?
         .len();
@@ -434,10 +440,16 @@ pub fn degraded_features(terminate: bool) -> Vec<String> {
 }
 
 /// This boot's id; empty when unreadable (then every restart check compares start times only).
+/// Read once: it is the same for as long as gpud runs, and every pinned holder records it.
 pub fn boot_id() -> String {
-    fs::read_to_string("/proc/sys/kernel/random/boot_id")
-        .map(|s| s.trim().to_owned())
-        .unwrap_or_default()
+    static BOOT_ID: OnceLock<String> = OnceLock::new();
+    BOOT_ID
+        .get_or_init(|| {
+            fs::read_to_string("/proc/sys/kernel/random/boot_id")
+                .map(|s| s.trim().to_owned())
+                .unwrap_or_default()
+        })
+        .clone()
 }
 
 /// A holder process pinned by a pidfd: it refers to this very process even if the pid is
