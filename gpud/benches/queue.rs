@@ -1,7 +1,8 @@
 //! The wait queue under load: the queue simulator (`gpud::broker::sim`, the real ledger in
 //! virtual time) runs the default mix of issue #21 at 8, 24 and 96 clients, under both
-//! queue policies in the same run, and prints one table per client count. docs/queue.md
-//! says how to read it.
+//! queue policies and the packing reference (the largest waiter that fits first, whatever
+//! its age: how full an order of serving alone keeps the node) in the same run, and prints
+//! one table per client count. docs/queue.md says how to read it.
 //!
 //! ```sh
 //! cargo bench -p gpud --bench queue
@@ -51,9 +52,12 @@ fn main() {
         "GPUD_SIM_STARVATION_AFTER",
         defaults.starvation_after.as_secs(),
     ));
+    // `packing` is no policy to run: the reference for how full any order of serving keeps
+    // the node, fairness aside (docs/queue.md).
     let policies = [
         ("planned", QueuePolicy::Planned),
         ("guard", QueuePolicy::Guard),
+        ("packing", QueuePolicy::PackingBound),
     ];
 
     let mut base = Params::new(0, WaitConfig::default());

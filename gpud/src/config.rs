@@ -241,6 +241,12 @@ pub enum QueuePolicy {
     /// Anything that fits goes ahead until the first waiter has waited `starvation_after`;
     /// from then on nothing goes on GPUs it could use.
     Guard,
+    /// Not a policy to run, and not accepted in the configuration: the queue simulator's
+    /// reference for how full an order of serving alone can keep a node. Every waiter that
+    /// fits goes at once, the largest first (whole GPUs before parts of one), whatever its
+    /// age: requests for several GPUs and the largest parts of one can wait for ever.
+    #[serde(skip)]
+    PackingBound,
 }
 
 /// Waiting for capacity.

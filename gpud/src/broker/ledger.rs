@@ -819,7 +819,7 @@ impl Ledger {
         // One projection serves the gate (its first entry) and the listing.
         let mut expected = match self.settings.config.wait.policy {
             QueuePolicy::Planned => self.project(now, true),
-            QueuePolicy::Guard => Vec::new(),
+            QueuePolicy::Guard | QueuePolicy::PackingBound => Vec::new(),
         };
         let gate = self.gate_for(now, expected.first().cloned());
         let mut behind = false;
@@ -1308,6 +1308,25 @@ impl Ledger {
     /// transaction is committed ([`Ledger::take_effects`]).
     pub(super) fn serve_waiters(&mut self, txn: &mut Txn<'_>, now: Millis) {
         self.drop_gone_waiters();
+        if self.settings.config.wait.policy == QueuePolicy::PackingBound {
+            // Largest first (all it asks for, on the largest GPU); the sort is stable, so
+            // equals keep their order.
+            let largest = self.units.iter().map(|u| u.memory_total_bytes).max();
+            let mut tickets: Vec<(u64, u64)> = self
+                .queue
+                .waiters
+                .iter()
+                .map(|w| {
+                    let per_gpu = w.request.memory.bytes_on(largest.unwrap_or(0));
+                    (w.ticket, u64::from(w.request.gpus).saturating_mul(per_gpu))
+                })
+                .collect();
+            tickets.sort_by_key(|&(_, bytes)| std::cmp::Reverse(bytes));
+            for (ticket, _) in tickets {
+                self.serve_waiter(txn, ticket, None, now);
+            }
+            return;
+        }
         'plan: loop {
             let mut gate = self.gate(now);
             let first = gate

@@ -1411,3 +1411,44 @@ fn a_hold_without_a_lease_never_goes_ahead_on_its_estimate() {
     // With a lease that ends in time, it may.
     rules.reserved(CAROL, lease(gib(4), 60), 3_000);
 }
+
+/// The queue simulator's packing reference serves the largest waiter that fits first,
+/// whatever its age; the configuration does not accept it.
+#[test]
+fn the_packing_reference_serves_the_largest_waiter_first_and_is_not_configurable() {
+    let packing = Config {
+        wait: crate::config::WaitConfig {
+            policy: QueuePolicy::PackingBound,
+            ..Default::default()
+        },
+        ..Config::default()
+    };
+    let wait = Duration::from_secs(3600);
+    for (config, whole_first) in [(packing, true), (Config::default(), false)] {
+        let mut rules = Rules::new(1, config, vec![]);
+        rules.reserved(ALICE, lease(MemoryAsk::Exclusive, 600), 0);
+        let Admitted::Queued { rx: mut small, .. } = rules
+            .reserve(BOB, waiting(gib(4), 600, wait), 1_000)
+            .unwrap()
+        else {
+            panic!("the GPU is held whole: it waits");
+        };
+        let Admitted::Queued { rx: mut whole, .. } = rules
+            .reserve(CAROL, waiting(MemoryAsk::Exclusive, 600, wait), 2_000)
+            .unwrap()
+        else {
+            panic!("the GPU is held whole: it waits");
+        };
+        rules.run(|l, t| l.expire_due(t, 600_000)).unwrap();
+        assert_eq!(rules.tell_served(), 1);
+        let (served, waits) = if whole_first {
+            (&mut whole, &mut small)
+        } else {
+            (&mut small, &mut whole)
+        };
+        assert!(served.try_recv().unwrap().is_ok());
+        assert!(waits.try_recv().is_err());
+    }
+    let e = Config::parse("[wait]\npolicy = \"packing-bound\"\n").unwrap_err();
+    assert!(e.contains("unknown variant"), "{e}");
+}

@@ -352,6 +352,7 @@ impl Ledger {
         let first = match self.settings.config.wait.policy {
             QueuePolicy::Planned => self.project(now, false).into_iter().next(),
             QueuePolicy::Guard => None,
+            QueuePolicy::PackingBound => return Gate::Open,
         };
         self.gate_for(now, first)
     }
