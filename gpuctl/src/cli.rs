@@ -499,12 +499,8 @@ fn parse_user(s: &str) -> Result<u32, String> {
     if let Ok(uid) = s.parse::<u32>() {
         return Ok(uid);
     }
-    match nix::unistd::User::from_name(s) {
-        Ok(Some(user)) => Ok(user.uid.as_raw()),
-        _ => Err(format!(
-            "no user {s:?} on this machine; give a user name or a uid"
-        )),
-    }
+    crate::users::uid_of(s)
+        .ok_or_else(|| format!("no user {s:?} on this machine; give a user name or a uid"))
 }
 
 /// A size for `--mem`. A plain number is bytes, as in the API; one below 1 MiB is surely a

@@ -320,12 +320,7 @@ pub fn user_names() -> impl Fn(u32) -> String {
         cache
             .borrow_mut()
             .entry(uid)
-            .or_insert_with(|| {
-                nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(uid))
-                    .ok()
-                    .flatten()
-                    .map_or_else(|| uid.to_string(), |u| u.name)
-            })
+            .or_insert_with(|| crate::users::name_of(uid).unwrap_or_else(|| uid.to_string()))
             .clone()
     }
 }

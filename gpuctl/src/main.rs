@@ -5,7 +5,7 @@
 //! Modules: `cli` (flags), `client` (HTTP over the Unix socket), `reserve` (the reserve
 //! command, exec and eval forms), `cdi` (the CDI hook), `commands` (the others), `output`
 //! (tables and `export` lines), `manual` (man pages and completion scripts), `error`
-//! (messages and exit codes).
+//! (messages and exit codes), `users` (user names, without NSS in gpuctl's process).
 //! gpuctl depends on the schema crate for every wire type and never on rusqlite or
 //! nvml-wrapper.
 
@@ -22,6 +22,7 @@ mod manual;
 mod output;
 mod reserve;
 mod slurm;
+mod users;
 
 use std::io::Write;
 use std::time::SystemTime;

@@ -1,12 +1,19 @@
 //! What gpuctl adds to starting a command.
 //!
 //! Starts the real gpud (fake NVML, `t4-pair`, the product's default audit interval) and
-//! times, in one run, each of these in turn in every round (the order rotates, so that the
-//! machine's noise falls on all of them alike):
+//! times, in one run, each of these once in every round, in an order shuffled anew each
+//! round (seeded), so that the machine's noise falls on all of them alike. A fixed
+//! rotation does not: each row then always follows the same one, and a process start that
+//! follows another process's exit is slower (its teardown still runs on the other CPU)
+//! than one that follows a request made in-process: on a 2-vCPU VM that put up to 0.4 ms
+//! between two runs of the same binary.
 //! - `/bin/true`: the floor, one process started and waited for;
 //! - `gpuctl --version`: gpuctl's start-up alone (loading, clap; no socket, no runtime);
 //! - `gpuctl reserve --mem 1GiB -- true`: reserve (held by gpuctl's pid), exec `true`,
 //!   exit; after each sample the benchmark waits, untimed, until gpud has released it;
+//! - the floor: `benches/floor.c`, compiled here (`cc -O2 -static`), which sends gpuctl's
+//!   request and execs `true` and does nothing else: what gpuctl adds beyond it is gpuctl's
+//!   own cost;
 //! - its request alone: the `POST /v1/reservations` gpuctl sends there (1 GiB, held by a
 //!   live process, `own_cgroup`), from inside this process on a new connection, no process
 //!   started; and, for scale, the same for a 1 GiB lease without a holder. Both released
@@ -18,15 +25,16 @@
 //! Each process sample is the wall time from spawning it to its exit (`wait`), and its CPU
 //! time (user + system, from `getrusage(RUSAGE_CHILDREN)`), which the machine's other work
 //! disturbs less. The report gives medians, the difference to `/bin/true` and the ratio,
-//! and what is left of `reserve -- true` once `/bin/true` and the request are taken away:
-//! gpuctl's own cost, its start-up included (approximate: exec'ing `true` from gpuctl is
-//! not quite spawning it).
+//! and what `reserve -- true` takes beyond the floor: gpuctl's own cost, its start-up
+//! included.
 //!
 //! `BENCH_GPUCTL_BASELINE=PATH` adds `--version` and `reserve -- true` of another gpuctl
 //! binary (say, a build of an older commit) to the same rounds, for a comparison in one run.
 //!
-//! Run (release builds of gpud, gpuctl and the fake NVML must exist first):
-//!     cargo build --release --workspace && cargo bench -p gpud-tests --bench gpuctl_start
+//! Run (release builds of gpud, gpuctl and the fake NVML must exist first; the bench
+//! builds no binary, so build gpuctl last, as installed: statically linked):
+//!     cargo build --release --workspace && cargo build-gpuctl
+//!     cargo bench -p gpud-tests --bench gpuctl_start
 //! `BENCH_ITERATIONS` (default 300) sets the number of samples of each.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // a benchmark: stop at the failed step
@@ -39,6 +47,8 @@ use std::time::{Duration, Instant};
 
 use gpud_tests::{Daemon, PATIENCE, bench_command, gpuctl_bin, openapi, parse_response, try_http};
 use nix::sys::resource::{UsageWho, getrusage};
+use rand::rngs::Xoshiro256PlusPlus;
+use rand::{RngExt, SeedableRng};
 
 /// Rounds run before measuring (caches, gpud's first requests).
 const WARMUP: usize = 20;
@@ -165,10 +175,19 @@ fn main() {
             sample
         }
     };
+    let floor = compile_floor(d.dir.path());
+    let floor_run = || {
+        let sample = run(bench_command(&floor)
+            .env("GPUD_SOCKET", &d.socket)
+            .arg("true"));
+        settle(&d.socket);
+        sample
+    };
     let mut rows: Vec<Row> = vec![
         Row::process("/bin/true", || run(&mut bench_command("/bin/true"))),
         Row::process("gpuctl --version", version(gpuctl_bin())),
         Row::process("gpuctl reserve --mem 1GiB -- true", reserve(gpuctl_bin())),
+        Row::process("the floor: floor.c, the request and the exec", floor_run),
         Row::request("its request alone, in-process", || {
             request_once(&d.socket, Some(holder_pid))
         }),
@@ -187,9 +206,15 @@ fn main() {
         ));
     }
     let n = rows.len();
+    let mut rng = Xoshiro256PlusPlus::seed_from_u64(1);
+    let mut order: Vec<usize> = (0..n).collect();
     for round in 0..WARMUP + iterations {
-        for k in 0..n {
-            let row = &mut rows[(round + k) % n];
+        // Fisher–Yates.
+        for i in (1..n).rev() {
+            order.swap(i, rng.random_range(0..=i));
+        }
+        for &k in &order {
+            let row = &mut rows[k];
             let sample = (row.once)();
             if round >= WARMUP {
                 row.samples.push(sample);
@@ -230,9 +255,23 @@ fn main() {
         }
     }
     println!(
-        "  gpuctl's own share of reserve -- true (minus /bin/true, minus its request): {:.2} ms",
-        rows[2].wall(0.5) - true_wall - rows[3].wall(0.5)
+        "  gpuctl's own share of reserve -- true (over the floor): {:.2} ms",
+        rows[2].wall(0.5) - rows[3].wall(0.5)
     );
+}
+
+/// Compiles `benches/floor.c` into `dir` with the system's C compiler, statically linked.
+fn compile_floor(dir: &Path) -> PathBuf {
+    let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/floor.c");
+    let out = dir.join("floor");
+    let status = Command::new("cc")
+        .args(["-O2", "-static", "-o"])
+        .arg(&out)
+        .arg(&source)
+        .status()
+        .expect("cc, the C compiler the README asks for");
+    assert!(status.success(), "cc {}: {status}", source.display());
+    out
 }
 
 /// One line of the report: what is timed, and its samples.
