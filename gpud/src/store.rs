@@ -443,6 +443,31 @@ impl Store {
         self.query("WHERE r.state = 'active' ORDER BY r.seq", params![])
     }
 
+    /// How long each user's last `per_user` reservations without a lease were held, as
+    /// `(uid, ms)`, in the order they ended: what the queue's estimates of lease-less holds
+    /// are rebuilt from at start.
+    pub fn holds_without_lease(&self, per_user: u32) -> Result<Vec<(u32, Millis)>, StoreError> {
+        let mut stmt = self
+            .conn
+            .prepare_cached(
+                "SELECT owner_uid, held FROM (
+                     SELECT owner_uid, ended_at - created_at AS held, ended_at, seq,
+                            ROW_NUMBER() OVER (PARTITION BY owner_uid
+                                               ORDER BY ended_at DESC, seq DESC) AS k
+                     FROM reservations
+                     WHERE ttl_seconds IS NULL AND ended_at IS NOT NULL)
+                 WHERE k <= ?1 ORDER BY ended_at, seq",
+            )
+            .map_err(self.err("query past holds"))?;
+        let rows = stmt
+            .query_map(params![per_user], |row| {
+                Ok((row.get::<_, u32>(0)?, from_sql_int(row.get(1)?)))
+            })
+            .map_err(self.err("query past holds"))?;
+        rows.collect::<Result<_, _>>()
+            .map_err(self.err("query past holds"))
+    }
+
     /// Ended reservations whose driver limits may not have been reset yet.
     pub fn limits_pending(&self) -> Result<Vec<Reservation>, StoreError> {
         self.query(

@@ -172,7 +172,7 @@ pub struct Ledger {
     buckets: HashMap<u32, (u64, Millis)>,
     queue: WaitQueue,
     /// Per uid: how long its reservations without a lease were held lately (a moving
-    /// average, ms), for the queue's plan.
+    /// average, ms), for the queue's plan; rebuilt from the database at start.
     holds: HashMap<u32, Millis>,
     pub(super) settings: Arc<BrokerSettings>,
     pub(super) shutting_down: bool,
@@ -239,6 +239,12 @@ impl Ledger {
     /// out, or whose GPU is no longer present (when every GPU could be identified). The live
     /// holders are watched once `txn` is committed ([`Ledger::take_effects`]).
     pub fn load(&mut self, txn: &mut Txn<'_>, now: Millis) -> Result<(), BrokerError> {
+        // The estimates of holds without a lease, from each user's last such reservations,
+        // replayed in the order they ended.
+        self.holds.clear();
+        for (uid, held) in txn.holds_without_lease(plan::PAST_HOLDS)? {
+            self.note_hold(uid, held);
+        }
         let mut dead = Vec::new();
         // A GPU that failed discovery has no UUID to match: while any did, a reservation
         // naming an unknown unit may well be on it, so it is kept (its GPU is unhealthy and

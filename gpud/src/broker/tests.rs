@@ -95,6 +95,18 @@ impl Rules {
         Rules::new(gpus, Config::default(), vec![])
     }
 
+    /// gpud started again at `now`, on `gpus` GPUs with the default configuration: a new
+    /// ledger loaded from the same database (the queue is gone, as its clients would be).
+    fn restart(&mut self, gpus: u32, now: Millis) {
+        let settings = BrokerSettings {
+            admin_gids: vec![],
+            config: Config::default(),
+            groups: GroupLookup::default(),
+        };
+        self.ledger = Ledger::new(&GpuInventory::test_machine(gpus, 16), settings);
+        self.run(|l, t| l.load(t, now)).unwrap();
+    }
+
     /// Runs `f` in one committed transaction.
     fn run<T>(&mut self, f: impl FnOnce(&mut Ledger, &mut crate::store::Txn<'_>) -> T) -> T {
         let mut txn = self.store.transaction().unwrap();
@@ -1451,4 +1463,33 @@ fn the_packing_reference_serves_the_largest_waiter_first_and_is_not_configurable
     }
     let e = Config::parse("[wait]\npolicy = \"packing-bound\"\n").unwrap_err();
     assert!(e.contains("unknown variant"), "{e}");
+}
+
+/// The estimate of a user's holds without a lease survives a restart: it is rebuilt from the
+/// reservations that ended before.
+#[test]
+fn a_users_past_holds_without_a_lease_are_remembered_across_a_restart() {
+    let mut rules = Rules::plain(1);
+    // Alice held two without a lease: 10 minutes, then 30: (3·10 + 30) / 4 = 15 minutes.
+    rules.reserved(ALICE, held(MemoryAsk::Exclusive, "a1"), 0);
+    rules.release(ALICE, "a1", 600_000).unwrap();
+    rules.reserved(ALICE, held(MemoryAsk::Exclusive, "a2"), 600_000);
+    rules.release(ALICE, "a2", 2_400_000).unwrap();
+    // Bob held one with a lease, which says nothing about holds without one.
+    let b = rules.reserved(BOB, lease(MemoryAsk::Exclusive, 60), 2_400_000);
+    rules.release(BOB, &b.id, 2_410_000).unwrap();
+    rules.restart(1, 3_000_000);
+    rules.reserved(ALICE, held(MemoryAsk::Exclusive, "a3"), 3_000_000);
+    let Admitted::Queued { rx: _carol, .. } = rules
+        .reserve(
+            CAROL,
+            waiting(MemoryAsk::Exclusive, 60, Duration::from_secs(24 * 3600)),
+            3_000_000,
+        )
+        .unwrap()
+    else {
+        panic!("it waits");
+    };
+    // Without the history it would be `assumed_hold`, an hour: 6_600_000.
+    assert_eq!(expected(&mut rules, 3_000_000)[0].1, Some(3_900_000));
 }

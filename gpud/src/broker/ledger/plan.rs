@@ -43,6 +43,10 @@ use crate::placement::UnitLoad;
 /// Moving average weight of the newest hold, in quarters: new = (3·old + hold) / 4.
 const NEWEST_HOLD_QUARTERS: u64 = 1;
 
+/// Past holds of each user replayed into the moving average at start: the 32nd newest
+/// weighs (3/4)^31, about 1/10 000, in it.
+pub(super) const PAST_HOLDS: u32 = 32;
+
 /// What the queue lets a request that is not its first waiter do now.
 #[derive(Debug, Clone)]
 pub(in crate::broker) enum Gate {
