@@ -499,7 +499,8 @@ fn parse_user(s: &str) -> Result<u32, String> {
     if let Ok(uid) = s.parse::<u32>() {
         return Ok(uid);
     }
-    crate::users::uid_of(s)
+    crate::users::Accounts::read()
+        .uid_of(s)
         .ok_or_else(|| format!("no user {s:?} on this machine; give a user name or a uid"))
 }
 

@@ -316,11 +316,18 @@ fn colour() -> bool {
 /// uid → user name from the passwd database, the uid itself when there is none.
 pub fn user_names() -> impl Fn(u32) -> String {
     let cache = RefCell::new(BTreeMap::new());
+    // /etc/passwd is read at the first name asked for, once.
+    let accounts = std::cell::OnceCell::new();
     move |uid| {
         cache
             .borrow_mut()
             .entry(uid)
-            .or_insert_with(|| crate::users::name_of(uid).unwrap_or_else(|| uid.to_string()))
+            .or_insert_with(|| {
+                accounts
+                    .get_or_init(crate::users::Accounts::read)
+                    .name_of(uid)
+                    .unwrap_or_else(|| uid.to_string())
+            })
             .clone()
     }
 }

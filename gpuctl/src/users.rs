@@ -39,19 +39,33 @@ impl Key<'_> {
     }
 }
 
-/// The name of `uid`, if the system knows one.
-pub fn name_of(uid: u32) -> Option<String> {
-    find(Key::Uid(uid)).map(|a| a.name)
+/// The local accounts (`/etc/passwd`, read once), and the system's `getent` for the rest.
+#[derive(Debug)]
+pub struct Accounts {
+    local: String,
 }
 
-/// The uid of user `name`, if the system knows it.
-pub fn uid_of(name: &str) -> Option<u32> {
-    find(Key::Name(name)).map(|a| a.uid)
-}
+impl Accounts {
+    /// Reads `/etc/passwd` (none if it cannot be read: then every lookup asks `getent`).
+    pub fn read() -> Accounts {
+        Accounts {
+            local: std::fs::read_to_string(PASSWD).unwrap_or_default(),
+        }
+    }
 
-fn find(key: Key<'_>) -> Option<Account> {
-    let local = std::fs::read_to_string(PASSWD).unwrap_or_default();
-    in_passwd(&local, key).or_else(|| from_getent(key))
+    /// The name of `uid`, if the system knows one.
+    pub fn name_of(&self, uid: u32) -> Option<String> {
+        self.find(Key::Uid(uid)).map(|a| a.name)
+    }
+
+    /// The uid of user `name`, if the system knows it.
+    pub fn uid_of(&self, name: &str) -> Option<u32> {
+        self.find(Key::Name(name)).map(|a| a.uid)
+    }
+
+    fn find(&self, key: Key<'_>) -> Option<Account> {
+        in_passwd(&self.local, key).or_else(|| from_getent(key))
+    }
 }
 
 /// The first account of `text` (passwd(5) lines) that `key` names.
@@ -132,7 +146,8 @@ carol:x:1002:1002::/home/carol:/bin/sh
         assert_eq!(from_getent(Key::Name(&root.name)).map(|a| a.uid), Some(0));
         assert_eq!(from_getent(Key::Name("no-such-user-gpuctl-test")), None);
         assert_eq!(from_getent(Key::Name("12345")), None);
-        assert_eq!(uid_of("no-such-user-gpuctl-test"), None);
-        assert_eq!(name_of(0).as_deref(), Some("root"));
+        let accounts = Accounts::read();
+        assert_eq!(accounts.uid_of("no-such-user-gpuctl-test"), None);
+        assert_eq!(accounts.name_of(0).as_deref(), Some("root"));
     }
 }
