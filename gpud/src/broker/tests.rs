@@ -1150,6 +1150,20 @@ fn held(memory: MemoryAsk, id: &str) -> ReserveRequest {
     }
 }
 
+/// `request` of `caller` at `now`, which must wait: the receiver of its answer (keep it:
+/// a waiter whose receiver is dropped counts as gone).
+fn queued(
+    rules: &mut Rules,
+    caller: Caller,
+    request: ReserveRequest,
+    now: Millis,
+) -> tokio::sync::oneshot::Receiver<Result<Reservation, BrokerError>> {
+    let Admitted::Queued { rx, .. } = rules.reserve(caller, request, now).unwrap() else {
+        panic!("it waits");
+    };
+    rx
+}
+
 /// The queue as `GET /v1/waiters` lists it at `now`: (uid, expected start, plan).
 fn expected(rules: &mut Rules, now: Millis) -> Vec<(u32, Option<Millis>, String)> {
     rules.ledger.refresh_reasons(now);
@@ -1320,16 +1334,12 @@ fn what_goes_ahead_is_placed_off_the_first_waiters_gpus() {
 fn a_hold_without_a_lease_is_expected_to_last_as_its_owners_did_and_longer_once_outlived() {
     let mut rules = Rules::plain(1);
     rules.reserved(ALICE, held(MemoryAsk::Exclusive, "a1"), 0);
-    let Admitted::Queued { rx: _bob, .. } = rules
-        .reserve(
-            BOB,
-            waiting(MemoryAsk::Exclusive, 60, Duration::from_secs(24 * 3600)),
-            0,
-        )
-        .unwrap()
-    else {
-        panic!("it waits");
-    };
+    let _bob = queued(
+        &mut rules,
+        BOB,
+        waiting(MemoryAsk::Exclusive, 60, Duration::from_secs(24 * 3600)),
+        0,
+    );
     // Alice has no history: `[wait] assumed_hold`, an hour.
     let (_, start, plan) = expected(&mut rules, 1_000).remove(0);
     assert_eq!(start, Some(3_600_000));
@@ -1339,16 +1349,12 @@ fn a_hold_without_a_lease_is_expected_to_last_as_its_owners_did_and_longer_once_
     assert_eq!(rules.tell_served(), 1);
     rules.run(|l, t| l.expire_due(t, 660_000)).unwrap();
     rules.reserved(ALICE, held(MemoryAsk::Exclusive, "a2"), 660_000);
-    let Admitted::Queued { rx: _carol, .. } = rules
-        .reserve(
-            CAROL,
-            waiting(MemoryAsk::Exclusive, 60, Duration::from_secs(24 * 3600)),
-            660_000,
-        )
-        .unwrap()
-    else {
-        panic!("it waits");
-    };
+    let _carol = queued(
+        &mut rules,
+        CAROL,
+        waiting(MemoryAsk::Exclusive, 60, Duration::from_secs(24 * 3600)),
+        660_000,
+    );
     assert_eq!(expected(&mut rules, 700_000)[0].1, Some(1_260_000));
     // Outlived: twice as long, then four times.
     assert_eq!(expected(&mut rules, 1_260_000)[0].1, Some(1_860_000));
@@ -1480,16 +1486,12 @@ fn a_users_past_holds_without_a_lease_are_remembered_across_a_restart() {
     rules.release(BOB, &b.id, 2_410_000).unwrap();
     rules.restart(1, 3_000_000);
     rules.reserved(ALICE, held(MemoryAsk::Exclusive, "a3"), 3_000_000);
-    let Admitted::Queued { rx: _carol, .. } = rules
-        .reserve(
-            CAROL,
-            waiting(MemoryAsk::Exclusive, 60, Duration::from_secs(24 * 3600)),
-            3_000_000,
-        )
-        .unwrap()
-    else {
-        panic!("it waits");
-    };
+    let _carol = queued(
+        &mut rules,
+        CAROL,
+        waiting(MemoryAsk::Exclusive, 60, Duration::from_secs(24 * 3600)),
+        3_000_000,
+    );
     // Without the history it would be `assumed_hold`, an hour: 6_600_000.
     assert_eq!(expected(&mut rules, 3_000_000)[0].1, Some(3_900_000));
 }
