@@ -27,7 +27,9 @@ cd "$root"
 
 if [ "${1:-}" = "--pack" ]; then
     dir=${2:?"--pack DIR"}
-    cargo build --release -p gpud -p gpuctl -p fake-nvml -p gpud-tests --bin gpud-load 2>&1 | tail -1
+    # Two builds: `--bin` would limit the first to that one binary of every package named.
+    cargo build --release -p gpud -p gpuctl -p fake-nvml 2>&1 | tail -1
+    cargo build --release -p gpud-tests --bin gpud-load 2>&1 | tail -1
     mkdir -p "$dir"
     for f in gpud gpuctl libfake_nvml.so gpud-load; do strip -o "$dir/$f" "target/release/$f"; done
     ls -l "$dir"
