@@ -82,8 +82,8 @@ pub fn hook(args: &CdiHookArgs, socket: &Path, rt: &Runtime) -> Result<ExitCode,
         .read_to_end(&mut state)
         .map_err(|e| CliError::OciState(format!("cannot read stdin: {e}")))?;
     let request = AttachCgroupRequest {
-        cgroup: None,
-        pid: Some(container_pid(&state)?),
+        container_pid: Some(container_pid(&state)?),
+        ..AttachCgroupRequest::default()
     };
     let client = Client::new(socket);
     let answer = rt.block_on(async {

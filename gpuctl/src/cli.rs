@@ -389,6 +389,9 @@ pub enum EventKindArg {
     GpuUnhealthy,
     /// A memory limit the driver refused, or could not reset.
     Isolation,
+    /// A process using a reservation outside the cgroup the driver limits for it, under
+    /// `[isolation] require`.
+    Unlimited,
 }
 
 impl EventKindArg {
@@ -400,6 +403,7 @@ impl EventKindArg {
             EventKindArg::OverLimit => "over_limit",
             EventKindArg::GpuUnhealthy => "gpu_unhealthy",
             EventKindArg::Isolation => "isolation",
+            EventKindArg::Unlimited => "unlimited",
         }
     }
 }
@@ -652,6 +656,7 @@ mod tests {
             ("gpu-unhealthy", "gpu_unhealthy"),
             ("unreserved", "unreserved"),
             ("isolation", "isolation"),
+            ("unlimited", "unlimited"),
         ] {
             let cli = Cli::try_parse_from(["gpuctl", "events", "--kind", arg]).unwrap();
             let Command::Events(e) = cli.command else {

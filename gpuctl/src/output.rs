@@ -195,13 +195,13 @@ fn memory_cell(r: &Reservation) -> String {
     }
 }
 
-/// `driver-enforced on CGROUP`, or `advisory: REASON`.
+/// `driver-enforced on CGROUP`, `pending: REASON` or `advisory: REASON`.
 pub fn isolation_text(i: &Isolation) -> String {
     match (i.mode, &i.cgroup, &i.reason) {
         (IsolationMode::Driver, Some(cgroup), _) => format!("driver-enforced on {cgroup}"),
         (IsolationMode::Driver, None, _) => "driver-enforced".to_owned(),
-        (IsolationMode::Advisory, _, Some(reason)) => format!("advisory: {reason}"),
-        (IsolationMode::Advisory, _, None) => "advisory".to_owned(),
+        (mode, _, Some(reason)) => format!("{}: {reason}", mode.as_str()),
+        (mode, _, None) => mode.as_str().to_owned(),
     }
 }
 
@@ -298,6 +298,7 @@ pub fn reservations_table(
         ("OWNER", Align::Left),
         ("GPUS", Align::Left),
         ("MEMORY/GPU", Align::Right),
+        ("LIMIT", Align::Left),
         ("HELD BY", Align::Left),
         ("AGE", Align::Right),
         ("LABELS", Align::Left),
@@ -309,6 +310,7 @@ pub fn reservations_table(
             owner_name(r.owner_uid).into(),
             gpu_cell_named(r, mig_names).into(),
             memory_cell(r).into(),
+            r.isolation.mode.as_str().into(),
             lifetime_cell(r, now).into(),
             age_cell(&r.created_at, now).into(),
             labels_cell(&r.labels).into(),

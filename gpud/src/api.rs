@@ -422,7 +422,10 @@ impl Api {
                 "after" => filter.after_id = value.parse().map_err(|_| bad("an event id"))?,
                 "kind" => {
                     filter.kind = Some(EventKind::parse(value).ok_or_else(|| {
-                        bad("unreserved, wrong_gpu, over_limit or gpu_unhealthy")
+                        bad(
+                            "unreserved, wrong_gpu, over_limit, gpu_unhealthy, isolation or \
+                             unlimited",
+                        )
                     })?);
                 }
                 "reservation" => filter.reservation = Some(valid_id(value)?),
@@ -640,10 +643,16 @@ impl Api {
         body: &[u8],
     ) -> Result<Reply, ApiError> {
         let wire: schema::AttachCgroupRequest = parse_json(body)?;
-        if wire.cgroup.is_some() == wire.pid.is_some() {
+        let given = [
+            wire.cgroup.is_some(),
+            wire.pid.is_some(),
+            wire.container_pid.is_some(),
+        ];
+        if given.iter().filter(|&&g| g).count() != 1 {
             return Err(ApiError::invalid(
-                "give the cgroup (\"cgroup\": \"/kubepods/…\") or a process in it \
-                 (\"pid\": 4242), one of the two",
+                "give the cgroup (\"cgroup\": \"/kubepods/…\"), a process in it \
+                 (\"pid\": 4242) or a container's first process as its CDI hook sees it \
+                 (\"container_pid\": 1): one of the three",
             ));
         }
         // Not active: the broker says which (404 or 409) before any cgroup is looked at.
@@ -662,6 +671,20 @@ impl Api {
                     "this host has no cgroup v2 hierarchy mounted",
                 ));
             };
+            if let Some(seen_as) = wire.container_pid {
+                let Some(hook) = caller.pid else {
+                    return Ok(crate::isolation::Target::none(
+                        "gpud cannot see the hook's process (it runs in a PID namespace that \
+                         does not include the container's), so it cannot find the container",
+                    ));
+                };
+                let target = workloads.of_container(h, hook, seen_as);
+                // Whoever names a container may only limit a cgroup they could name.
+                if let Some(cgroup) = &target.cgroup {
+                    workloads.named(h, &caller, admin, cgroup)?;
+                }
+                return Ok(target);
+            }
             match (wire.cgroup, wire.pid) {
                 (Some(named), _) => {
                     let full = workloads.named(h, &caller, admin, &named)?;
@@ -670,7 +693,17 @@ impl Api {
                         ..crate::isolation::Target::default()
                     })
                 }
-                (None, Some(pid)) => {
+                (None, Some(seen_as)) => {
+                    // The pid as the caller sees it, like a holder's.
+                    let pid = match caller.pid {
+                        Some(caller_pid) => crate::holder::translate_pid(caller_pid, seen_as)
+                            .map_err(|e| {
+                                TargetError::Invalid(format!(
+                                    "process {seen_as} (pid): {e} in your PID namespace"
+                                ))
+                            })?,
+                        None => seen_as,
+                    };
                     let target = workloads.of_process(h, pid)?;
                     // Whoever names a process may only limit a cgroup they could name.
                     if let Some(cgroup) = &target.cgroup {

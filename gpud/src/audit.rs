@@ -88,6 +88,10 @@ pub trait ProcessTable {
     fn command(&self, _pid: u32) -> Option<String> {
         None
     }
+    /// The [`cgroup_key`] of the cgroup at full path `full` (a reservation's limited
+    /// cgroup), as `/proc/<pid>/cgroup` names it; `None` when it lies outside the
+    /// hierarchy.
+    fn key_of_cgroup(&self, full: &str) -> Option<String>;
 }
 
 /// The longest command line `gpuctl ps` shows, in characters.
@@ -129,6 +133,17 @@ impl ProcessTable for ProcFs {
         std::fs::read_to_string(format!("/proc/{pid}/cgroup"))
             .ok()
             .and_then(|text| cgroup_key(&text))
+    }
+
+    fn key_of_cgroup(&self, full: &str) -> Option<String> {
+        static MOUNT: std::sync::OnceLock<Option<crate::isolation::cgroup::Hierarchy>> =
+            std::sync::OnceLock::new();
+        let mount = MOUNT
+            .get_or_init(crate::isolation::cgroup::Hierarchy::detect)
+            .as_ref()?
+            .mount();
+        let relative = std::path::Path::new(full).strip_prefix(mount).ok()?;
+        Some(format!("/{}", relative.display()))
     }
 
     fn reservation_env(&self, pid: u32) -> Result<Option<String>, String> {
@@ -297,6 +312,11 @@ struct Seen<'a> {
     owner: Attributed,
     /// Its environment could not be read.
     env_unreadable: bool,
+    /// Its cgroup ([`cgroup_key`]), where attribution read it.
+    cgroup: Option<String>,
+    /// It uses a reservation under `[isolation] require` from outside the cgroup the driver
+    /// limits for it (or before one is attached).
+    outside_limit: bool,
 }
 
 impl Seen<'_> {
@@ -338,6 +358,9 @@ struct Facts {
     holder_cgroups: HashMap<u32, String>,
     /// gpud's own cgroup: a holder in it shares gpud's, so its cgroup proves nothing.
     own_cgroup: Option<String>,
+    /// Each reservation's cgroup that the driver limits ([`cgroup_key`]), by index in the
+    /// view.
+    limited: Vec<Option<String>>,
 }
 
 /// What attribution found: whose each process is, and the memory in use.
@@ -871,6 +894,13 @@ fn read_facts<T: ProcessTable>(
     let holders: HashSet<u32> = reservations.iter().filter_map(|r| r.holder_pid).collect();
     let mut facts = Facts {
         own_cgroup: cache.cgroup(self_pid),
+        limited: reservations
+            .iter()
+            .map(|r| {
+                let (full, _) = r.driver_limit.as_ref()?;
+                procs.key_of_cgroup(full)
+            })
+            .collect(),
         ..Facts::default()
     };
     for &pid in &holders {
@@ -943,9 +973,12 @@ fn attribute<'a>(
     // one holder cgroup's (see `overage`).
     let mut attribution_group: Vec<String> = Vec::with_capacity(reservations.len());
     for (i, r) in reservations.iter().enumerate() {
+        // The holder's own cgroup, else the one the driver limits for it (a container's,
+        // attached by its CDI hook).
         let cgroup = r
             .holder_pid
             .and_then(|p| facts.holder_cgroups.get(&p))
+            .or_else(|| facts.limited.get(i).and_then(Option::as_ref))
             .filter(|cg| Some(*cg) != facts.own_cgroup.as_ref());
         attribution_group.push(match (cgroup, r.holder_pid) {
             (Some(cg), _) => format!("cgroup {cg}"),
@@ -975,6 +1008,19 @@ fn attribute<'a>(
                 Some(o) if holds(&reservations[o], &p.unit_uuid) => Attributed::Held(o),
                 Some(o) => Attributed::WrongGpu(o),
             };
+            let outside_limit = match owner {
+                Attributed::Held(o) => {
+                    reservations[o].limit_required
+                        && known.cgroup.as_deref().is_some_and(|cg| {
+                            !facts
+                                .limited
+                                .get(o)
+                                .and_then(Option::as_deref)
+                                .is_some_and(|limited| is_within_key(cg, limited))
+                        })
+                }
+                Attributed::Unreserved | Attributed::WrongGpu(_) => false,
+            };
             let s = Seen {
                 process: p,
                 gpu_index: *gpu_index,
@@ -982,6 +1028,8 @@ fn attribute<'a>(
                 start_time: known.start_time,
                 owner,
                 env_unreadable: known.env_unreadable,
+                cgroup: known.cgroup.clone(),
+                outside_limit,
             };
             let bytes = p.used_bytes.unwrap_or(0);
             let slot = unit_index.get(p.unit_uuid.as_str()).copied();
@@ -1051,6 +1099,20 @@ fn owner_of(
         .or_else(|| candidates.first().copied())
 }
 
+/// Whether cgroup `inner` is `outer` or below it (both [`cgroup_key`]s).
+fn is_within_key(inner: &str, outer: &str) -> bool {
+    inner
+        .strip_prefix(outer)
+        .is_some_and(|rest| rest.is_empty() || rest.starts_with('/'))
+}
+
+/// `" (cgroup X)"` for a process whose cgroup is known, to name a container by it.
+fn in_cgroup(cgroup: Option<&str>) -> String {
+    cgroup
+        .map(|cg| format!(" (cgroup {cg})"))
+        .unwrap_or_default()
+}
+
 /// Whether `r` holds `unit`.
 fn holds(r: &AuditedReservation, unit: &str) -> bool {
     r.units.iter().any(|(u, _)| u == unit)
@@ -1068,15 +1130,43 @@ fn findings(
     for s in &attribution.seen {
         let bytes = s.process.used_bytes.unwrap_or(0);
         let unit = &s.process.unit_uuid;
+        let cgroup = in_cgroup(s.cgroup.as_deref());
         let (kind, reservation, message) = match s.owner {
+            Attributed::Held(o) if s.outside_limit => {
+                let r = &reservations[o];
+                (
+                    EventKind::Unlimited,
+                    Some(r.id.clone()),
+                    match &r.driver_limit {
+                        Some((limited, _)) => format!(
+                            "process {}{cgroup} uses {} on GPU {} for reservation {}, outside \
+                             {limited}, where the driver limits it; [isolation] require allows \
+                             no process on it without its limit",
+                            s.process.pid,
+                            format_bytes(bytes),
+                            s.gpu_index,
+                            r.id
+                        ),
+                        None => format!(
+                            "process {}{cgroup} uses {} on GPU {} for reservation {}, whose \
+                             limit waits for its workload's cgroup to be attached (pending); \
+                             [isolation] require allows no process on it without its limit",
+                            s.process.pid,
+                            format_bytes(bytes),
+                            s.gpu_index,
+                            r.id
+                        ),
+                    },
+                )
+            }
             Attributed::Held(_) => continue,
             Attributed::Unreserved => (
                 EventKind::Unreserved,
                 None,
                 if s.env_unreadable {
                     format!(
-                        "process {} uses {} on GPU {} and no reservation is known to be its: \
-                         it may name one in GPUD_RESERVATION_ID, but gpud cannot read its \
+                        "process {}{cgroup} uses {} on GPU {} and no reservation is known to be \
+                         its: it may name one in GPUD_RESERVATION_ID, but gpud cannot read its \
                          environment (reading another user's needs CAP_DAC_READ_SEARCH and \
                          CAP_SYS_PTRACE), so it is never terminated",
                         s.process.pid,
@@ -1085,7 +1175,7 @@ fn findings(
                     )
                 } else {
                     format!(
-                        "process {} uses {} on GPU {} without a reservation",
+                        "process {}{cgroup} uses {} on GPU {} without a reservation",
                         s.process.pid,
                         format_bytes(bytes),
                         s.gpu_index
@@ -1098,7 +1188,7 @@ fn findings(
                     EventKind::WrongGpu,
                     Some(r.id.clone()),
                     format!(
-                        "process {} of reservation {} uses {} on GPU {}, which the reservation does not hold",
+                        "process {}{cgroup} of reservation {} uses {} on GPU {}, which the reservation does not hold",
                         s.process.pid,
                         r.id,
                         format_bytes(bytes),
@@ -1167,8 +1257,16 @@ fn findings(
             action: String::new(),
             message: match &r.driver_limit {
                 None => format!(
-                    "reservation {} uses {} on GPU {}, more than the {} it reserved",
+                    "reservation {}{} uses {} on GPU {}, more than the {} it reserved",
                     r.id,
+                    // Its processes' cgroup: a container's names it.
+                    in_cgroup(targets.first().and_then(|t| {
+                        attribution
+                            .seen
+                            .iter()
+                            .find(|s| s.process.pid == t.pid)
+                            .and_then(|s| s.cgroup.as_deref())
+                    })),
                     format_bytes(*bytes),
                     gpu_index,
                     format_bytes(reserved)
@@ -1297,6 +1395,10 @@ mod tests {
         }
         fn cgroup(&self, pid: u32) -> Option<String> {
             self.cgroups.lock().unwrap().get(&pid).cloned()
+        }
+        fn key_of_cgroup(&self, full: &str) -> Option<String> {
+            // The tests' reservations name their cgroups as /proc does.
+            Some(full.to_owned())
         }
         fn reservation_env(&self, pid: u32) -> Result<Option<String>, String> {
             if self.hidden_environ.lock().unwrap().contains(&pid) {
@@ -1874,6 +1976,7 @@ mod tests {
             exclusive: false,
             units: vec![(unit.to_owned(), gib * GIB)],
             driver_limit: None,
+            limit_required: false,
         }
     }
 
@@ -1901,6 +2004,7 @@ mod tests {
             processes: HashMap::from([(700, with_env(ME)), (701, with_env(ME + 1))]),
             holder_cgroups: HashMap::new(),
             own_cgroup: None,
+            limited: Vec::new(),
         };
         let attribution = attribute(&reservations, &inventory().units(), &listed, &facts);
         assert_eq!(
@@ -1972,6 +2076,7 @@ mod tests {
             ]),
             holder_cgroups: HashMap::from([(300, "/kubepods/pod-c/ctr".to_owned())]),
             own_cgroup: Some("/system.slice/gpud.service".into()),
+            limited: Vec::new(),
         };
         let attribution = attribute(&reservations, &inventory().units(), &listed, &facts);
         assert_eq!(
@@ -2079,6 +2184,7 @@ mod tests {
             // z's holder runs in gpud's own cgroup (a shared one): that proves nothing.
             holder_cgroups: HashMap::from([(300, gpud.clone())]),
             own_cgroup: Some(gpud),
+            limited: Vec::new(),
         };
         let attribution = attribute(&reservations, &inventory().units(), &listed, &facts);
         // The holder's process goes to one of its reservations (the last), and is found by

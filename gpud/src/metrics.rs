@@ -154,7 +154,7 @@ impl Metrics {
         let isolated = Family::<ModeLabels, Gauge>::default();
         registry.register(
             "reservations_isolation",
-            "Active reservations by isolation mode (driver: a limit the driver enforces)",
+            "Active reservations by isolation mode (driver: a limit the driver enforces; pending: one it will enforce once the workload's cgroup is attached)",
             isolated.clone(),
         );
         let reservations = Family::<StateLabels, Gauge>::default();
@@ -340,17 +340,20 @@ impl Metrics {
                 state: "active".to_owned(),
             })
             .set(gauge(snap.active() as u64));
-        let driver = snap
-            .reservations
-            .iter()
-            .filter(|r| r.isolation.is_driver())
-            .count();
-        for (mode, n) in [
-            ("driver", driver),
-            ("advisory", snap.active().saturating_sub(driver)),
+        for mode in [
+            IsolationMode::Driver,
+            IsolationMode::Pending,
+            IsolationMode::Advisory,
         ] {
+            let n = snap
+                .reservations
+                .iter()
+                .filter(|r| r.isolation.mode == mode)
+                .count();
             self.isolated
-                .get_or_create(&ModeLabels { mode })
+                .get_or_create(&ModeLabels {
+                    mode: mode.as_str(),
+                })
                 .set(gauge(n as u64));
         }
         self.waiting.set(gauge(snap.waiting() as u64));

@@ -476,16 +476,20 @@ pub enum EventKind {
     GpuUnhealthy,
     /// The driver refused a reservation's memory limit, or could not reset one.
     Isolation,
+    /// Under `[isolation] require`, a reservation's process runs outside the cgroup the
+    /// driver limits for it (or before one is attached: `pending`).
+    Unlimited,
 }
 
 impl EventKind {
     /// Every kind.
-    pub const ALL: [EventKind; 5] = [
+    pub const ALL: [EventKind; 6] = [
         EventKind::Unreserved,
         EventKind::WrongGpu,
         EventKind::OverLimit,
         EventKind::GpuUnhealthy,
         EventKind::Isolation,
+        EventKind::Unlimited,
     ];
 
     /// The stored and wire name.
@@ -496,6 +500,7 @@ impl EventKind {
             EventKind::OverLimit => "over_limit",
             EventKind::GpuUnhealthy => "gpu_unhealthy",
             EventKind::Isolation => "isolation",
+            EventKind::Unlimited => "unlimited",
         }
     }
 
@@ -628,12 +633,17 @@ pub struct AuditedReservation {
     /// When the driver holds it to a limit: the cgroup, and what the hard limit adds to the
     /// reserved memory (`[isolation] burst`).
     pub driver_limit: Option<(String, u64)>,
+    /// `[isolation] require` holds for it: every process using it must run in the cgroup
+    /// the driver limits for it (none yet while it is `pending`); one outside is an
+    /// `unlimited` finding.
+    pub limit_required: bool,
 }
 
 impl AuditedReservation {
-    /// The part of `r` the audit reads; `burst`: `[isolation] burst`.
-    pub fn of(r: &Reservation, burst: u64) -> AuditedReservation {
+    /// The part of `r` the audit reads; `burst` and `require`: `[isolation]`'s.
+    pub fn of(r: &Reservation, burst: u64, require: bool) -> AuditedReservation {
         AuditedReservation {
+            limit_required: require && r.isolation.mode != gpud_schema::IsolationMode::Advisory,
             driver_limit: r
                 .isolation
                 .cgroup

@@ -135,17 +135,25 @@ pub struct ReservationRequest {
 }
 
 /// `POST /v1/reservations/{id}/cgroup` body: the cgroup whose processes the reservation is
-/// for (a container's, found by a CDI hook). Exactly one of the two.
+/// for. Exactly one of the three.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct AttachCgroupRequest {
     /// The cgroup, written as in `holder_cgroup`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cgroup: Option<String>,
-    /// A process whose cgroup it is (a container's first process).
+    /// A process whose cgroup it is, as the caller's PID namespace numbers it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1))]
     pub pid: Option<u32>,
+    /// The first process of a container being created, as the OCI state handed to a
+    /// `createContainer` hook numbers it (in the hook's PID namespace: `1` under runc).
+    /// gpud checks that the container has a cgroup of its own, which nothing outside the
+    /// container shares, and refuses when the driver could limit the reservation there
+    /// but that cgroup cannot be found or limited.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub container_pid: Option<u32>,
 }
 
 /// Whether a memory limit is enforced by the GPU driver or only promised.
@@ -158,6 +166,11 @@ pub enum IsolationMode {
     /// Bookkeeping, framework caps and the audit only.
     #[default]
     Advisory,
+    /// The driver can enforce it and will once its workload's cgroup is attached (a lease
+    /// or a kubelet allocation waiting for its container's CDI hook); until then nothing is
+    /// limited, and under `[isolation] require` the audit reports (and, with enforcement
+    /// on, ends) a process that uses it from outside an attached cgroup.
+    Pending,
 }
 
 impl IsolationMode {
@@ -166,6 +179,7 @@ impl IsolationMode {
         match self {
             IsolationMode::Driver => "driver",
             IsolationMode::Advisory => "advisory",
+            IsolationMode::Pending => "pending",
         }
     }
 }
@@ -173,12 +187,12 @@ impl IsolationMode {
 /// How a reservation's memory is held to what it reserved.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct Isolation {
-    /// `driver` or `advisory`.
+    /// `driver`, `pending` or `advisory`.
     pub mode: IsolationMode,
     /// The cgroup the limits are on (full path under the cgroup2 mount), if it has one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cgroup: Option<String>,
-    /// Why it is advisory.
+    /// Why it is advisory, or what it waits for (pending).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
 }
@@ -406,7 +420,7 @@ pub struct Event {
     pub id: u64,
     /// When, RFC 3339 UTC.
     pub at: String,
-    /// `unreserved`, `wrong_gpu`, `over_limit`, `gpu_unhealthy` or `isolation`.
+    /// `unreserved`, `wrong_gpu`, `over_limit`, `gpu_unhealthy`, `isolation` or `unlimited`.
     pub kind: String,
     /// `start` (the finding began), `end` (it is over) or `point` (one enforcement step).
     pub phase: String,

@@ -179,7 +179,7 @@ pub fn document() -> Value {
                      "description": "Only events with a larger id (to follow)",
                      "schema": {"type": "integer", "format": "uint64", "minimum": 0}},
                     {"name": "kind", "in": "query", "required": false,
-                     "schema": {"type": "string", "enum": ["unreserved", "wrong_gpu", "over_limit", "gpu_unhealthy", "isolation"]}},
+                     "schema": {"type": "string", "enum": ["unreserved", "wrong_gpu", "over_limit", "gpu_unhealthy", "isolation", "unlimited"]}},
                     {"name": "reservation", "in": "query", "required": false, "schema": {"type": "string"}},
                     {"name": "limit", "in": "query", "required": false,
                      "schema": {"type": "integer", "format": "uint32", "minimum": 1, "maximum": 10000}}

@@ -13,83 +13,15 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 
-use gpud_tests::isolation::{Isolated, cgroup_mount, r615};
-use gpud_tests::{
-    Daemon, GIB, PATIENCE, curl_as, fake_nvml, is_root, missing_prerequisite, repo_root, wait_for,
-};
+use gpud_tests::isolation::{Isolated, limits_left, limits_on, prerequisites, python, r615};
+use gpud_tests::{Daemon, GIB, PATIENCE, curl_as, fake_nvml, repo_root, wait_for};
 
 /// The fixture's GPU 0.
 const GPU0: &str = "GPU-2122b5ee-2cae-5e78-818c-5e541ba1b242";
 
-/// Root and a cgroup v2 mount, or why not.
-fn prerequisites() -> Option<PathBuf> {
-    if !is_root() {
-        missing_prerequisite("root (to make cgroups and move processes)");
-        return None;
-    }
-    let mount = cgroup_mount();
-    if mount.is_none() {
-        missing_prerequisite("a cgroup v2 hierarchy");
-    }
-    mount
-}
-
-/// `.venv/bin/python` with nvidia-ml-py, or why not.
-fn python() -> Option<PathBuf> {
-    let python = repo_root().join(".venv/bin/python");
-    let ok = Command::new(&python)
-        .args(["-c", "import pynvml"])
-        .status()
-        .is_ok_and(|s| s.success());
-    if !ok {
-        missing_prerequisite(
-            ".venv with nvidia-ml-py (python3 -m venv .venv; .venv/bin/pip install -r tests/conformance/requirements.txt)",
-        );
-        return None;
-    }
-    Some(python)
-}
-
-/// `tests/scripts/nvml-limits ARGS` run by `python` against `d`'s fake NVML.
-fn nvml_limits(python: &Path, d: &Daemon, args: &[&str]) -> Value {
-    let out = Command::new(python)
-        .arg(repo_root().join("tests/scripts/nvml-limits"))
-        .args(args)
-        .env("NVML_LIB", fake_nvml())
-        .env("FAKE_NVML_CONFIG", &d.fixture)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "nvml-limits {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap()
-}
-
 /// `cgroup`'s limits on GPU 0 as another process reads them: `None` when it has none.
 fn limits_of(python: &Path, d: &Daemon, cgroup: &str) -> Option<(u64, u64)> {
     limits_on(python, d, GPU0, cgroup)
-}
-
-/// `cgroup`'s limits on GPU `uuid` as another process reads them.
-fn limits_on(python: &Path, d: &Daemon, uuid: &str, cgroup: &str) -> Option<(u64, u64)> {
-    let v = nvml_limits(python, d, &["get", uuid, cgroup]);
-    let l = v["limits"].as_array()?;
-    Some((l[0].as_u64().unwrap(), l[1].as_u64().unwrap()))
-}
-
-/// Every limit the driver holds, `{GPU: {cgroup: [soft, hard]}}` without empty GPUs: the
-/// fake keeps its map beside the fixture (as the real driver keeps one for the machine).
-fn limits_left(d: &Daemon) -> Value {
-    let table = d.fixture.with_extension("json.limits.json");
-    let map: serde_json::Map<String, Value> = std::fs::read(&table)
-        .ok()
-        .and_then(|b| serde_json::from_slice(&b).ok())
-        .unwrap_or_default();
-    map.into_iter()
-        .filter(|(_, per_cgroup)| per_cgroup.as_object().is_some_and(|m| !m.is_empty()))
-        .collect()
 }
 
 /// Root, cgroup v2 and pynvml, and a gpud on an R615 t4-pair named `name`; `None` (the

@@ -8,6 +8,7 @@ use gpud_schema::format_bytes;
 
 use super::ledger::Ledger;
 use super::{BrokerError, Caller};
+use crate::isolation::Target;
 use crate::model::{Millis, Reservation, ReservationState, ReservedUnit};
 use crate::store::Txn;
 use crate::workload_env::workload_env;
@@ -174,6 +175,20 @@ impl Ledger {
         chosen.sort_by(|(a, _), (b, _)| (a.gpu_index, &a.uuid).cmp(&(b.gpu_index, &b.uuid)));
         let (units, totals): (Vec<ReservedUnit>, Vec<u64>) = chosen.into_iter().unzip();
         self.check_quota(&caller, &units)?;
+        // The container's cgroup is attached by its CDI hook when it starts, if the kubelet
+        // plugin names the CDI device: without one nothing attaches it, and under
+        // `[isolation] require` the pod is refused here rather than run without its limit.
+        let target = if self.settings.config.cdi.enabled {
+            Target::awaiting_attach(
+                "no cgroup yet: the container's is attached by gpud's CDI hook when it starts",
+            )
+        } else {
+            Target::none(
+                "nothing attaches a container's cgroup: the kubelet plugin names gpud's CDI \
+                 device only with [cdi] enabled",
+            )
+        };
+        let isolation = self.isolation_for(&target, &units)?;
         let env = workload_env(
             &id,
             &units,
@@ -198,12 +213,7 @@ impl Ledger {
             labels: request.labels.clone(),
             env,
             holder_cgroup: None,
-            isolation: crate::model::ReservationIsolation::advisory(
-                None,
-                None,
-                "no cgroup yet: the container's is attached by the CDI hook when it starts"
-                    .to_owned(),
-            ),
+            isolation,
         };
         if !txn.insert(&r)? {
             return Err(BrokerError::Invalid(format!(

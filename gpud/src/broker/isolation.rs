@@ -165,6 +165,20 @@ impl Ledger {
                  cgroup (make a reservation per container)"
             )));
         }
+        // Asked to limit a cgroup the driver could limit, gpud never answers with less:
+        // a container started this way would run without its limit, silently.
+        if target.cgroup.is_none()
+            && isolation::enforceable(&r.units, &self.gpus, &self.units).is_ok()
+        {
+            let why = target
+                .none_because
+                .as_deref()
+                .unwrap_or("no cgroup was found");
+            return Err(BrokerError::IsolationUnavailable(format!(
+                "the driver can enforce reservation {id}'s memory, but not on this workload: \
+                 {why}"
+            )));
+        }
         let isolation = self.isolation_for(target, &r.units)?;
         if isolation == r.isolation {
             return Ok(Reservation::clone(&r));

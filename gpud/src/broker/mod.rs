@@ -333,7 +333,10 @@ impl Snapshot {
             reservations: self
                 .reservations
                 .iter()
-                .map(|r| AuditedReservation::of(r, self.settings.config.isolation.burst))
+                .map(|r| {
+                    let isolation = &self.settings.config.isolation;
+                    AuditedReservation::of(r, isolation.burst, isolation.require)
+                })
                 .collect(),
         }
     }

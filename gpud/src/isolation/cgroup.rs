@@ -250,6 +250,13 @@ pub fn remove(full: &Path) -> Result<(), CgroupError> {
     }
 }
 
+/// The processes in cgroup `full` itself (`cgroup.procs`; not those of cgroups below it).
+pub fn procs(full: &Path) -> Result<Vec<u32>, CgroupError> {
+    let path = full.join("cgroup.procs");
+    let text = std::fs::read_to_string(&path).map_err(io_error("read", &path))?;
+    Ok(text.lines().filter_map(|l| l.trim().parse().ok()).collect())
+}
+
 /// Whether cgroup `full` (or one below it) has a process: `cgroup.events`' `populated`.
 /// `None` when the cgroup is gone.
 pub fn populated(full: &Path) -> Option<bool> {

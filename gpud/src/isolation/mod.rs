@@ -132,6 +132,10 @@ pub struct Target {
     pub holds: bool,
     /// Why there is no cgroup.
     pub none_because: Option<String>,
+    /// No cgroup yet, by design: a workload's is to be attached later (a lease, a kubelet
+    /// allocation, whose container's CDI hook attaches it). Where the driver can enforce
+    /// the reservation it is then `pending`, not advisory.
+    pub awaits_attach: bool,
 }
 
 impl Target {
@@ -142,23 +146,23 @@ impl Target {
             ..Target::default()
         }
     }
+
+    /// No cgroup until one is attached; `waiting_for` says what attaches it.
+    pub fn awaiting_attach(waiting_for: impl Into<String>) -> Target {
+        Target {
+            none_because: Some(waiting_for.into()),
+            awaits_attach: true,
+            ..Target::default()
+        }
+    }
 }
 
-/// Whether the driver can hold a reservation of `units` (of `gpus`, `all_units`) to its
-/// memory on `target`'s cgroup: driver mode when every GPU allows it and there is a cgroup;
-/// advisory, with the first reason found, otherwise.
-pub fn decide(
-    target: &Target,
-    units: &[ReservedUnit],
-    gpus: &[Gpu],
-    all_units: &[Unit],
-) -> ReservationIsolation {
-    let advisory = |reason: String| {
-        ReservationIsolation::advisory(target.cgroup.clone(), target.owned.clone(), reason)
-    };
+/// Whether the driver can limit memory on every one of `units` (of `gpus`, `all_units`):
+/// `Err` with the first reason it cannot (MIG, an old driver, no cgroup v2, …).
+pub fn enforceable(units: &[ReservedUnit], gpus: &[Gpu], all_units: &[Unit]) -> Result<(), String> {
     for u in units {
         if all_units.iter().any(|a| a.uuid == u.uuid && a.is_mig()) {
-            return advisory(format!(
+            return Err(format!(
                 "{} is a MIG instance: the driver does not limit memory per cgroup on MIG",
                 u.uuid
             ));
@@ -167,7 +171,7 @@ pub fn decide(
         if let Some(g) = gpu
             && g.isolation.mode != IsolationMode::Driver
         {
-            return advisory(format!(
+            return Err(format!(
                 "GPU {}: {}",
                 g.index,
                 g.isolation
@@ -177,6 +181,31 @@ pub fn decide(
             ));
         }
     }
+    Ok(())
+}
+
+/// Whether the driver can hold a reservation of `units` (of `gpus`, `all_units`) to its
+/// memory on `target`'s cgroup: driver mode when every GPU allows it and there is a cgroup;
+/// pending when every GPU allows it and the cgroup is to be attached later; advisory, with
+/// the first reason found, otherwise.
+pub fn decide(
+    target: &Target,
+    units: &[ReservedUnit],
+    gpus: &[Gpu],
+    all_units: &[Unit],
+) -> ReservationIsolation {
+    let advisory = |reason: String| {
+        ReservationIsolation::advisory(target.cgroup.clone(), target.owned.clone(), reason)
+    };
+    if let Err(reason) = enforceable(units, gpus, all_units) {
+        return advisory(reason);
+    }
+    let reason = || {
+        target
+            .none_because
+            .clone()
+            .unwrap_or_else(|| "no cgroup to put the limits on".to_owned())
+    };
     match &target.cgroup {
         Some(cgroup) => ReservationIsolation {
             mode: IsolationMode::Driver,
@@ -184,12 +213,13 @@ pub fn decide(
             reason: None,
             owned: target.owned.clone(),
         },
-        None => advisory(
-            target
-                .none_because
-                .clone()
-                .unwrap_or_else(|| "no cgroup to put the limits on".to_owned()),
-        ),
+        None if target.awaits_attach => ReservationIsolation {
+            mode: IsolationMode::Pending,
+            cgroup: None,
+            reason: Some(reason()),
+            owned: None,
+        },
+        None => advisory(reason()),
     }
 }
 

@@ -210,9 +210,9 @@ impl Workloads {
                 moved: None,
             }),
             (None, false) => Ok(Prepared {
-                target: Target::none(
-                    "no process or cgroup holds it, so there is nothing to limit; a container \
-                     gets its cgroup attached by gpud's CDI hook",
+                target: Target::awaiting_attach(
+                    "no workload's cgroup is attached yet: a container started with the \
+                     reservation's CDI device gets its own attached by gpud's hook",
                 ),
                 moved: None,
             }),
@@ -281,6 +281,78 @@ impl Workloads {
             cgroup: Some(full.display().to_string()),
             ..Target::default()
         })
+    }
+
+    /// The cgroup of a container being created, for gpud's CDI hook: `seen_as` is the
+    /// container's first process as the OCI state numbers it (in the hook's PID namespace:
+    /// `1` under runc), `hook` the hook's own process (from its peer credentials, in gpud's
+    /// namespace). A target without a cgroup, saying why, when the container has no cgroup
+    /// of its own that gpud can find; the broker then refuses the attach wherever the
+    /// driver could have limited it. How and why: docs/cdi.md, "How gpud finds the
+    /// container's cgroup".
+    pub fn of_container(&self, h: &Hierarchy, hook: u32, seen_as: u32) -> Target {
+        match self.container_cgroup(h, hook, seen_as) {
+            Ok(full) => Target {
+                cgroup: Some(full.display().to_string()),
+                ..Target::default()
+            },
+            Err(reason) => Target::none(reason),
+        }
+    }
+
+    /// See [`Workloads::of_container`]: the cgroup's full path, or why there is none.
+    fn container_cgroup(&self, h: &Hierarchy, hook: u32, seen_as: u32) -> Result<PathBuf, String> {
+        // runc and crun run the hook inside the container's PID namespace, where the state
+        // says `1`; other runtimes run it beside the container and give the host's pid. The
+        // hook's namespace is the one the state's pid is in either way.
+        let first = crate::holder::translate_pid(hook, seen_as).map_err(|e| {
+            format!("the container's first process ({seen_as} in the hook's PID namespace): {e}")
+        })?;
+        let full = h.cgroup_of(first).map_err(|e| {
+            format!("the cgroup of the container's first process (process {first}): {e}")
+        })?;
+        if h.is_root(&full) {
+            return Err(format!(
+                "the container's first process (process {first}) runs in the root cgroup: the \
+                 container has no cgroup of its own"
+            ));
+        }
+        if self.gpud_cgroup.as_deref() == Some(full.as_path()) {
+            return Err(format!(
+                "the container's first process (process {first}) runs in gpud's own cgroup"
+            ));
+        }
+        // A hook the container's first process started (runc, crun) runs in the cgroup the
+        // runtime put the container in: both ways of finding it must agree.
+        if is_below(hook, first) == Some(true) {
+            let hooks = h
+                .cgroup_of(hook)
+                .map_err(|e| format!("the hook's own cgroup (process {hook}): {e}"))?;
+            if hooks != full {
+                return Err(format!(
+                    "the hook runs inside the container (below its first process, {first}) but \
+                     in cgroup {}, not in the first process's {}: gpud cannot tell which is \
+                     the container's",
+                    hooks.display(),
+                    full.display()
+                ));
+            }
+        }
+        // While the container is created its cgroup holds its first process and the hook,
+        // nothing else. Anything more shares it (a rootless container on cgroup v1 stays
+        // in its user's cgroup), and a limit there would hold that too.
+        let procs = cgroup::procs(&full).map_err(|e| e.to_string())?;
+        if let Some(other) = procs
+            .iter()
+            .find(|&&p| p != first && is_below(p, first) == Some(false))
+        {
+            return Err(format!(
+                "the container has no cgroup of its own: {} also holds process {other}, which \
+                 is not the container's, and a limit there would hold it too",
+                full.display()
+            ));
+        }
+        Ok(full)
     }
 
     /// Makes a cgroup for reservation `id` and moves `pid` into it.
@@ -385,6 +457,23 @@ impl Workloads {
             self.release_owned(Path::new(cgroup), owned);
         }
     }
+}
+
+/// Whether process `pid` descends from `ancestor` (in gpud's PID namespace); `None` when it
+/// is gone.
+fn is_below(pid: u32, ancestor: u32) -> Option<bool> {
+    let mut p = pid;
+    for _ in 0..64 {
+        let parent = crate::holder::process_info(p).ok()?.ppid;
+        if parent == ancestor {
+            return Some(true);
+        }
+        if parent <= 1 || parent == p {
+            return Some(false);
+        }
+        p = parent;
+    }
+    Some(false)
 }
 
 /// Whether `pid` runs in another cgroup or pid namespace than gpud (a container's process).
