@@ -656,12 +656,25 @@ impl Api {
             ));
         }
         // Not active: the broker says which (404 or 409) before any cgroup is looked at.
-        if self.broker.snapshot().reservation(&id).is_none() {
+        let Some(previous) = self.broker.snapshot().reservation(&id).map(|r| {
+            r.isolation
+                .cgroup
+                .clone()
+                .filter(|_| r.isolation.is_driver())
+        }) else {
             let r = self
                 .broker
                 .attach_cgroup(caller, id, crate::isolation::Target::default())
                 .await?;
             return Ok(json(StatusCode::OK, &to_wire(r)));
+        };
+        // The previous container may have ended a moment ago, before gpud saw its cgroup
+        // empty: it is detached first (commands run in order), so that the next one does
+        // not conflict with it.
+        let previous_ended = previous
+            .filter(|p| crate::isolation::cgroup::populated(std::path::Path::new(p)) != Some(true));
+        if let Some(previous) = previous_ended {
+            self.broker.detach(id.clone(), previous);
         }
         let workloads = self.workloads.clone();
         let admin = self.broker.is_admin(&caller);

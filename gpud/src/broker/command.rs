@@ -80,6 +80,14 @@ pub enum Command {
         /// Ended reservations whose limits could not be reset: `(reservation id, reason)`.
         unreset: Vec<(String, String)>,
     },
+    /// The cgroup attached to reservation `id` (a container's) emptied or was removed: the
+    /// container ended, its limits are reset, and the reservation waits for the next one.
+    Detach {
+        /// Which.
+        id: String,
+        /// The cgroup, as attached (a later attach of another is left alone).
+        cgroup: String,
+    },
     /// A holder process exited.
     HolderExited {
         /// The reservation it held.
@@ -165,6 +173,7 @@ impl std::fmt::Debug for Command {
             Command::Release { .. } => "Release",
             Command::Renew { .. } => "Renew",
             Command::HolderExited { .. } => "HolderExited",
+            Command::Detach { .. } => "Detach",
             Command::AttachCgroup { .. } => "AttachCgroup",
             Command::LimitsSettled { .. } => "LimitsSettled",
             Command::End { .. } => "End",

@@ -305,6 +305,9 @@ impl Executor {
         for (id, cgroup) in std::mem::take(&mut effects.cgroup_watches) {
             self.watch_cgroup(id, cgroup);
         }
+        for (id, cgroup, gpus) in std::mem::take(&mut effects.attached_watches) {
+            self.watch_attached(id, cgroup, gpus);
+        }
         for served in effects.served {
             let id = served.reservation.id.clone();
             let answer = served.reservation.patch(&fixups);
@@ -457,6 +460,45 @@ impl Executor {
         });
     }
 
+    /// Detaches `cgroup` (attached to `id`, limited on `gpus`) once it is empty or removed:
+    /// its container ended. The limits are reset at once, off the broker thread and before
+    /// the commit: the runtime removes the cgroup moments after its last process exits, and
+    /// the driver keeps a removed cgroup's share with its ancestors unless it was reset
+    /// first (docs/isolation.md). A crash before the commit is harmless: the cgroup is
+    /// empty, and at the next start its watch finds it so again.
+    fn watch_attached(&self, id: String, cgroup: String, gpus: Vec<String>) {
+        let Some(runtime) = &self.runtime else {
+            tracing::warn!(reservation = %id, "no runtime to watch the attached cgroup on");
+            return;
+        };
+        let (commands, limiter) = (self.commands.clone(), self.isolation.limiter.clone());
+        let handle = runtime.clone();
+        runtime.spawn(async move {
+            use crate::isolation::cgroup::{Emptied, wait_empty};
+            let path = std::path::PathBuf::from(&cgroup);
+            match wait_empty(path.clone()).await {
+                Emptied::Empty => {
+                    if let Some(limiter) = limiter {
+                        let reset = handle.spawn_blocking(move || {
+                            for gpu in gpus {
+                                if let Err(e) = limiter.set(&gpu, &path, 0, NO_LIMIT) {
+                                    tracing::debug!(cgroup = %path.display(), %gpu, error = %e, "could not reset an ended container's limits");
+                                }
+                            }
+                        });
+                        let _ = reset.await;
+                    }
+                }
+                Emptied::Removed => {}
+                Emptied::Unwatchable => {
+                    tracing::error!(reservation = %id, %cgroup, "cannot watch the attached cgroup (inotify failed); its limits stay until the reservation ends");
+                    return;
+                }
+            }
+            let _ = commands.send(Command::Detach { id, cgroup });
+        });
+    }
+
     /// Releases `id` when `pinned` exits. The holder is gone for good, so the release must
     /// happen eventually: when it cannot be committed (disk full, read-only), it is tried
     /// again until it can, instead of leaving the reservation active until a restart.
@@ -549,6 +591,7 @@ fn fail(command: Command, error: &BrokerError) {
         | Command::ExpireDue
         | Command::Withdraw { .. }
         | Command::LimitsSettled { .. }
+        | Command::Detach { .. }
         | Command::Stop => {}
     }
 }
@@ -609,6 +652,12 @@ fn execute(
         } => answer(reply, ledger.renew(txn, &caller, &id, ttl_seconds, now)),
         Command::HolderExited { id, holder, reply } => {
             answer(reply, ledger.holder_exited(txn, &id, &holder, now))
+        }
+        Command::Detach { id, cgroup } => {
+            if let Err(e) = ledger.detach(txn, &id, &cgroup, now) {
+                tracing::error!(reservation = %id, %cgroup, error = %e, "could not detach an ended container's cgroup");
+            }
+            None
         }
         Command::End { id, reason, reply } => {
             let ended = ledger.end_by_gpud(txn, &id, &reason, now);

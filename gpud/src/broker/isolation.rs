@@ -8,6 +8,8 @@
 //! (active reservations) and every pair to reset (ended ones not yet cleared), and the
 //! limits follow the database again.
 
+use gpud_schema::IsolationMode;
+
 use super::ledger::Ledger;
 use super::{BrokerError, Caller};
 use crate::isolation::{self, Limits, NO_LIMIT, Target};
@@ -19,9 +21,15 @@ use crate::store::Txn;
 /// A pair whose limits must be made what the ledger says: `(cgroup, GPU uuid)`.
 pub(super) type Pair = (String, String);
 
+/// An event about reservation `id`'s limits that someone should look at (logged as a
+/// warning).
+fn isolation_warning(now: Millis, id: &str, action: &str, message: String) -> Event {
+    tracing::warn!(reservation = %id, action, "{message}");
+    isolation_event(now, id, action, message)
+}
+
 /// An event about reservation `id`'s limits.
 fn isolation_event(now: Millis, id: &str, action: &str, message: String) -> Event {
-    tracing::warn!(reservation = %id, action, "{message}");
     Event {
         id: 0,
         at: now,
@@ -61,7 +69,7 @@ impl Ledger {
     ) -> Result<ReservationIsolation, BrokerError> {
         let decided = isolation::decide(target, units, &self.gpus, &self.units);
         match (&decided.reason, self.settings.config.isolation.require) {
-            (Some(reason), true) if !decided.is_driver() => {
+            (Some(reason), true) if decided.mode == IsolationMode::Advisory => {
                 Err(BrokerError::IsolationUnavailable(format!(
                     "the GPU driver cannot enforce this reservation's memory ({reason}), and \
                      this gpud requires it ([isolation] require)"
@@ -77,12 +85,22 @@ impl Ledger {
         if let Some(cgroup) = pairs.first().map(|(c, _)| c.clone()) {
             self.limited.entry(cgroup).or_default().insert(r.id.clone());
         }
-        self.effects.limits.extend(pairs);
         if let Some(cgroup) = &r.holder_cgroup {
             self.effects
                 .cgroup_watches
                 .push((r.id.clone(), cgroup.clone()));
+        } else if r.holder.is_none()
+            && r.isolation.owned.is_none()
+            && let Some((cgroup, _)) = pairs.first()
+        {
+            // Attached to a container's cgroup, which nothing of gpud's holds: when the
+            // container ends, the reservation waits for the next.
+            let gpus = pairs.iter().map(|(_, gpu)| gpu.clone()).collect();
+            self.effects
+                .attached_watches
+                .push((r.id.clone(), cgroup.clone(), gpus));
         }
+        self.effects.limits.extend(pairs);
     }
 
     /// Records that `r` (now ended) no longer limits its pairs: they are set to what the
@@ -157,8 +175,11 @@ impl Ledger {
     ) -> Result<Reservation, BrokerError> {
         let r = self.find_active(txn, id)?;
         self.authorize(caller, &r, "attach a cgroup to")?;
+        // An advisory reservation's cgroup is only recorded, not limited: the next
+        // container's replaces it.
         if let (Some(have), Some(new)) = (&r.isolation.cgroup, &target.cgroup)
             && have != new
+            && r.isolation.is_driver()
         {
             return Err(BrokerError::Conflict(format!(
                 "reservation {id} has its limits on {have} already; a reservation limits one \
@@ -192,6 +213,50 @@ impl Ledger {
         Ok(updated)
     }
 
+    /// The container whose `cgroup` was attached to `id` ended (its cgroup emptied or was
+    /// removed): the limits are released (reset, unless another reservation still limits
+    /// that cgroup) and the reservation waits for its next container, `pending` again.
+    /// Nothing when `id` ended or has another cgroup by now.
+    pub fn detach(
+        &mut self,
+        txn: &mut Txn<'_>,
+        id: &str,
+        cgroup: &str,
+        now: Millis,
+    ) -> Result<(), BrokerError> {
+        let Some(r) = self.active.get(id).cloned() else {
+            return Ok(());
+        };
+        if r.isolation.cgroup.as_deref() != Some(cgroup) || !r.isolation.is_driver() {
+            return Ok(());
+        }
+        let isolation = isolation::decide(
+            &Target::awaiting_attach(format!(
+                "its last container (cgroup {cgroup}) ended; the next container started with \
+                 its CDI device is attached"
+            )),
+            &r.units,
+            &self.gpus,
+            &self.units,
+        );
+        txn.set_isolation(id, &isolation)?;
+        tracing::info!(reservation = %id, %cgroup, "container ended; limits reset, waiting for the next");
+        txn.insert_events(&[isolation_event(
+            now,
+            id,
+            "detached",
+            format!(
+                "reservation {id}'s container (cgroup {cgroup}) ended: its memory limit is \
+                 reset, and the reservation waits for its next container"
+            ),
+        )])?;
+        self.limits_released(&r);
+        let mut updated = Reservation::clone(&r);
+        updated.isolation = isolation;
+        self.replace_active(updated);
+        Ok(())
+    }
+
     /// What the driver refused after a commit: each reservation named becomes advisory with
     /// the reason, or, under `[isolation] require`, ends. `cleared`: ended reservations
     /// whose limits are reset.
@@ -210,7 +275,7 @@ impl Ledger {
         let mut events: Vec<Event> = unreset
             .iter()
             .map(|(id, reason)| {
-                isolation_event(
+                isolation_warning(
                     now,
                     id,
                     "retry at start",
@@ -227,7 +292,7 @@ impl Ledger {
             };
             let cgroup = r.isolation.cgroup.as_deref().unwrap_or("its cgroup");
             events.push(if require {
-                isolation_event(
+                isolation_warning(
                     now,
                     id,
                     "ended",
@@ -237,7 +302,7 @@ impl Ledger {
                     ),
                 )
             } else {
-                isolation_event(
+                isolation_warning(
                     now,
                     id,
                     "advisory",

@@ -85,6 +85,9 @@ pub(super) struct Effects {
     pub ended_limited: Vec<Reservation>,
     /// Cgroups that hold reservations, to watch: `(reservation id, cgroup)`.
     pub cgroup_watches: Vec<(String, String)>,
+    /// Cgroups attached to reservations (containers'), to detach when they empty:
+    /// `(reservation id, cgroup, GPU uuids it is limited on)`.
+    pub attached_watches: Vec<(String, String, Vec<String>)>,
     /// Reservations whose CDI spec is to be written (`[cdi] enabled`): `(id, env)`.
     pub cdi_written: Vec<(String, gpud_schema::Env)>,
     /// Ended reservations whose CDI spec is to be removed.

@@ -466,6 +466,14 @@ impl Broker {
         })
     }
 
+    /// Detaches `cgroup` from `id`: the container it belonged to has ended (see
+    /// [`Command::Detach`]). Commands run in order, so an attach sent after it sees it done.
+    pub fn detach(&self, id: String, cgroup: String) {
+        if self.commands.send(Command::Detach { id, cgroup }).is_err() {
+            tracing::debug!("the broker has stopped; nothing to detach");
+        }
+    }
+
     /// Extends the lease of `id` by `ttl_seconds` from now (default: its own TTL).
     pub fn renew(
         &self,

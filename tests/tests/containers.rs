@@ -1,0 +1,586 @@
+//! gpud's CDI device under a real container runtime: Podman with runc, as root and
+//! rootless, against the fake R615 driver. What a container gets (the environment, its own
+//! cgroup limited before its first instruction), what another process reads back through
+//! NVIDIA's own binding, what `[isolation] require` refuses, and that nothing is left
+//! behind.
+//!
+//! Needs root, cgroup v2 (pure or hybrid), `podman`, `runc`, a static busybox (the image is
+//! made from it, no registry), `.venv` with nvidia-ml-py, and for the rootless cases the user
+//! [`ROOTLESS`] with subordinate ids (`.ci/run` installs and makes all of it). Podman reads
+//! CDI specs only from `/etc/cdi` and `/var/run/cdi`, so these tests' gpuds write to
+//! `/var/run/cdi` and run one at a time.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step should stop with its line
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::{Mutex, MutexGuard, OnceLock};
+
+use serde_json::{Value, json};
+
+use gpud_tests::isolation::{Isolated, limits_left, limits_on, prerequisites, python, r615};
+use gpud_tests::{Daemon, GIB, PATIENCE, curl_as, missing_prerequisite, wait_for};
+
+/// Where Podman reads CDI specs (besides `/etc/cdi`).
+const SPEC_DIR: &str = "/var/run/cdi";
+/// The image every test runs: busybox, imported from the host's static binary.
+const IMAGE: &str = "localhost/gpud-test-busybox:latest";
+/// The user rootless containers run as (`.ci/run` makes it, with subordinate ids).
+const ROOTLESS: &str = "gpud-rootless";
+
+/// What a test needs: the cgroup v2 mount and nvidia-ml-py's Python; the image is made.
+struct Setup {
+    mount: PathBuf,
+    python: PathBuf,
+    /// These tests share `/var/run/cdi`: one at a time.
+    _serial: MutexGuard<'static, ()>,
+}
+
+/// The prerequisites, or `None` (the test returns) when one is missing outside CI.
+fn setup() -> Option<Setup> {
+    static SERIAL: Mutex<()> = Mutex::new(());
+    let serial = SERIAL
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let mount = prerequisites()?;
+    let python = python()?;
+    for tool in ["podman", "runc"] {
+        if !Command::new(tool)
+            .arg("--version")
+            .output()
+            .is_ok_and(|o| o.status.success())
+        {
+            missing_prerequisite(&format!("{tool} (apt-get install podman runc)"));
+            return None;
+        }
+    }
+    if !Path::new("/bin/busybox").exists() {
+        missing_prerequisite("a static busybox at /bin/busybox (apt-get install busybox-static)");
+        return None;
+    }
+    static IMAGE_MADE: OnceLock<()> = OnceLock::new();
+    IMAGE_MADE.get_or_init(|| make_image(None));
+    Some(Setup {
+        mount,
+        python,
+        _serial: serial,
+    })
+}
+
+/// Imports [`IMAGE`] from `/bin/busybox` into root's image store, or `user`'s.
+fn make_image(user: Option<&str>) {
+    let root = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(
+        root.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    let bin = root.path().join("rootfs/bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    std::fs::copy("/bin/busybox", bin.join("busybox")).unwrap();
+    for applet in ["sh", "cat", "env", "sleep", "true", "grep", "tail"] {
+        std::os::unix::fs::symlink("busybox", bin.join(applet)).unwrap();
+    }
+    let tar = root.path().join("rootfs.tar");
+    let made = Command::new("tar")
+        .arg("-C")
+        .arg(root.path().join("rootfs"))
+        .arg("-cf")
+        .arg(&tar)
+        .arg(".")
+        .status()
+        .unwrap();
+    assert!(made.success());
+    std::fs::set_permissions(&tar, std::os::unix::fs::PermissionsExt::from_mode(0o644)).unwrap();
+    let out = podman_as(user, &["import", &tar.display().to_string(), IMAGE]);
+    assert!(out.status.success(), "podman import: {}", text(&out.stderr));
+}
+
+/// `podman --runtime runc ARGS`, as root or as `user` (rootless, from its home).
+fn podman_as(user: Option<&str>, args: &[&str]) -> Output {
+    match user {
+        None => Command::new("podman")
+            .args(["--runtime", "runc"])
+            .args(args)
+            .output()
+            .unwrap(),
+        Some(user) => {
+            let quoted: Vec<String> = args.iter().map(|a| shell_quoted(a)).collect();
+            Command::new("su")
+                .args([user, "-c"])
+                .arg(format!("cd && podman --runtime runc {}", quoted.join(" ")))
+                .output()
+                .unwrap()
+        }
+    }
+}
+
+/// `podman run` flags every test's container takes: no network (none here), limits within
+/// this sandbox's (the defaults exceed its hard limits).
+const RUN: [&str; 7] = [
+    "run",
+    "--network",
+    "none",
+    "--ulimit",
+    "nofile=1024:1024",
+    "--ulimit",
+    "nproc=1024:1024",
+];
+
+/// `podman run RUN… FLAGS… IMAGE COMMAND…`, as root or as `user`.
+fn run_container(user: Option<&str>, flags: &[&str], command: &[&str]) -> Output {
+    let mut args: Vec<&str> = RUN.to_vec();
+    args.extend_from_slice(flags);
+    args.push(IMAGE);
+    args.extend_from_slice(command);
+    podman_as(user, &args)
+}
+
+fn shell_quoted(s: &str) -> String {
+    format!("'{}'", s.replace('\'', r"'\''"))
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// The `--device` flag for reservation `id`.
+fn device(id: &str) -> String {
+    format!("gpud.io/reservation={id}")
+}
+
+/// A gpud on the R615 t4-pair (or the fixture's own 550 driver when `!r615`) writing CDI
+/// specs to [`SPEC_DIR`], with `extra` under `[isolation]`.
+fn gpud(setup: &Setup, name: &str, extra: &str, r615_driver: bool) -> Isolated {
+    let config = format!(
+        "{extra}\n[cdi]\nenabled = true\nspec_dir = {SPEC_DIR:?}\nhook = {:?}\n",
+        gpud_tests::gpuctl_bin().display().to_string()
+    );
+    Isolated::start(&setup.mount, name, &config, |f| {
+        if r615_driver {
+            r615(f);
+        }
+    })
+}
+
+/// A lease of `gib` GiB made by root: its id and GPU uuid.
+fn lease(d: &Daemon, gib: u64) -> (String, String) {
+    let r = d.post(
+        "/v1/reservations",
+        &json!({"memory": format!("{gib}GiB"), "ttl_seconds": 600}).to_string(),
+    );
+    assert_eq!(r.status, 201, "{}", r.text);
+    (
+        r.body["id"].as_str().unwrap().to_owned(),
+        r.body["gpus"][0]["uuid"].as_str().unwrap().to_owned(),
+    )
+}
+
+/// The spec file gpud writes for reservation `id`.
+fn spec(id: &str) -> PathBuf {
+    Path::new(SPEC_DIR).join(format!("gpud-{id}.json"))
+}
+
+/// Reservation `id` as gpud answers for it.
+fn reservation(d: &Daemon, id: &str) -> Value {
+    let r = d.get(&format!("/v1/reservations/{id}"));
+    assert_eq!(r.status, 200, "{}", r.text);
+    r.body
+}
+
+/// A container left running (detached) until dropped: its id, and its cgroup's full path.
+struct Running {
+    id: String,
+    user: Option<&'static str>,
+}
+
+impl Running {
+    /// Starts `sleep 600` in a container with `flags`; panics if it does not start.
+    fn start(user: Option<&'static str>, flags: &[&str]) -> Running {
+        let mut all = vec!["-d"];
+        all.extend_from_slice(flags);
+        let out = run_container(user, &all, &["sleep", "600"]);
+        assert!(
+            out.status.success(),
+            "the container did not start: {}",
+            text(&out.stderr)
+        );
+        Running {
+            id: text(&out.stdout).trim().to_owned(),
+            user,
+        }
+    }
+
+    /// The container's first process, as the host numbers it.
+    fn pid(&self) -> u32 {
+        let out = podman_as(
+            self.user,
+            &["inspect", "--format", "{{.State.Pid}}", &self.id],
+        );
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        text(&out.stdout).trim().parse().unwrap()
+    }
+
+    /// The full path of the container's cgroup, as its first process's `0::` line says.
+    fn cgroup(&self, mount: &Path) -> String {
+        let own = std::fs::read_to_string(format!("/proc/{}/cgroup", self.pid())).unwrap();
+        let relative = own
+            .lines()
+            .find_map(|l| l.strip_prefix("0::"))
+            .expect("a cgroup v2 line");
+        mount
+            .join(relative.trim_start_matches('/'))
+            .display()
+            .to_string()
+    }
+
+    /// The environment the container's first process started with, one `NAME=value` a
+    /// line (`podman exec` would show the image's, without what CDI added).
+    fn environment(&self) -> String {
+        let raw = std::fs::read(format!("/proc/{}/environ", self.pid())).unwrap();
+        raw.split(|&b| b == 0)
+            .map(|kv| format!("{}\n", String::from_utf8_lossy(kv)))
+            .collect()
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = podman_as(self.user, &["rm", "-f", "-t", "0", &self.id]);
+    }
+}
+
+#[test]
+fn a_container_gets_the_environment_and_its_own_cgroup_limited_before_it_starts() {
+    let Some(setup) = setup() else { return };
+    let iso = gpud(&setup, "ctr-root", "", true);
+    let d = &iso.d;
+    let (id, gpu) = lease(d, 2);
+    // Made to be attached: the driver can limit it once its container's cgroup is known.
+    assert_eq!(reservation(d, &id)["isolation"]["mode"], "pending");
+    assert!(spec(&id).exists());
+
+    let container = Running::start(None, &["--device", &device(&id)]);
+    let env = container.environment();
+    assert!(
+        env.contains(&format!("GPUD_RESERVATION_ID={id}\n")),
+        "{env}"
+    );
+    assert!(
+        env.contains(&format!("CUDA_VISIBLE_DEVICES={gpu}\n")),
+        "{env}"
+    );
+    // runc ran the hook inside the container (it saw pid 1); gpud found the container's own
+    // cgroup, not the host's init's.
+    let cgroup = container.cgroup(&setup.mount);
+    assert!(cgroup.contains("libpod-"), "{cgroup}");
+    let r = reservation(d, &id);
+    assert_eq!(r["isolation"]["mode"], "driver", "{r}");
+    assert_eq!(r["isolation"]["cgroup"], json!(cgroup));
+    // NVIDIA's binding, from another process, reads the limit on exactly that cgroup.
+    assert_eq!(
+        limits_on(&setup.python, d, &gpu, &cgroup),
+        Some((2 * GIB, 2 * GIB))
+    );
+    assert_eq!(limits_left(d), json!({&gpu: {&cgroup: [2 * GIB, 2 * GIB]}}));
+    // The container's process is the reservation's: the audit counts it and finds nothing.
+    let mut fixture = d.read_fixture();
+    fixture["gpus"][0]["processes"] = json!([{"pid": container.pid(), "used_memory_bytes": GIB}]);
+    d.write_fixture(&fixture);
+    d.wait_for_audit_passes(2);
+    let listed = d.get("/v1/processes").body;
+    assert_eq!(
+        listed["processes"][0]["pid"],
+        json!(container.pid()),
+        "{listed}"
+    );
+    assert_eq!(listed["processes"][0]["reservation"], json!(id), "{listed}");
+    for kind in ["unreserved", "over_limit", "unlimited"] {
+        let events = d.get(&format!("/v1/events?kind={kind}")).body;
+        assert_eq!(events["events"], json!([]), "{kind}");
+    }
+
+    // Released while the container runs: the limit is reset and the spec removed.
+    assert_eq!(d.delete(&format!("/v1/reservations/{id}")).status, 200);
+    assert_eq!(limits_on(&setup.python, d, &gpu, &cgroup), None);
+    assert!(!spec(&id).exists());
+}
+
+#[test]
+fn a_container_in_the_host_s_pid_or_cgroup_namespace_is_limited_too() {
+    let Some(setup) = setup() else { return };
+    let iso = gpud(&setup, "ctr-ns", "", true);
+    let d = &iso.d;
+    // --pid=host: the state's pid is the host's; --cgroupns=private: the container sees
+    // its cgroup as `/`, gpud its full path.
+    for flags in [["--pid", "host"], ["--cgroupns", "private"]] {
+        let (id, gpu) = lease(d, 1);
+        let mut all = flags.to_vec();
+        let dev = device(&id);
+        all.extend(["--device", &dev]);
+        let container = Running::start(None, &all);
+        let cgroup = container.cgroup(&setup.mount);
+        let r = reservation(d, &id);
+        assert_eq!(r["isolation"]["mode"], "driver", "{flags:?}: {r}");
+        assert_eq!(r["isolation"]["cgroup"], json!(cgroup), "{flags:?}");
+        assert_eq!(
+            limits_on(&setup.python, d, &gpu, &cgroup),
+            Some((GIB, GIB)),
+            "{flags:?}"
+        );
+        drop(container);
+        assert_eq!(d.delete(&format!("/v1/reservations/{id}")).status, 200);
+    }
+    assert_eq!(limits_left(d), json!({}));
+}
+
+#[test]
+fn a_container_naming_an_ended_reservation_is_refused_by_the_runtime() {
+    let Some(setup) = setup() else { return };
+    let iso = gpud(&setup, "ctr-ended", "", true);
+    let d = &iso.d;
+    let (id, _) = lease(d, 1);
+    assert_eq!(d.delete(&format!("/v1/reservations/{id}")).status, 200);
+    let out = run_container(None, &["--rm", "--device", &device(&id)], &["true"]);
+    assert!(!out.status.success());
+    let stderr = text(&out.stderr);
+    assert!(stderr.contains("unresolvable CDI devices"), "{stderr}");
+    assert!(stderr.contains(&device(&id)), "{stderr}");
+}
+
+#[test]
+fn a_hundred_containers_in_a_row_leave_no_limit_spec_or_reservation_behind() {
+    let Some(setup) = setup() else { return };
+    let iso = gpud(&setup, "ctr-hundred", "", true);
+    let d = &iso.d;
+    for i in 0..100 {
+        let (id, _) = lease(d, 1);
+        let out = run_container(None, &["--rm", "--device", &device(&id)], &["true"]);
+        assert!(out.status.success(), "container {i}: {}", text(&out.stderr));
+        // Attached, limited, and detached once the container ended (or still attached,
+        // if gpud has not seen it end yet): never left waiting with its container run.
+        let isolation = &reservation(d, &id)["isolation"];
+        assert!(
+            isolation["mode"] == "driver"
+                || isolation["reason"]
+                    .as_str()
+                    .unwrap()
+                    .contains("last container"),
+            "container {i}: {isolation}"
+        );
+        assert_eq!(d.delete(&format!("/v1/reservations/{id}")).status, 200);
+        assert!(!spec(&id).exists(), "container {i}: the spec stayed");
+    }
+    assert_eq!(limits_left(d), json!({}));
+    assert!(d.active().is_empty());
+    let ours: Vec<_> = std::fs::read_dir(SPEC_DIR)
+        .unwrap()
+        .filter_map(|e| {
+            let name = e.ok()?.file_name().to_string_lossy().into_owned();
+            name.starts_with("gpud-").then_some(name)
+        })
+        .collect();
+    assert!(ours.is_empty(), "specs left: {ours:?}");
+}
+
+#[test]
+fn gpud_restarted_while_a_container_runs_keeps_its_limit() {
+    let Some(setup) = setup() else { return };
+    let mut iso = gpud(&setup, "ctr-restart", "", true);
+    let (id, gpu) = lease(&iso.d, 2);
+    let container = Running::start(None, &["--device", &device(&id)]);
+    let cgroup = container.cgroup(&setup.mount);
+    assert_eq!(
+        limits_on(&setup.python, &iso.d, &gpu, &cgroup),
+        Some((2 * GIB, 2 * GIB))
+    );
+    iso.d.kill9();
+    iso.d.spawn();
+    let r = reservation(&iso.d, &id);
+    assert_eq!(r["isolation"]["mode"], "driver", "{r}");
+    assert_eq!(r["isolation"]["cgroup"], json!(cgroup));
+    assert_eq!(
+        limits_on(&setup.python, &iso.d, &gpu, &cgroup),
+        Some((2 * GIB, 2 * GIB))
+    );
+    assert!(spec(&id).exists(), "the spec is written again at start");
+    // The container still runs and is still the reservation's.
+    assert!(container.environment().contains(&id));
+    assert_eq!(iso.d.delete(&format!("/v1/reservations/{id}")).status, 200);
+    assert_eq!(limits_on(&setup.python, &iso.d, &gpu, &cgroup), None);
+}
+
+#[test]
+fn under_require_an_r615_container_runs_limited_and_an_old_driver_one_is_refused() {
+    let Some(setup) = setup() else { return };
+    let iso = gpud(&setup, "ctr-require", "require = true\n", true);
+    let d = &iso.d;
+    // Accepted, waiting for its container: no longer refused for lack of a cgroup.
+    let (id, gpu) = lease(d, 1);
+    assert_eq!(reservation(d, &id)["isolation"]["mode"], "pending");
+    let container = Running::start(None, &["--device", &device(&id)]);
+    let cgroup = container.cgroup(&setup.mount);
+    let r = reservation(d, &id);
+    assert_eq!(r["isolation"]["mode"], "driver", "{r}");
+    assert_eq!(r["isolation"]["cgroup"], json!(cgroup));
+    assert_eq!(limits_on(&setup.python, d, &gpu, &cgroup), Some((GIB, GIB)));
+    // The container ends: its limit is reset before the runtime removes its cgroup, and
+    // the lease waits for the next container.
+    drop(container);
+    let detached = wait_for(PATIENCE, || {
+        let r = reservation(d, &id);
+        (r["isolation"]["mode"] == "pending").then_some(r)
+    })
+    .expect("the lease waits for its next container");
+    assert!(
+        detached["isolation"]["reason"]
+            .as_str()
+            .unwrap()
+            .contains(&cgroup),
+        "{detached}"
+    );
+    assert_eq!(limits_left(d), json!({}));
+    let out = run_container(None, &["--rm", "--device", &device(&id)], &["true"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    drop(iso);
+
+    // An old driver (550): a lease made before `require` was turned on stays advisory, and
+    // its container is refused with gpud's reason in the runtime's error.
+    let mut old = gpud(&setup, "ctr-old", "", false);
+    let (id, _) = lease(&old.d, 1);
+    assert_eq!(reservation(&old.d, &id)["isolation"]["mode"], "advisory");
+    // Without require the container starts: the limit is advisory by necessity.
+    let out = run_container(None, &["--rm", "--device", &device(&id)], &["true"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    old.d.kill9();
+    let config = std::fs::read_to_string(&old.d.config).unwrap();
+    std::fs::write(
+        &old.d.config,
+        config.replacen("[isolation]\n", "[isolation]\nrequire = true\n", 1),
+    )
+    .unwrap();
+    old.d.spawn();
+    let out = run_container(None, &["--rm", "--device", &device(&id)], &["true"]);
+    assert!(!out.status.success());
+    let stderr = text(&out.stderr);
+    assert!(stderr.contains("error running hook"), "{stderr}");
+    assert!(
+        stderr.contains(&format!("cdi-hook --reservation {id}")),
+        "{stderr}"
+    );
+    assert!(stderr.contains("R615"), "{stderr}");
+    assert!(stderr.contains("[isolation] require"), "{stderr}");
+}
+
+#[test]
+fn a_container_process_outside_any_reservation_is_reported_by_its_cgroup() {
+    let Some(setup) = setup() else { return };
+    let iso = gpud(&setup, "ctr-audit", "", true);
+    let d = &iso.d;
+    let container = Running::start(None, &[]);
+    let pid = container.pid();
+    let cgroup = container.cgroup(&setup.mount);
+    let relative = cgroup.strip_prefix(setup.mount.to_str().unwrap()).unwrap();
+    let mut fixture = d.read_fixture();
+    fixture["gpus"][1]["processes"] = json!([{"pid": pid, "used_memory_bytes": GIB}]);
+    d.write_fixture(&fixture);
+    let event = wait_for(PATIENCE, || {
+        d.get("/v1/events?kind=unreserved").body["events"]
+            .as_array()
+            .and_then(|e| e.first().cloned())
+    })
+    .expect("an unreserved event");
+    let message = event["message"].as_str().unwrap();
+    assert!(
+        message.contains(&format!("process {pid} (cgroup {relative}) uses 1 GiB")),
+        "{message}"
+    );
+}
+
+/// [`ROOTLESS`]'s uid, or `None` (the test returns) when the user is missing.
+fn rootless_user() -> Option<u32> {
+    let out = Command::new("id").args(["-u", ROOTLESS]).output().unwrap();
+    if !out.status.success() {
+        missing_prerequisite(&format!(
+            "the user {ROOTLESS} with subordinate ids (useradd -m {ROOTLESS}; usermod \
+             --add-subuids 200000-265535 --add-subgids 200000-265535 {ROOTLESS})"
+        ));
+        return None;
+    }
+    static IMAGE_MADE: OnceLock<()> = OnceLock::new();
+    IMAGE_MADE.get_or_init(|| make_image(Some(ROOTLESS)));
+    text(&out.stdout).trim().parse().ok()
+}
+
+/// A cgroup the rootless user's session runs in, as a login's would on this host: removed
+/// on drop.
+struct Session(PathBuf);
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        let _ = wait_for(std::time::Duration::from_secs(10), || {
+            std::fs::remove_dir(&self.0).ok()
+        });
+    }
+}
+
+/// `podman run --rm RUN… --device DEVICE IMAGE true` as [`ROOTLESS`], from a shell that
+/// root first moved into `session`'s cgroup.
+fn run_rootless_in(session: &Session, dev: &str) -> Output {
+    let script = format!(
+        "echo $$ > {}/cgroup.procs && exec su {ROOTLESS} -c {}",
+        session.0.display(),
+        shell_quoted(&format!(
+            "cd && podman --runtime runc {} --rm --device {dev} {IMAGE} true",
+            RUN.join(" ")
+        ))
+    );
+    Command::new("sh").args(["-c", &script]).output().unwrap()
+}
+
+#[test]
+fn a_rootless_container_without_a_cgroup_of_its_own_is_refused_unless_advisory_anyway() {
+    let Some(setup) = setup() else { return };
+    let Some(uid) = rootless_user() else { return };
+    let session = Session(
+        setup
+            .mount
+            .join(format!("gpud-test-rootless-{}", std::process::id())),
+    );
+    std::fs::create_dir_all(&session.0).unwrap();
+    for r615_driver in [true, false] {
+        let iso = gpud(&setup, "ctr-rootless", "", r615_driver);
+        let d = &iso.d;
+        let (status, lease) = curl_as(
+            uid,
+            &d.socket,
+            &[
+                "-X",
+                "POST",
+                "-d",
+                r#"{"memory": "1GiB", "ttl_seconds": 600}"#,
+                "http://gpud/v1/reservations",
+            ],
+        );
+        assert_eq!(status, 201, "{lease}");
+        let id = lease["id"].as_str().unwrap();
+        let out = run_rootless_in(&session, &device(id));
+        let stderr = text(&out.stderr);
+        if r615_driver {
+            // Rootless Podman on cgroup v1 (and so on this hybrid host) makes no cgroup:
+            // the container shares its user's session, which a limit must not hold.
+            assert!(!out.status.success(), "started unlimited: {stderr}");
+            assert!(stderr.contains("no cgroup of its own"), "{stderr}");
+            assert!(
+                stderr.contains(&session.0.display().to_string()),
+                "{stderr}"
+            );
+            assert_eq!(reservation(d, id)["isolation"]["mode"], "pending");
+            assert_eq!(limits_left(d), json!({}));
+        } else {
+            // The old driver could not limit it anyway: it runs, advisory.
+            assert!(out.status.success(), "{stderr}");
+            assert_eq!(reservation(d, id)["isolation"]["mode"], "advisory");
+        }
+    }
+}
