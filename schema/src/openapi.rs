@@ -29,14 +29,15 @@ pub fn document() -> Value {
     let event_list = r(&mut generator, |g| g.subschema_for::<EventList>());
     let waiter_list = r(&mut generator, |g| g.subschema_for::<WaiterList>());
     let process_list = r(&mut generator, |g| g.subschema_for::<GpuProcessList>());
-    let components = generator.take_definitions(true);
+    let mut components = generator.take_definitions(true);
+    add_rules_serde_cannot_say(&mut components);
 
     let body = |schema: &Value| json!({"content": {"application/json": {"schema": schema}}});
     let reply = |description: &str, schema: &Value| json!({"description": description, "content": {"application/json": {"schema": schema}}});
     let error_reply = |description: &str| reply(description, &error);
     let id_param = json!({
         "name": "id", "in": "path", "required": true,
-        "description": "Reservation id.", "schema": {"type": "string"}
+        "description": "Reservation id.", "schema": id_schema()
     });
 
     let mut doc = json!({
@@ -68,7 +69,7 @@ pub fn document() -> Value {
                          "description": "Owner uid", "schema": {"type": "integer", "format": "uint32", "minimum": 0}},
                         {"name": "label", "in": "query", "required": false,
                          "description": "Only reservations with this label: KEY=VALUE (the = may be written %3D); repeat it to require several",
-                         "schema": {"type": "string"}},
+                         "schema": label_schema()},
                         {"name": "limit", "in": "query", "required": false,
                          "description": "At most this many (default 1000)",
                          "schema": {"type": "integer", "minimum": 1, "maximum": 10000}},
@@ -86,7 +87,7 @@ pub fn document() -> Value {
                     "parameters": [
                         {"name": "label", "in": "query", "required": true,
                          "description": "KEY=VALUE (the = may be written %3D); repeat it to require several",
-                         "schema": {"type": "string"}}
+                         "schema": label_schema()}
                     ],
                     "responses": {
                         "200": reply("The reservations released", &reservation_list),
@@ -158,14 +159,14 @@ pub fn document() -> Value {
                 "requestBody": {"required": true, "content": body(&attach_request)["content"]},
                 "responses": {
                     "200": reply("The reservation, with its isolation", &reservation),
-                    "400": error_reply("Not a cgroup v2 directory, neither or both of cgroup and pid, not a valid id, or a query parameter"),
+                    "400": error_reply("Not a cgroup v2 directory, a process that is not there, not a valid id, or a query parameter"),
                     "403": error_reply("Not yours, or a cgroup the caller may not name"),
                     "408": error_reply("The body did not arrive in time (body_timeout)"),
                     "413": error_reply("Body too large"),
                     "429": error_reply("Changes faster than [limits] allows (rate_limited), or too many connections (too_many_connections)"),
                     "404": error_reply("No such reservation"),
                     "409": error_reply("No longer active, or limits on another cgroup already (conflict)"),
-                    "422": error_reply("[isolation] require is set and the driver cannot enforce the limit here (isolation_unavailable)"),
+                    "422": error_reply("The driver could enforce the reservation but gpud cannot limit this cgroup or container (not its own, the root cgroup, …), or [isolation] require is set and the driver cannot enforce it (isolation_unavailable)"),
                     "503": error_reply("State cannot be written (storage_unavailable), or gpud is stopping (shutting_down)")
                 }
             }},
@@ -174,13 +175,13 @@ pub fn document() -> Value {
                 "parameters": [
                     {"name": "since", "in": "query", "required": false,
                      "description": "Only events at or after this time (RFC 3339, or Unix seconds)",
-                     "schema": {"type": "string"}},
+                     "schema": {"type": "string", "pattern": SINCE_PATTERN}},
                     {"name": "after", "in": "query", "required": false,
                      "description": "Only events with a larger id (to follow)",
                      "schema": {"type": "integer", "format": "uint64", "minimum": 0}},
                     {"name": "kind", "in": "query", "required": false,
                      "schema": {"type": "string", "enum": ["unreserved", "wrong_gpu", "over_limit", "gpu_unhealthy", "isolation", "unlimited"]}},
-                    {"name": "reservation", "in": "query", "required": false, "schema": {"type": "string"}},
+                    {"name": "reservation", "in": "query", "required": false, "schema": id_schema()},
                     {"name": "limit", "in": "query", "required": false,
                      "schema": {"type": "integer", "format": "uint32", "minimum": 1, "maximum": 10000}}
                 ],
@@ -203,6 +204,43 @@ pub fn document() -> Value {
     });
     add_refusals_of_every_route(&mut doc, &error_reply);
     doc
+}
+
+/// A reservation id, as gpud checks it: letters, digits, `-`, `_` and `.`, at most 128, and
+/// neither `.` nor `..`.
+fn id_schema() -> Value {
+    json!({"type": "string", "minLength": 1, "maxLength": 128,
+           "pattern": "^(?!\\.\\.?$)[A-Za-z0-9._-]+$"})
+}
+
+/// `KEY=VALUE`, percent-encoded (the `=` may be written `%3D`).
+fn label_schema() -> Value {
+    json!({"type": "string",
+           "pattern": "^([^%]|%[0-9A-Fa-f]{2})*(=|%3[Dd])([^%]|%[0-9A-Fa-f]{2})*$"})
+}
+
+/// Unix seconds, or an RFC 3339 time (its colons may be written `%3A`).
+const SINCE_PATTERN: &str =
+    "^([0-9]+|[0-9]{4}-[0-9]{2}-[0-9]{2}[Tt ][0-9]{2}(:|%3[Aa])[0-9]{2}(:|%3[Aa])[0-9]{2}.*)$";
+
+/// The rules of the request bodies that their types cannot say: which fields go together.
+/// A client generated from the document then cannot send a body gpud refuses for them.
+fn add_rules_serde_cannot_say(components: &mut serde_json::Map<String, Value>) {
+    // Memory per GPU, or whole GPUs: one of the two.
+    if let Some(request) = components.get_mut("ReservationRequest") {
+        request["oneOf"] = json!([
+            {"required": ["memory"]},
+            {"required": ["exclusive"], "properties": {"exclusive": {"enum": [true]}}}
+        ]);
+    }
+    // The cgroup, a process in it, or a container's first process: one of the three.
+    if let Some(attach) = components.get_mut("AttachCgroupRequest") {
+        attach["oneOf"] = json!([
+            {"required": ["cgroup"]},
+            {"required": ["pid"]},
+            {"required": ["container_pid"]}
+        ]);
+    }
 }
 
 /// Refusals any route can give, added where an operation does not document its own: a

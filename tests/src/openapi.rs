@@ -10,9 +10,12 @@
 //! - every reply's status must be one the operation documents, and its body must match that
 //!   reply's schema (or, for a non-JSON reply, carry the documented content type).
 //!
-//! A request the document accepts may still be refused for reasons a schema cannot say (a
-//! size string that is not a size, a renew of a reservation that is not a lease): that is
-//! fine as long as the refusal is documented.
+//! - a request the document accepts must not get a 400 whose cause the document could have
+//!   stated (a pattern, a length, which fields go together), so that a client generated
+//!   from it cannot send one: gpud's 400 must be one of [`UNSTATABLE`], the causes a schema
+//!   cannot say (a size string that is not a size, a renew of a reservation that is not a
+//!   lease, a cgroup path that does not exist). A new 400 that fails here belongs in the
+//!   document, or, if no schema can say it, in that list with why.
 
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
@@ -20,6 +23,10 @@ use std::sync::{Mutex, OnceLock};
 use serde_json::{Map, Value, json};
 
 use crate::Reply;
+
+/// The 400s a request the document accepts may get, by a phrase of gpud's message: each
+/// a rule no OpenAPI 3.0 schema can state, and why.
+pub const UNSTATABLE: &[(&str, &str)] = &[];
 
 /// The document, with its schemas made plain JSON Schema (see [`to_json_schema`]).
 struct Spec {
@@ -123,6 +130,34 @@ fn template<'a>(paths: &'a Map<String, Value>, path: &str) -> Option<&'a str> {
     })
 }
 
+/// Why the document refuses the path parameters of `path` (matching `template`).
+fn path_errors(spec: &Spec, op_pointer: &str, template: &str, path: &str) -> Vec<String> {
+    let op = spec.doc.pointer(op_pointer).expect("operation");
+    let params = op["parameters"].as_array().cloned().unwrap_or_default();
+    let mut errors = Vec::new();
+    for (part, segment) in template.split('/').zip(path.split('/')) {
+        let Some(name) = part.strip_prefix('{').and_then(|p| p.strip_suffix('}')) else {
+            continue;
+        };
+        let Some(i) = params
+            .iter()
+            .position(|p| p["in"] == "path" && p["name"] == name)
+        else {
+            errors.push(format!("path parameter {name:?} is not declared"));
+            continue;
+        };
+        errors.extend(
+            spec.errors(
+                &format!("{op_pointer}/parameters/{i}/schema"),
+                &Value::String(segment.to_owned()),
+            )
+            .into_iter()
+            .map(|e| format!("path parameter {name}: {e}")),
+        );
+    }
+    errors
+}
+
 /// Why the document refuses this request (empty when it accepts it).
 fn request_errors(spec: &Spec, op_pointer: &str, query: &str, body: &str) -> Vec<String> {
     let op = spec.doc.pointer(op_pointer).expect("operation");
@@ -209,7 +244,8 @@ pub fn check(method: &str, target: &str, body: &str, reply: &Reply) {
         return check_error_body(spec, &what, reply);
     }
     let op_pointer = format!("{path_pointer}/{lower}");
-    let refused_by_spec = request_errors(spec, &op_pointer, query, body);
+    let mut refused_by_spec = path_errors(spec, &op_pointer, template, path);
+    refused_by_spec.extend(request_errors(spec, &op_pointer, query, body));
     let responses = &spec.doc.pointer(&op_pointer).expect("operation")["responses"];
     let status = reply.status.to_string();
     let Some(response) = responses.get(&status) else {
@@ -223,6 +259,15 @@ pub fn check(method: &str, target: &str, body: &str, reply: &Reply) {
         assert!(
             (400..500).contains(&reply.status),
             "{what}: gpud accepted a request openapi.json refuses: {refused_by_spec:?}"
+        );
+    } else if reply.status == 400 {
+        let message = reply.body["error"]["message"].as_str().unwrap_or_default();
+        assert!(
+            UNSTATABLE
+                .iter()
+                .any(|(phrase, _)| message.contains(phrase)),
+            "{what}: gpud refused with 400 a request openapi.json accepts, for a cause the \
+             document could state (put it in openapi.json, or in UNSTATABLE with why not)"
         );
     }
     let content = response["content"].as_object().expect("reply content");
@@ -306,6 +351,58 @@ mod tests {
     fn an_accepted_request_the_document_refuses_fails() {
         let gpus = json!({"gpus": []});
         check("GET", "/v1/gpus?verbose=1", "", &reply(200, gpus));
+    }
+
+    #[test]
+    #[should_panic(expected = "a request openapi.json accepts")]
+    fn a_400_the_document_could_have_prevented_fails() {
+        let error = json!({"error": {"code": "invalid_request", "message": "made up"}});
+        check("GET", "/v1/reservations?state=all", "", &reply(400, error));
+    }
+
+    #[test]
+    fn the_document_states_what_gpud_refuses() {
+        let attach = "/paths/~1v1~1reservations~1{id}~1cgroup/post";
+        let reserve = "/paths/~1v1~1reservations/post";
+        let events = "/paths/~1v1~1events/get";
+        let list = "/paths/~1v1~1reservations/get";
+        let refused =
+            |op: &str, query: &str, body: &str| !request_errors(spec(), op, query, body).is_empty();
+        assert!(refused(attach, "", "{}"));
+        assert!(refused(attach, "", r#"{"cgroup": "/a", "pid": 4}"#));
+        assert!(!refused(attach, "", r#"{"container_pid": 1}"#));
+        assert!(refused(reserve, "", r#"{"gpus": 1}"#));
+        assert!(refused(
+            reserve,
+            "",
+            r#"{"memory": "1G", "exclusive": true}"#
+        ));
+        assert!(refused(reserve, "", r#"{"exclusive": false}"#));
+        assert!(!refused(reserve, "", r#"{"exclusive": true}"#));
+        assert!(!refused(
+            reserve,
+            "",
+            r#"{"memory": "1G", "exclusive": false}"#
+        ));
+        assert!(refused(events, "since=", ""));
+        assert!(refused(events, "since=yesterday", ""));
+        assert!(!refused(events, "since=1700000000", ""));
+        assert!(!refused(events, "since=2026-11-26T10%3A00%3A00Z", ""));
+        assert!(refused(events, "reservation=..", ""));
+        assert!(refused(events, "reservation=a%2Fb", ""));
+        assert!(!refused(events, "reservation=k8s-pod.a_1", ""));
+        assert!(refused(list, "label=", ""));
+        assert!(refused(list, "label=job", ""));
+        assert!(refused(list, "label=job%3", ""));
+        assert!(!refused(list, "label=job%3Dasr", ""));
+        assert!(!refused(list, "label=job=", ""));
+        let one = "/paths/~1v1~1reservations~1{id}/get";
+        let template = "/v1/reservations/{id}";
+        assert!(path_errors(spec(), one, template, "/v1/reservations/k8s-a.1").is_empty());
+        assert!(!path_errors(spec(), one, template, "/v1/reservations/..").is_empty());
+        assert!(!path_errors(spec(), one, template, "/v1/reservations/a%20b").is_empty());
+        let long = format!("/v1/reservations/{}", "a".repeat(129));
+        assert!(!path_errors(spec(), one, template, &long).is_empty());
     }
 
     #[test]

@@ -244,6 +244,32 @@ impl Running {
     }
 }
 
+impl Running {
+    /// Ends the container as one that exits by itself does (SIGKILL to its processes, the
+    /// runtime's cleanup after), and waits until gpud has seen it end and detached it from
+    /// reservation `id`.
+    fn end(self, d: &Daemon, id: &str) {
+        let out = podman_as(self.user, &["kill", &self.id]);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        let detached = wait_for(PATIENCE, || {
+            let r = d.get(&format!("/v1/reservations/{id}")).body;
+            (r["isolation"]["mode"] != "driver").then_some(r)
+        })
+        .expect("gpud sees the container end");
+        let events = d
+            .get(&format!("/v1/events?kind=isolation&reservation={id}"))
+            .body;
+        assert!(
+            events["events"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|e| e["action"] == "detached"),
+            "{detached} {events}"
+        );
+    }
+}
+
 impl Drop for Running {
     fn drop(&mut self) {
         let _ = podman_as(self.user, &["rm", "-f", "-t", "0", &self.id]);
@@ -328,7 +354,7 @@ fn a_container_in_the_host_s_pid_or_cgroup_namespace_is_limited_too() {
             Some((GIB, GIB)),
             "{flags:?}"
         );
-        drop(container);
+        container.end(d, &id);
         assert_eq!(d.delete(&format!("/v1/reservations/{id}")).status, 200);
     }
     assert_eq!(limits_left(d), json!({}));
@@ -426,12 +452,9 @@ fn under_require_an_r615_container_runs_limited_and_an_old_driver_one_is_refused
     assert_eq!(limits_on(&setup.python, d, &gpu, &cgroup), Some((GIB, GIB)));
     // The container ends: its limit is reset before the runtime removes its cgroup, and
     // the lease waits for the next container.
-    drop(container);
-    let detached = wait_for(PATIENCE, || {
-        let r = reservation(d, &id);
-        (r["isolation"]["mode"] == "pending").then_some(r)
-    })
-    .expect("the lease waits for its next container");
+    container.end(d, &id);
+    let detached = reservation(d, &id);
+    assert_eq!(detached["isolation"]["mode"], "pending", "{detached}");
     assert!(
         detached["isolation"]["reason"]
             .as_str()

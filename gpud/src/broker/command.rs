@@ -87,6 +87,8 @@ pub enum Command {
         id: String,
         /// The cgroup, as attached (a later attach of another is left alone).
         cgroup: String,
+        /// Whether its limits were reset before the runtime removed it.
+        reset: bool,
     },
     /// A holder process exited.
     HolderExited {

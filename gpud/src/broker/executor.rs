@@ -472,30 +472,25 @@ impl Executor {
             return;
         };
         let (commands, limiter) = (self.commands.clone(), self.isolation.limiter.clone());
-        let handle = runtime.clone();
         runtime.spawn(async move {
             use crate::isolation::cgroup::{Emptied, wait_empty};
             let path = std::path::PathBuf::from(&cgroup);
-            match wait_empty(path.clone()).await {
-                Emptied::Empty => {
-                    if let Some(limiter) = limiter {
-                        let reset = handle.spawn_blocking(move || {
-                            for gpu in gpus {
-                                if let Err(e) = limiter.set(&gpu, &path, 0, NO_LIMIT) {
-                                    tracing::debug!(cgroup = %path.display(), %gpu, error = %e, "could not reset an ended container's limits");
-                                }
-                            }
-                        });
-                        let _ = reset.await;
-                    }
-                }
-                Emptied::Removed => {}
+            let reset = match wait_empty(path.clone()).await {
+                // Right here, not on a blocking thread: the driver call takes well under a
+                // millisecond, and every one counts against the runtime's removal.
+                // A failed call on a cgroup still there is tried again after the commit.
+                Emptied::Empty => limiter.is_none_or(|limiter| {
+                    gpus.iter().all(|gpu| {
+                        limiter.set(gpu, &path, 0, NO_LIMIT).is_ok() || path.is_dir()
+                    })
+                }),
+                Emptied::Removed => false,
                 Emptied::Unwatchable => {
                     tracing::error!(reservation = %id, %cgroup, "cannot watch the attached cgroup (inotify failed); its limits stay until the reservation ends");
                     return;
                 }
-            }
-            let _ = commands.send(Command::Detach { id, cgroup });
+            };
+            let _ = commands.send(Command::Detach { id, cgroup, reset });
         });
     }
 
@@ -653,8 +648,8 @@ fn execute(
         Command::HolderExited { id, holder, reply } => {
             answer(reply, ledger.holder_exited(txn, &id, &holder, now))
         }
-        Command::Detach { id, cgroup } => {
-            if let Err(e) = ledger.detach(txn, &id, &cgroup, now) {
+        Command::Detach { id, cgroup, reset } => {
+            if let Err(e) = ledger.detach(txn, &id, &cgroup, reset, now) {
                 tracing::error!(reservation = %id, %cgroup, error = %e, "could not detach an ended container's cgroup");
             }
             None

@@ -216,12 +216,14 @@ impl Ledger {
     /// The container whose `cgroup` was attached to `id` ended (its cgroup emptied or was
     /// removed): the limits are released (reset, unless another reservation still limits
     /// that cgroup) and the reservation waits for its next container, `pending` again.
-    /// Nothing when `id` ended or has another cgroup by now.
+    /// `reset`: whether they were reset before the runtime removed the cgroup; when not, an
+    /// event says so. Nothing when `id` ended or has another cgroup by now.
     pub fn detach(
         &mut self,
         txn: &mut Txn<'_>,
         id: &str,
         cgroup: &str,
+        reset: bool,
         now: Millis,
     ) -> Result<(), BrokerError> {
         let Some(r) = self.active.get(id).cloned() else {
@@ -240,16 +242,31 @@ impl Ledger {
             &self.units,
         );
         txn.set_isolation(id, &isolation)?;
-        tracing::info!(reservation = %id, %cgroup, "container ended; limits reset, waiting for the next");
-        txn.insert_events(&[isolation_event(
-            now,
-            id,
-            "detached",
-            format!(
-                "reservation {id}'s container (cgroup {cgroup}) ended: its memory limit is \
-                 reset, and the reservation waits for its next container"
-            ),
-        )])?;
+        let event = if reset {
+            tracing::info!(reservation = %id, %cgroup, "container ended; limits reset, waiting for the next");
+            isolation_event(
+                now,
+                id,
+                "detached",
+                format!(
+                    "reservation {id}'s container (cgroup {cgroup}) ended: its memory limit is \
+                     reset, and the reservation waits for its next container"
+                ),
+            )
+        } else {
+            isolation_warning(
+                now,
+                id,
+                "detached, not reset",
+                format!(
+                    "reservation {id}'s container ended and its runtime removed cgroup \
+                     {cgroup} before gpud could reset its memory limit: the driver may keep \
+                     its share with the cgroup's ancestors (see docs/cdi.md, \"When the \
+                     container ends\"); the reservation waits for its next container"
+                ),
+            )
+        };
+        txn.insert_events(&[event])?;
         self.limits_released(&r);
         let mut updated = Reservation::clone(&r);
         updated.isolation = isolation;

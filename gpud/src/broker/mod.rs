@@ -469,7 +469,13 @@ impl Broker {
     /// Detaches `cgroup` from `id`: the container it belonged to has ended (see
     /// [`Command::Detach`]). Commands run in order, so an attach sent after it sees it done.
     pub fn detach(&self, id: String, cgroup: String) {
-        if self.commands.send(Command::Detach { id, cgroup }).is_err() {
+        // Still there (it is empty): the broker thread resets it after the commit.
+        let reset = true;
+        if self
+            .commands
+            .send(Command::Detach { id, cgroup, reset })
+            .is_err()
+        {
             tracing::debug!("the broker has stopped; nothing to detach");
         }
     }

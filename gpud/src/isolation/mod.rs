@@ -230,6 +230,44 @@ mod tests {
     const GIB: u64 = 1 << 30;
 
     #[test]
+    fn a_reservation_to_be_attached_is_pending_where_the_driver_can_limit_it() {
+        let inventory = crate::model::GpuInventory::test_machine(2, 16);
+        let mut gpus = inventory.gpus.clone();
+        gpus[0].isolation = GpuIsolation::driver();
+        gpus[1].isolation = GpuIsolation {
+            mode: IsolationMode::Advisory,
+            reason: Some("old driver".to_owned()),
+        };
+        let units = inventory.units();
+        let on = |gpu: u32| {
+            vec![ReservedUnit {
+                uuid: units[gpu as usize].uuid.clone(),
+                gpu_index: gpu,
+                memory_bytes: GIB,
+            }]
+        };
+        let later = Target::awaiting_attach("its container's hook attaches it");
+        let pending = decide(&later, &on(0), &gpus, &units);
+        assert_eq!(pending.mode, IsolationMode::Pending);
+        assert_eq!(pending.cgroup, None);
+        assert_eq!(
+            pending.reason.as_deref(),
+            Some("its container's hook attaches it")
+        );
+        let old = decide(&later, &on(1), &gpus, &units);
+        assert_eq!(old.mode, IsolationMode::Advisory);
+        assert_eq!(old.reason.as_deref(), Some("GPU 1: old driver"));
+        assert_eq!(
+            enforceable(&on(1), &gpus, &units),
+            Err("GPU 1: old driver".to_owned())
+        );
+        // Nothing to attach later: advisory, with why.
+        let none = decide(&Target::none("root cgroup"), &on(0), &gpus, &units);
+        assert_eq!(none.mode, IsolationMode::Advisory);
+        assert_eq!(none.reason.as_deref(), Some("root cgroup"));
+    }
+
+    #[test]
     fn reservations_of_one_cgroup_add_up_within_the_card() {
         assert_eq!(limits_for([Some(4 * GIB)], 0, 16 * GIB), (4 * GIB, 4 * GIB));
         assert_eq!(

@@ -244,3 +244,233 @@ fn limits_left_by_a_failed_reset_are_reset_at_the_next_start() {
     assert_eq!(limiter.take(), [(gpu, cg, 0, NO_LIMIT)]);
     assert!(b.read_history(|s| s.limits_pending()).unwrap().is_empty());
 }
+
+/// A [`Config`] with `[isolation] require` and `[cdi] enabled` as given.
+fn config(require: bool, cdi: bool) -> Config {
+    Config {
+        isolation: crate::config::IsolationConfig {
+            require,
+            ..Default::default()
+        },
+        cdi: crate::config::CdiConfig {
+            enabled: cdi,
+            ..Default::default()
+        },
+        ..Config::default()
+    }
+}
+
+#[test]
+fn a_lease_waits_for_its_container_is_limited_while_it_runs_and_waits_again_after() {
+    let dir = tempfile::tempdir().unwrap();
+    let cg = dir.path().display().to_string();
+    for require in [false, true] {
+        let limiter = Arc::new(Recorder::default());
+        let b = start(
+            Store::open_in_memory().unwrap(),
+            config(require, false),
+            &limiter,
+        );
+        let lease = reserve(
+            &b,
+            ReserveRequest {
+                target: Target::awaiting_attach("no container yet"),
+                ..on(dir.path(), 2)
+            },
+        )
+        .unwrap();
+        assert_eq!(lease.isolation.mode, IsolationMode::Pending, "{require}");
+        assert_eq!(lease.isolation.reason.as_deref(), Some("no container yet"));
+        assert!(limiter.take().is_empty());
+        let gpu = lease.units[0].uuid.clone();
+
+        // A container gpud cannot limit is refused, require or not, and nothing changes.
+        let e = b
+            .attach_cgroup(
+                ROOT,
+                lease.id.clone(),
+                Target::none("the container has no cgroup of its own"),
+            )
+            .wait()
+            .unwrap_err();
+        assert!(matches!(e, BrokerError::IsolationUnavailable(_)), "{e}");
+        assert!(e.to_string().contains("no cgroup of its own"), "{e}");
+        let kept = b
+            .snapshot()
+            .reservation(&lease.id)
+            .unwrap()
+            .isolation
+            .clone();
+        assert_eq!(kept.mode, IsolationMode::Pending);
+
+        let attached = b
+            .attach_cgroup(
+                ROOT,
+                lease.id.clone(),
+                Target {
+                    cgroup: Some(cg.clone()),
+                    ..Target::default()
+                },
+            )
+            .wait()
+            .unwrap();
+        assert_eq!(attached.isolation.mode, IsolationMode::Driver);
+        assert_eq!(
+            limiter.take(),
+            [(gpu.clone(), cg.clone(), 2 * GIB, 2 * GIB)]
+        );
+
+        // A detach of another cgroup (a stale one) changes nothing.
+        b.detach(lease.id.clone(), "/sys/fs/cgroup/elsewhere".to_owned());
+        // Its container ended: the limit is reset, the lease waits for the next one.
+        b.detach(lease.id.clone(), cg.clone());
+        b.ping().wait().unwrap();
+        let after = b
+            .snapshot()
+            .reservation(&lease.id)
+            .unwrap()
+            .isolation
+            .clone();
+        assert_eq!(after.mode, IsolationMode::Pending);
+        assert_eq!(after.cgroup, None);
+        assert!(after.reason.as_deref().unwrap().contains(&cg), "{after:?}");
+        assert_eq!(limiter.take(), [(gpu, cg.clone(), 0, NO_LIMIT)]);
+        let events = b
+            .read_history(|s| s.events(&EventFilter::default()))
+            .unwrap();
+        assert_eq!(events.len(), 1, "{events:?}");
+        assert_eq!(events[0].kind, EventKind::Isolation);
+        assert_eq!(events[0].action, "detached");
+        assert!(events[0].message.contains(&cg), "{}", events[0].message);
+
+        // The next container's runtime removed its cgroup before gpud could reset it: the
+        // lease waits all the same, and an event says what may be left in the driver.
+        b.attach_cgroup(
+            ROOT,
+            lease.id.clone(),
+            Target {
+                cgroup: Some(cg.clone()),
+                ..Target::default()
+            },
+        )
+        .wait()
+        .unwrap();
+        b.commands
+            .send(Command::Detach {
+                id: lease.id.clone(),
+                cgroup: cg.clone(),
+                reset: false,
+            })
+            .unwrap();
+        b.ping().wait().unwrap();
+        let after = b
+            .snapshot()
+            .reservation(&lease.id)
+            .unwrap()
+            .isolation
+            .clone();
+        assert_eq!(after.mode, IsolationMode::Pending);
+        let events = b
+            .read_history(|s| s.events(&EventFilter::default()))
+            .unwrap();
+        let last = events.last().unwrap();
+        assert_eq!(last.action, "detached, not reset", "{events:?}");
+        assert!(
+            last.message.contains("may keep its share"),
+            "{}",
+            last.message
+        );
+    }
+}
+
+#[test]
+fn an_advisory_reservation_s_recorded_cgroup_does_not_hold_back_the_next_container() {
+    let limiter = Arc::new(Recorder::default());
+    let mut inventory = inventory();
+    inventory.gpus[0].isolation = GpuIsolation {
+        mode: IsolationMode::Advisory,
+        reason: Some("old driver".to_owned()),
+    };
+    inventory.gpus[1].isolation = inventory.gpus[0].isolation.clone();
+    let dyn_limiter: Arc<dyn Limiter> = limiter.clone();
+    let b = Broker::start_with(
+        Store::open_in_memory().unwrap(),
+        &inventory,
+        BrokerSettings {
+            admin_gids: vec![],
+            config: Config::default(),
+            groups: GroupLookup::default(),
+        },
+        crate::clock::wall(),
+        crate::isolation::Enforcement {
+            limiter: Some(dyn_limiter),
+            workloads: None,
+        },
+    )
+    .unwrap();
+    let (first, second) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let lease = reserve(
+        &b,
+        ReserveRequest {
+            target: Target::awaiting_attach("no container yet"),
+            ..on(first.path(), 1)
+        },
+    )
+    .unwrap();
+    assert_eq!(lease.isolation.mode, IsolationMode::Advisory);
+    for dir in [first.path(), second.path()] {
+        let r = b
+            .attach_cgroup(
+                ROOT,
+                lease.id.clone(),
+                Target {
+                    cgroup: Some(dir.display().to_string()),
+                    ..Target::default()
+                },
+            )
+            .wait()
+            .unwrap();
+        assert_eq!(r.isolation.mode, IsolationMode::Advisory);
+        assert_eq!(r.isolation.reason.as_deref(), Some("GPU 0: old driver"));
+    }
+    assert!(limiter.take().is_empty());
+}
+
+#[test]
+fn a_kubelet_allocation_waits_for_its_container_and_under_require_needs_cdi() {
+    let container = || AllocateRequest {
+        end: vec![],
+        containers: vec![ExactRequest {
+            ids: vec!["k8s-a".to_owned()],
+            units: vec![("GPU-0".to_owned(), GIB)],
+            exclusive: false,
+            labels: BTreeMap::new(),
+        }],
+    };
+    for (require, cdi, expect) in [
+        (false, true, Some(IsolationMode::Pending)),
+        (true, true, Some(IsolationMode::Pending)),
+        (false, false, Some(IsolationMode::Advisory)),
+        (true, false, None),
+    ] {
+        let limiter = Arc::new(Recorder::default());
+        let b = start(
+            Store::open_in_memory().unwrap(),
+            config(require, cdi),
+            &limiter,
+        );
+        let made = b.allocate(ROOT, container()).wait();
+        match expect {
+            Some(mode) => {
+                let made = made.unwrap();
+                assert_eq!(made[0].isolation.mode, mode, "require {require}, cdi {cdi}");
+            }
+            None => {
+                let e = made.unwrap_err();
+                assert!(matches!(e, BrokerError::IsolationUnavailable(_)), "{e}");
+                assert!(e.to_string().contains("[cdi] enabled"), "{e}");
+                assert_eq!(b.snapshot().active(), 0);
+            }
+        }
+    }
+}
