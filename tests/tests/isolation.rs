@@ -650,3 +650,64 @@ fn a_thousand_workloads_leave_no_limit_and_no_cgroup_behind() {
     }
     assert_eq!(limits_left(d), json!({}));
 }
+
+#[test]
+fn under_require_a_process_using_a_pending_lease_outside_a_container_is_ended() {
+    let Some(mount) = prerequisites() else { return };
+    // Root's processes are fair game here: the test runs as root.
+    let iso = Isolated::start(
+        &mount,
+        "unlimited",
+        "require = true\n[audit]\ninterval = \"200ms\"\nenforcement = \"terminate\"\n\
+         grace = \"1s\"\nterminate_root = true\n",
+        r615,
+    );
+    let d = &iso.d;
+    let lease = d.post(
+        "/v1/reservations",
+        r#"{"memory": "1GiB", "ttl_seconds": 600}"#,
+    );
+    assert_eq!(lease.status, 201, "{}", lease.text);
+    assert_eq!(lease.body["isolation"]["mode"], "pending");
+    let id = lease.body["id"].as_str().unwrap();
+    // Its environment, run on the host in a cgroup nobody attached: the driver limits
+    // nothing there.
+    let session = TestCgroup::new(&mount, "unlimited-session");
+    let mut user = Command::new("sleep")
+        .arg("600")
+        .env("GPUD_RESERVATION_ID", id)
+        .spawn()
+        .unwrap();
+    std::fs::write(
+        Path::new(&session.name()).join("cgroup.procs"),
+        user.id().to_string(),
+    )
+    .unwrap();
+    let mut fixture = d.read_fixture();
+    fixture["gpus"][0]["processes"] = json!([{"pid": user.id(), "used_memory_bytes": GIB}]);
+    d.write_fixture(&fixture);
+    let event = wait_for(PATIENCE, || {
+        d.get("/v1/events?kind=unlimited").body["events"]
+            .as_array()
+            .and_then(|e| e.first().cloned())
+    })
+    .expect("an unlimited finding");
+    assert_eq!(event["reservation_id"], json!(id));
+    let message = event["message"].as_str().unwrap();
+    let relative = session.name();
+    let relative = relative.strip_prefix(mount.to_str().unwrap()).unwrap();
+    assert!(
+        message.contains(&format!("(cgroup {relative})")),
+        "{message}"
+    );
+    assert!(message.contains("pending"), "{message}");
+    assert!(
+        event["action"].as_str().unwrap().contains("sigterm"),
+        "{event}"
+    );
+    let status = wait_for(PATIENCE, || user.try_wait().unwrap()).expect("SIGTERM ends it");
+    assert_eq!(
+        std::os::unix::process::ExitStatusExt::signal(&status),
+        Some(15)
+    );
+}
