@@ -80,13 +80,16 @@ environment and this command as its createContainer hook. `docker run --device
 gpud.io/reservation=ID` (podman, containerd and CRI-O alike, and pods through gpud's kubelet
 plugin) then runs it once the container and its cgroup exist, before the container's first
 instruction, with the container's OCI state (JSON) on stdin. It asks gpud to put
-reservation ID's memory limits on the cgroup of the state's pid.
+reservation ID's memory limits on the container's own cgroup, which gpud finds from the
+state's pid read in the hook's PID namespace (`1` under runc).
 
 Exit status:
-  0    gpud attached the container (one line on stderr if its limits are only advisory)
+  0    gpud attached the container (one line on stderr if its limits are only advisory:
+       an old driver, MIG, no cgroup v2)
   non-zero, with one line on stderr: anything else, and the runtime does not start the
-       container (gpud refuses with isolation_unavailable under [isolation] require when
-       the driver cannot enforce the limits)";
+       container. gpud refuses (isolation_unavailable) a container whose own cgroup it
+       cannot find or limit where the driver could enforce the limits, and under
+       [isolation] require any container it cannot limit";
 
 /// gpuctl: reserve GPU memory or whole GPUs from gpud, the node's GPU broker.
 #[derive(Debug, Parser)]

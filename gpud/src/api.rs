@@ -26,16 +26,9 @@ use crate::model::{
 };
 use crate::probe::link_cell;
 
-/// Longest reservation id accepted in a path or request.
-const MAX_ID_LEN: usize = 128;
-/// Most GPUs one request may name (`devices`).
-const MAX_DEVICES: u32 = 1024;
-/// Most labels on one reservation, and their sizes: each, and all together, so that what
-/// one reservation stores (and every listing returns) stays small.
-const MAX_LABELS: usize = 32;
-const MAX_LABEL_KEY: usize = 128;
-const MAX_LABEL_VALUE: usize = 1024;
-const MAX_LABELS_BYTES: usize = 4096;
+use gpud_schema::limits::{
+    MAX_DEVICES, MAX_ID_LEN, MAX_LABEL_KEY, MAX_LABEL_VALUE, MAX_LABELS, MAX_LABELS_BYTES,
+};
 
 /// What every request handler shares.
 #[derive(Debug)]

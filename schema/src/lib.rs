@@ -74,6 +74,23 @@ pub enum PolicyName {
     Spread,
 }
 
+/// The sizes gpud accepts in a request, which the OpenAPI document states too.
+pub mod limits {
+    /// Longest reservation id accepted in a path or request.
+    pub const MAX_ID_LEN: usize = 128;
+    /// Most GPUs one request may name (`devices`).
+    pub const MAX_DEVICES: u32 = 1024;
+    /// Most labels on one reservation, and their sizes in bytes: each, and all together,
+    /// so that what one reservation stores (and every listing returns) stays small.
+    pub const MAX_LABELS: usize = 32;
+    /// Longest label key, in bytes.
+    pub const MAX_LABEL_KEY: usize = 128;
+    /// Longest label value, in bytes.
+    pub const MAX_LABEL_VALUE: usize = 1024;
+    /// Keys and values together, in bytes.
+    pub const MAX_LABELS_BYTES: usize = 4096;
+}
+
 /// `POST /v1/reservations` body.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]

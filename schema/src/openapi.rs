@@ -10,7 +10,7 @@ use serde_json::{Value, json};
 
 use crate::{
     AttachCgroupRequest, ErrorBody, EventList, GpuList, GpuProcessList, Health, RenewRequest,
-    Reservation, ReservationList, ReservationRequest, WaiterList,
+    Reservation, ReservationList, ReservationRequest, WaiterList, limits,
 };
 
 /// Builds the whole document.
@@ -209,7 +209,7 @@ pub fn document() -> Value {
 /// A reservation id, as gpud checks it: letters, digits, `-`, `_` and `.`, at most 128, and
 /// neither `.` nor `..`.
 fn id_schema() -> Value {
-    json!({"type": "string", "minLength": 1, "maxLength": 128,
+    json!({"type": "string", "minLength": 1, "maxLength": limits::MAX_ID_LEN,
            "pattern": "^(?!\\.\\.?$)[A-Za-z0-9._-]+$"})
 }
 
@@ -223,15 +223,54 @@ fn label_schema() -> Value {
 const SINCE_PATTERN: &str =
     "^([0-9]+|[0-9]{4}-[0-9]{2}-[0-9]{2}[Tt ][0-9]{2}(:|%3[Aa])[0-9]{2}(:|%3[Aa])[0-9]{2}.*)$";
 
-/// The rules of the request bodies that their types cannot say: which fields go together.
-/// A client generated from the document then cannot send a body gpud refuses for them.
+/// A memory size as `parse_memory` reads it: a decimal (at most 18 places) and a binary
+/// unit (`B`, `K`, `KB`, `KiB`, … `PiB`, any case, or none), or a percentage. What the
+/// pattern lets through may still be refused for its value (0, over 100 %, too large).
+const SIZE_PATTERN: &str =
+    "^\\s*([0-9]+(\\.[0-9]{0,18})?|\\.[0-9]{1,18})\\s*(%|[Bb]|[KkMmGgTtPp]([Ii]?[Bb])?)?\\s*$";
+
+/// The rules of the request bodies that their types cannot say: which fields go together,
+/// and the form of their strings. A client generated from the document then cannot send a
+/// body gpud refuses for them.
 fn add_rules_serde_cannot_say(components: &mut serde_json::Map<String, Value>) {
-    // Memory per GPU, or whole GPUs: one of the two.
     if let Some(request) = components.get_mut("ReservationRequest") {
-        request["oneOf"] = json!([
-            {"required": ["memory"]},
-            {"required": ["exclusive"], "properties": {"exclusive": {"enum": [true]}}}
+        request["allOf"] = json!([
+            // Memory per GPU, or whole GPUs: one of the two.
+            {"oneOf": [
+                {"required": ["memory"]},
+                {"required": ["exclusive"], "properties": {"exclusive": {"enum": [true]}}}
+            ]},
+            // A lifetime: a holder process, a holder cgroup, a lease, or a chosen id (held
+            // until released).
+            {"anyOf": [
+                {"required": ["holder_pid"]},
+                {"required": ["holder_cgroup"]},
+                {"required": ["ttl_seconds"]},
+                {"required": ["id"]}
+            ]},
+            // A cgroup of its own is made for the holder process.
+            {"anyOf": [
+                {"not": {"required": ["own_cgroup"]}},
+                {"properties": {"own_cgroup": {"enum": [false]}}},
+                {"required": ["holder_pid"]}
+            ]},
+            // A holder cgroup is the holder: no process beside it.
+            {"not": {"required": ["holder_cgroup", "holder_pid"]}}
         ]);
+        let id = &mut request["properties"]["id"];
+        for (key, value) in id_schema().as_object().into_iter().flatten() {
+            id[key] = value.clone();
+        }
+        // Sizes in bytes, which a schema counts in characters: the same for ASCII.
+        let labels = &mut request["properties"]["labels"];
+        labels["maxProperties"] = json!(limits::MAX_LABELS);
+        labels["additionalProperties"]["maxLength"] = json!(limits::MAX_LABEL_VALUE);
+        request["properties"]["devices"]["maxItems"] = json!(limits::MAX_DEVICES);
+        request["properties"]["devices"]["uniqueItems"] = json!(true);
+    }
+    if let Some(size) = components.get_mut("MemorySpec") {
+        size["anyOf"][0]["minimum"] = json!(1);
+        size["anyOf"][1]["pattern"] = json!(SIZE_PATTERN);
     }
     // The cgroup, a process in it, or a container's first process: one of the three.
     if let Some(attach) = components.get_mut("AttachCgroupRequest") {

@@ -26,7 +26,61 @@ use crate::Reply;
 
 /// The 400s a request the document accepts may get, by a phrase of gpud's message: each
 /// a rule no OpenAPI 3.0 schema can state, and why.
-pub const UNSTATABLE: &[(&str, &str)] = &[];
+pub const UNSTATABLE: &[(&str, &str)] = &[
+    // What exists on this machine now.
+    (
+        "does not exist",
+        "a process named in the request is not running",
+    ),
+    (
+        "is not a GPU of this machine",
+        "the GPUs are the machine's, not the API's",
+    ),
+    ("is not a cgroup", "a cgroup path that does not exist"),
+    (
+        "cannot read the cgroup of process",
+        "a process that is not running",
+    ),
+    (
+        "is named twice",
+        "an index and a UUID can name the same GPU",
+    ),
+    (
+        "named in devices",
+        "gpus against the length of devices: a schema cannot compare two fields",
+    ),
+    (
+        "no lease to renew",
+        "whether a reservation has a lease is its state",
+    ),
+    // A size's value rather than its form (the form is SIZE_PATTERN's).
+    (
+        "must be more than 0%",
+        "a range on the number inside a string",
+    ),
+    (
+        "must be at most 100%",
+        "a range on the number inside a string",
+    ),
+    (
+        "too large",
+        "a size beyond 2^64 bytes: arithmetic, not form",
+    ),
+    ("must be whole", "a fraction of a byte: the unit decides"),
+    // JSON Schema in OpenAPI 3.0 has no propertyNames, and counts characters, not bytes.
+    (
+        "keys are 1-",
+        "a label key's length and characters; a value's bytes",
+    ),
+    (
+        "in all (keys and values)",
+        "the labels' total size in bytes",
+    ),
+    (
+        "not valid percent-encoded UTF-8",
+        "UTF-8 under percent-encoding",
+    ),
+];
 
 /// The document, with its schemas made plain JSON Schema (see [`to_json_schema`]).
 struct Spec {
@@ -163,6 +217,18 @@ fn request_errors(spec: &Spec, op_pointer: &str, query: &str, body: &str) -> Vec
     let op = spec.doc.pointer(op_pointer).expect("operation");
     let params = op["parameters"].as_array().cloned().unwrap_or_default();
     let mut errors = Vec::new();
+    for required in params
+        .iter()
+        .filter(|p| p["in"] == "query" && p["required"] == true)
+    {
+        let name = required["name"].as_str().unwrap_or_default();
+        let given = query
+            .split('&')
+            .any(|pair| pair.split_once('=').map_or(pair, |(n, _)| n) == name);
+        if !given {
+            errors.push(format!("query parameter {name} is required"));
+        }
+    }
     for pair in query.split('&').filter(|p| !p.is_empty()) {
         let (name, raw) = pair.split_once('=').unwrap_or((pair, ""));
         let Some(i) = params
@@ -371,18 +437,40 @@ mod tests {
         assert!(refused(attach, "", "{}"));
         assert!(refused(attach, "", r#"{"cgroup": "/a", "pid": 4}"#));
         assert!(!refused(attach, "", r#"{"container_pid": 1}"#));
-        assert!(refused(reserve, "", r#"{"gpus": 1}"#));
+        assert!(refused(reserve, "", r#"{"gpus": 1, "ttl_seconds": 60}"#));
+        assert!(refused(reserve, "", r#"{"memory": "1G"}"#));
         assert!(refused(
             reserve,
             "",
-            r#"{"memory": "1G", "exclusive": true}"#
+            r#"{"memory": "1G", "own_cgroup": true, "ttl_seconds": 9}"#
         ));
-        assert!(refused(reserve, "", r#"{"exclusive": false}"#));
-        assert!(!refused(reserve, "", r#"{"exclusive": true}"#));
+        assert!(refused(
+            reserve,
+            "",
+            r#"{"memory": "1G", "holder_pid": 9, "holder_cgroup": "/a"}"#
+        ));
+        assert!(refused(
+            reserve,
+            "",
+            r#"{"memory": "1G", "ttl_seconds": 9, "devices": ["0", "0"]}"#
+        ));
         assert!(!refused(
             reserve,
             "",
-            r#"{"memory": "1G", "exclusive": false}"#
+            r#"{"memory": "1G", "own_cgroup": true, "holder_pid": 9}"#
+        ));
+        let with_lease = |body: &str| format!("{},\"ttl_seconds\":9}}", &body[..body.len() - 1]);
+        assert!(refused(
+            reserve,
+            "",
+            &with_lease(r#"{"memory": "1G", "exclusive": true}"#)
+        ));
+        assert!(refused(reserve, "", &with_lease(r#"{"exclusive": false}"#)));
+        assert!(!refused(reserve, "", &with_lease(r#"{"exclusive": true}"#)));
+        assert!(!refused(
+            reserve,
+            "",
+            &with_lease(r#"{"memory": "1G", "exclusive": false}"#)
         ));
         assert!(refused(events, "since=", ""));
         assert!(refused(events, "since=yesterday", ""));
@@ -392,6 +480,28 @@ mod tests {
         assert!(refused(events, "reservation=a%2Fb", ""));
         assert!(!refused(events, "reservation=k8s-pod.a_1", ""));
         assert!(refused(list, "label=", ""));
+        assert!(refused("/paths/~1v1~1reservations/delete", "", ""));
+        assert!(refused(
+            reserve,
+            "",
+            r#"{"memory": "1e99GiB", "ttl_seconds": 9}"#
+        ));
+        assert!(refused(reserve, "", r#"{"memory": 0, "ttl_seconds": 9}"#));
+        assert!(refused(reserve, "", r#"{"memory": "4G", "id": "a/b"}"#));
+        for size in [
+            "4GiB",
+            "4G",
+            " 1.5 gib ",
+            "512MiB",
+            "1048576",
+            "25%",
+            "12.5 %",
+            "3kb",
+            "7P",
+        ] {
+            let body = json!({"memory": size, "ttl_seconds": 9}).to_string();
+            assert!(!refused(reserve, "", &body), "{size}");
+        }
         assert!(refused(list, "label=job", ""));
         assert!(refused(list, "label=job%3", ""));
         assert!(!refused(list, "label=job%3Dasr", ""));

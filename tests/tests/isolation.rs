@@ -266,7 +266,7 @@ fn a_container_s_cgroup_is_attached_to_a_lease_and_takes_its_limit() {
         r#"{"memory": "2GiB", "ttl_seconds": 600}"#,
     );
     assert_eq!(lease.status, 201, "{}", lease.text);
-    assert_eq!(lease.body["isolation"]["mode"], "advisory");
+    assert_eq!(lease.body["isolation"]["mode"], "pending");
     let id = lease.body["id"].as_str().unwrap();
     let container = TestCgroup::new(&mount, "container");
     let pid = container.sleeper.as_ref().unwrap().id();
@@ -304,7 +304,7 @@ fn a_container_s_cgroup_is_attached_to_a_lease_and_takes_its_limit() {
 }
 
 #[test]
-fn a_process_in_the_root_cgroup_leaves_its_reservation_advisory() {
+fn a_process_in_the_root_cgroup_cannot_take_a_limit_the_driver_could_enforce() {
     let Some(mount) = prerequisites() else { return };
     let iso = Isolated::start(&mount, "rootcg", "", r615);
     let d = &iso.d;
@@ -319,10 +319,13 @@ fn a_process_in_the_root_cgroup_leaves_its_reservation_advisory() {
         &format!("/v1/reservations/{id}/cgroup"),
         &json!({"pid": sleeper.id()}).to_string(),
     );
-    assert_eq!(r.status, 200, "{}", r.text);
-    assert_eq!(r.body["isolation"]["mode"], "advisory");
-    let reason = r.body["isolation"]["reason"].as_str().unwrap();
-    assert!(reason.contains("root cgroup"), "{reason}");
+    // Refused, not made advisory: nothing would hold that process to the reservation.
+    assert_eq!(r.status, 422, "{}", r.text);
+    assert_eq!(r.body["error"]["code"], "isolation_unavailable");
+    let message = r.body["error"]["message"].as_str().unwrap();
+    assert!(message.contains("root cgroup"), "{message}");
+    let kept = d.get(&format!("/v1/reservations/{id}"));
+    assert_eq!(kept.body["isolation"]["mode"], "pending", "{}", kept.text);
     sleeper.kill().unwrap();
     sleeper.wait().unwrap();
 }
@@ -362,8 +365,9 @@ fn a_cdi_device_runs_gpud_s_hook_which_puts_the_limit_on_the_container_s_cgroup(
     let hook = &spec["devices"][0]["containerEdits"]["hooks"][0];
     assert_eq!(hook["hookName"], "createContainer");
 
-    // The runtime runs the hook with the container's state on stdin, its first process
-    // already in the container's cgroup.
+    // A runtime that runs hooks beside the container, not inside it, hands the hook the
+    // host's pid of the container's first process, already in the container's cgroup: a
+    // case runc and crun (tests/tests/containers.rs) cannot produce.
     let container = TestCgroup::new(&mount, "cdi-container");
     let state = json!({"ociVersion": "1.2.0", "id": "c1", "status": "creating",
         "pid": container.sleeper.as_ref().unwrap().id(), "bundle": "/tmp/c1"});
