@@ -1,13 +1,19 @@
 //! What gpud's CDI device adds to a container's start.
 //!
-//! Times `podman --runtime runc run --rm … busybox true` from spawn to exit, with and
-//! without `--device gpud.io/reservation=<id>`, against one gpud on the fake NVML
-//! (`t4-pair`, its driver made R615, `[cdi] enabled`). With the device, the runtime reads the
-//! reservation's CDI spec, adds its environment, and runs gpud's `createContainer` hook,
-//! which has gpud find the container's cgroup and set its limits before the container's
-//! first instruction. The lease is made before and released after each timed start, outside
-//! the timing. The two alternate, each going first in every other pair, so that the
-//! machine's noise falls on both.
+//! Times `podman --runtime runc run --rm … busybox true` from spawn to exit in three ways,
+//! against one gpud on the fake NVML (`t4-pair`, its driver made R615, `[cdi] enabled`):
+//! - gpud: `--device gpud.io/reservation=<id>`. The runtime reads the reservation's CDI
+//!   spec, adds its environment, and runs gpud's `createContainer` hook, which has gpud find
+//!   the container's cgroup and set its limits before the container's first instruction;
+//!   when the container ends gpud resets them. The lease is made before and released after
+//!   each timed start, outside the timing;
+//! - a CDI device of the same shape (an environment variable and a `createContainer` hook)
+//!   whose hook is `/bin/true`: what any CDI device with a hook costs the runtime, so that
+//!   gpud's own part is the difference from it;
+//! - no device.
+//!
+//! The three rotate which goes first in each round, so that the machine's noise falls on
+//! all of them.
 //!
 //! At the end it checks that every reservation was attached (driver mode) and detached
 //! again, and that no limit is left in the driver.
@@ -32,6 +38,10 @@ use gpud_tests::{Daemon, PATIENCE, bench_command, is_root, wait_for};
 
 /// Pairs run before measuring (the image's layers, the runtime's caches).
 const WARMUP: usize = 3;
+
+/// The CDI kind of the do-nothing device, and its spec file.
+const BASELINE_KIND: &str = "bench.gpud.io/baseline";
+const BASELINE_SPEC: &str = "/var/run/cdi/gpud-bench-baseline.json";
 
 /// One `podman run --rm … true`, with `flags`: its wall time.
 fn start(flags: &[&str]) -> Duration {
@@ -102,50 +112,82 @@ fn main() -> ExitCode {
         .and_then(|v| v.parse().ok())
         .unwrap_or(40);
     make_image(None);
+    let baseline = json!({
+        "cdiVersion": "0.5.0",
+        "kind": BASELINE_KIND,
+        "devices": [{"name": "hook", "containerEdits": {
+            "env": ["GPUD_BENCH=1"],
+            "hooks": [{"hookName": "createContainer", "path": "/bin/true", "args": ["true"]}]
+        }}]
+    });
+    std::fs::create_dir_all(SPEC_DIR).unwrap();
+    std::fs::write(BASELINE_SPEC, baseline.to_string()).unwrap();
+    let trivial = format!("{BASELINE_KIND}=hook");
     let config = format!(
         "\n[cdi]\nenabled = true\nspec_dir = {SPEC_DIR:?}\nhook = {:?}\n[audit]\ninterval = \"2s\"\n",
         gpud_tests::gpuctl_bin().display().to_string()
     );
     let iso = Isolated::start(&mount, "bench-ctr", &config, r615);
     let d = &iso.d;
+    let run = |way: usize| match way {
+        0 => start_with_device(d),
+        1 => start(&["--device", &trivial]),
+        _ => start(&[]),
+    };
     for _ in 0..WARMUP {
-        start(&[]);
-        start_with_device(d);
+        for way in 0..3 {
+            let _ = run(way);
+        }
     }
-    let (mut with, mut without, mut paired) = (Vec::new(), Vec::new(), Vec::new());
+    let mut samples: [Vec<Duration>; 3] = Default::default();
+    let mut paired: [Vec<f64>; 2] = Default::default();
     for i in 0..iterations {
-        let (w, o) = if i % 2 == 0 {
-            let w = start_with_device(d);
-            (w, start(&[]))
-        } else {
-            let o = start(&[]);
-            (start_with_device(d), o)
-        };
-        with.push(w);
-        without.push(o);
-        paired.push(ms(w) - ms(o));
+        let mut round = [Duration::ZERO; 3];
+        for k in 0..3 {
+            let way = (i + k) % 3;
+            round[way] = run(way);
+        }
+        for (way, took) in round.iter().enumerate() {
+            samples[way].push(*took);
+        }
+        paired[0].push(ms(round[0]) - ms(round[2]));
+        paired[1].push(ms(round[0]) - ms(round[1]));
     }
-    with.sort();
-    without.sort();
-    paired.sort_by(f64::total_cmp);
-    println!("podman --runtime runc run --rm {IMAGE} true, {iterations} pairs:");
-    println!(
-        "  with --device gpud.io/reservation=…   median {:8.2} ms  p90 {:8.2} ms",
-        ms(percentile(&with, 50)),
-        ms(percentile(&with, 90))
-    );
-    println!(
-        "  without                               median {:8.2} ms  p90 {:8.2} ms",
-        ms(percentile(&without, 50)),
-        ms(percentile(&without, 90))
-    );
-    println!(
-        "  with − without: medians {:+.2} ms, ratio {:.3}; median of the paired differences \
-         {:+.2} ms",
-        ms(percentile(&with, 50)) - ms(percentile(&without, 50)),
-        percentile(&with, 50).as_secs_f64() / percentile(&without, 50).as_secs_f64(),
-        percentile(&paired, 50)
-    );
+    let _ = std::fs::remove_file(BASELINE_SPEC);
+    for s in &mut samples {
+        s.sort();
+    }
+    for p in &mut paired {
+        p.sort_by(f64::total_cmp);
+    }
+    let median = |way: usize| percentile(&samples[way], 50);
+    println!("podman --runtime runc run --rm {IMAGE} true, {iterations} rounds:");
+    for (way, name) in [
+        "--device gpud.io/reservation=…",
+        "a CDI device whose hook is /bin/true",
+        "no device",
+    ]
+    .iter()
+    .enumerate()
+    {
+        println!(
+            "  {name:<38} median {:8.2} ms  p90 {:8.2} ms",
+            ms(median(way)),
+            ms(percentile(&samples[way], 90))
+        );
+    }
+    for (p, (other, name)) in [(2, "no device"), (1, "the do-nothing CDI hook")]
+        .iter()
+        .enumerate()
+    {
+        println!(
+            "  gpud − {name}: medians {:+.2} ms, ratio {:.3}; median of the paired \
+             differences {:+.2} ms",
+            ms(median(0)) - ms(median(*other)),
+            median(0).as_secs_f64() / median(*other).as_secs_f64(),
+            percentile(&paired[p], 50)
+        );
+    }
     let listed = d.get("/v1/reservations?state=released&limit=10000");
     let released = listed.body["reservations"].as_array().unwrap().len();
     assert_eq!(released, iterations + WARMUP, "every lease was released");
