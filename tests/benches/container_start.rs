@@ -41,7 +41,8 @@ const WARMUP: usize = 3;
 
 /// The CDI kind of the do-nothing device, and its spec file.
 const BASELINE_KIND: &str = "bench.gpud.io/baseline";
-const BASELINE_SPEC: &str = "/var/run/cdi/gpud-bench-baseline.json";
+// Not `gpud-*.json`: gpud removes those of reservations it does not know at start.
+const BASELINE_SPEC: &str = "/var/run/cdi/bench-baseline.json";
 
 /// One `podman run --rm … true`, with `flags`: its wall time.
 fn start(flags: &[&str]) -> Duration {
