@@ -5,7 +5,8 @@
 //! Modules: `cli` (flags), `client` (HTTP over the Unix socket), `reserve` (the reserve
 //! command, exec and eval forms), `cdi` (the CDI hook), `commands` (the others), `output`
 //! (tables and `export` lines), `manual` (man pages and completion scripts), `error`
-//! (messages and exit codes), `users` (user names, without NSS in gpuctl's process).
+//! (messages and exit codes), `users` (user names, without NSS in gpuctl's process),
+//! `slurm` (Slurm's node hooks: prolog, task prolog, epilog, health check).
 //! gpuctl depends on the schema crate for every wire type and never on rusqlite or
 //! nvml-wrapper.
 

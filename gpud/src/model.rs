@@ -40,7 +40,7 @@ impl PcieLevel {
         PcieLevel::System,
     ];
 
-    /// The pair score DESIGN.md assigns to this PCIe distance.
+    /// The pair score docs/placement.md assigns to this PCIe distance.
     pub fn score(self) -> u32 {
         match self {
             PcieLevel::Board => 60,
@@ -80,7 +80,7 @@ pub struct Link {
 }
 
 impl Link {
-    /// Score bonus for each NVLink between a pair, per DESIGN.md.
+    /// Score bonus for each NVLink between a pair, per docs/placement.md.
     pub const NVLINK_SCORE: u32 = 100;
 
     /// The pair score used by placement: PCIe score plus 100 per NVLink.

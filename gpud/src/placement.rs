@@ -1,8 +1,8 @@
 //! Pure choice of units (GPUs or MIG instances) for a request: no I/O, no async, no clock.
 //!
 //! Depends on `model` only (and `gpud_schema`'s `format_bytes` and `format_basis_points` to
-//! word its messages). See DESIGN.md "Placement" for the rules this implements; this page
-//! records how, and the decisions DESIGN.md leaves open.
+//! word its messages). docs/placement.md states the rules this implements; this page
+//! records how, and the decisions the rules leave open.
 //!
 //! # Feasibility (rule 1)
 //!

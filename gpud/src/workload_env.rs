@@ -1,4 +1,4 @@
-//! The environment a workload receives with its reservation (DESIGN.md "What the workload
+//! The environment a workload receives with its reservation (README.md, "What a workload
 //! receives").
 //!
 //! Depends on `model` and `config`. GPUs are named by UUID, never by index: CUDA orders

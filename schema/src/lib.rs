@@ -4,6 +4,8 @@
 //! OpenAPI document `schema/openapi.json` is generated from these types by [`openapi`] and a
 //! test fails when the checked-in file differs. SQL migrations live in `schema/migrations/`.
 
+#![warn(missing_docs)]
+
 use std::collections::BTreeMap;
 
 use schemars::JsonSchema;

@@ -21,6 +21,9 @@
 //! | `ledger.rs` | the rules, with `now` a parameter: placement, quotas, permission, leases |
 //! | `queue.rs` | the wait queue: order, backfill, the starvation guard, give-up times |
 //! | `exact.rs` | the kubelet's exact requests: named units, a pod's containers all or nothing |
+//! | `isolation.rs` | which (cgroup, GPU) pairs driver-mode reservations limit; attaching and detaching a container's cgroup; what the driver refused |
+//! | `ledger/plan.rs` | the first waiter's planned start, from the leases' ends |
+//! | `sim.rs` | the queue simulator the queue benchmark drives (docs/queue.md) |
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, mpsc};
