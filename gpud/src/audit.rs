@@ -1437,17 +1437,9 @@ mod tests {
     /// Reserves `gib` on one GPU, held by this test process (a real, live pid).
     fn reserve(b: &Broker, memory: MemoryAsk) -> (String, Vec<String>) {
         let request = ReserveRequest {
-            gpus: 1,
-            memory,
-            policy: None,
-            wait: None,
             ttl_seconds: None,
             holder_pid: Some(std::process::id()),
-            labels: BTreeMap::new(),
-            id: None,
-            target: Default::default(),
-            owner_uid: None,
-            devices: Vec::new(),
+            ..ReserveRequest::lease(memory, 0)
         };
         let caller = Caller {
             uid: 0,
@@ -1506,19 +1498,7 @@ mod tests {
         // 10 GiB of each 16 GiB T4 is taken by processes nobody reserved: 7 GiB no longer fits.
         let snap = b.snapshot();
         assert_eq!(snap.loads[0].unaccounted_bytes, 10 * GIB);
-        let request = ReserveRequest {
-            gpus: 1,
-            memory: MemoryAsk::Bytes(7 * GIB),
-            policy: None,
-            wait: None,
-            ttl_seconds: Some(60),
-            holder_pid: None,
-            labels: BTreeMap::new(),
-            id: None,
-            target: Default::default(),
-            owner_uid: None,
-            devices: Vec::new(),
-        };
+        let request = ReserveRequest::lease(MemoryAsk::Bytes(7 * GIB), 60);
         let e = b
             .reserve(
                 Caller {

@@ -89,6 +89,26 @@ pub struct ReserveRequest {
     pub devices: Vec<String>,
 }
 
+impl ReserveRequest {
+    /// `memory` on one unit as a lease of `ttl_seconds`, and nothing else asked: where tests
+    /// and the simulator start, changing what they need with struct update syntax.
+    pub fn lease(memory: MemoryAsk, ttl_seconds: u64) -> ReserveRequest {
+        ReserveRequest {
+            gpus: 1,
+            memory,
+            policy: None,
+            wait: None,
+            ttl_seconds: Some(ttl_seconds),
+            holder_pid: None,
+            labels: BTreeMap::new(),
+            id: None,
+            target: crate::isolation::Target::default(),
+            owner_uid: None,
+            devices: Vec::new(),
+        }
+    }
+}
+
 /// A request waiting for capacity, as [`Snapshot::waiters`] lists it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct WaitingRequest {

@@ -701,18 +701,12 @@ impl Sim {
         let id = format!("sim-{client}-{}", self.next_id);
         let request = ReserveRequest {
             gpus: ask.gpus,
-            memory: ask.memory,
-            policy: None,
             wait: Some(ask.wait),
             ttl_seconds: ask.lease,
-            holder_pid: None,
-            labels: BTreeMap::new(),
             // A chosen id is how a request without a lease is accepted (it is held until
             // released, as by a process), and how a served waiter is told apart.
             id: Some(id.clone()),
-            target: crate::isolation::Target::default(),
-            owner_uid: None,
-            devices: Vec::new(),
+            ..ReserveRequest::lease(ask.memory, 0)
         };
         let counted = t >= self.start;
         if counted {

@@ -38,19 +38,7 @@ const CAROL: Caller = Caller {
 
 /// A lease of `memory` on one GPU for `ttl` seconds.
 fn lease(memory: MemoryAsk, ttl: u64) -> ReserveRequest {
-    ReserveRequest {
-        gpus: 1,
-        memory,
-        policy: None,
-        wait: None,
-        ttl_seconds: Some(ttl),
-        holder_pid: None,
-        labels: BTreeMap::new(),
-        id: None,
-        target: Default::default(),
-        owner_uid: None,
-        devices: Vec::new(),
-    }
+    ReserveRequest::lease(memory, ttl)
 }
 
 fn gib(n: u64) -> MemoryAsk {

@@ -79,20 +79,11 @@ fn start(store: Store, config: Config, limiter: &Arc<Recorder>) -> Arc<Broker> {
 /// A lease of `gib` GiB whose limits go on `cgroup`.
 fn on(cgroup: &Path, gib: u64) -> ReserveRequest {
     ReserveRequest {
-        gpus: 1,
-        memory: MemoryAsk::Bytes(gib * GIB),
-        policy: None,
-        wait: None,
-        ttl_seconds: Some(600),
-        holder_pid: None,
-        labels: BTreeMap::new(),
-        id: None,
         target: Target {
             cgroup: Some(cgroup.display().to_string()),
             ..Target::default()
         },
-        owner_uid: None,
-        devices: Vec::new(),
+        ..ReserveRequest::lease(MemoryAsk::Bytes(gib * GIB), 600)
     }
 }
 

@@ -152,19 +152,7 @@ fn allocate(b: &TestBroker, resource: Resource, devices: &[String], now: u64) ->
 
 /// A bare-metal reservation through the ordinary path (a lease).
 fn bare_metal(b: &Broker, memory: MemoryAsk) -> Reservation {
-    let request = ReserveRequest {
-        gpus: 1,
-        memory,
-        policy: None,
-        wait: None,
-        ttl_seconds: Some(600),
-        holder_pid: None,
-        labels: BTreeMap::new(),
-        id: None,
-        target: Default::default(),
-        owner_uid: None,
-        devices: Vec::new(),
-    };
+    let request = ReserveRequest::lease(memory, 600);
     match b.reserve(ROOT, request, None).wait().unwrap() {
         ReserveOutcome::Reserved(r) => r,
         other => panic!("not reserved: {other:?}"),
