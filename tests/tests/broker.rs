@@ -346,16 +346,27 @@ fn reservations_survive_kill9_and_restart() {
     assert_eq!(d.reserved_per_gpu(), before);
 }
 
+/// Waits until `by` has passed since `at` (an RFC 3339 time gpud gave) on this machine's
+/// clock, which gpud shares: a condition gpud's rules test, waited for as such.
+fn past(at: &Value, by: Duration) {
+    let at = humantime::parse_rfc3339(at.as_str().expect("an RFC 3339 time")).unwrap();
+    // gpud writes milliseconds: one more covers its rounding.
+    let due = at + by + Duration::from_millis(1);
+    wait_for(PATIENCE, || {
+        (std::time::SystemTime::now() > due).then_some(())
+    })
+    .expect("the machine's clock moves on");
+}
+
 #[test]
 fn history_older_than_keep_is_deleted_and_active_reservations_stay() {
     let mut d = Daemon::start("t4-pair", "[history]\nkeep = \"1s\"\n");
     let kept = reserve(&d, json!({"memory": "2GiB", "ttl_seconds": 600}));
     let ended = reserve(&d, json!({"memory": "1GiB", "ttl_seconds": 600}));
-    assert_eq!(
-        d.delete(&format!("/v1/reservations/{}", id(&ended))).status,
-        200
-    );
-    std::thread::sleep(Duration::from_millis(1200));
+    let released = d.delete(&format!("/v1/reservations/{}", id(&ended)));
+    assert_eq!(released.status, 200);
+    // Wait until it ended longer ago than the history keeps.
+    past(&released.body["ended_at"], Duration::from_secs(1));
     // The history is pruned at start (then hourly).
     d.stop();
     d.spawn();
@@ -652,7 +663,13 @@ fn the_starvation_guard_stops_backfill() {
         &d,
         json!({"gpus": 2, "exclusive": true, "ttl_seconds": 60, "wait_seconds": 20}),
     );
-    std::thread::sleep(Duration::from_millis(400));
+    // Wait until the first waiter has waited longer than starvation_after.
+    let since = wait_for(PATIENCE, || {
+        let w = d.get("/v1/waiters").body["waiters"][0]["waiting_since"].clone();
+        (!w.is_null()).then_some(w)
+    })
+    .expect("the request queued");
+    past(&since, Duration::from_millis(200));
     let small = reserve(&d, json!({"memory": "1GiB", "ttl_seconds": 60}));
     assert_eq!(
         small.status, 409,

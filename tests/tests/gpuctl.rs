@@ -708,20 +708,25 @@ fn a_bare_wait_waits_as_long_as_this_gpud_allows() {
 fn a_wait_goes_on_across_a_restart_of_gpud() {
     let mut d = Daemon::start("t4-pair", "");
     let [first, _] = fill_t4(&d);
-    let child = queue_a_command(&d);
-    // systemctl restart: gpud answers the waiter `shutting_down`, and is gone for a moment.
+    let mut child = queue_a_command(&d);
+    let (seen, reader) = follow_stderr(&mut child);
+    // systemctl restart: gpud answers the waiter `shutting_down`, and stays gone until
+    // gpuctl has said it waits for gpud to come back.
     assert!(d.stop().success());
-    std::thread::sleep(Duration::from_millis(500));
+    loop {
+        let line = seen
+            .recv_timeout(PATIENCE)
+            .expect("gpuctl says gpud is restarting");
+        if line.contains("gpud is restarting") {
+            break;
+        }
+    }
     d.spawn();
     wait_for(PATIENCE, || (waiting(&d) == 1).then_some(()))
         .expect("queued again after the restart");
     expect(&d, &["release", &first], 0);
-    let out = ran_on_a_gpu(child);
-    assert!(
-        text(&out.stderr).contains("gpud is restarting"),
-        "{}",
-        text(&out.stderr)
-    );
+    ran_on_a_gpu(child);
+    assert!(reader.join().unwrap().contains("waiting up to"));
 }
 
 #[test]
@@ -793,6 +798,29 @@ fn queue_a_command(d: &Daemon) -> std::process::Child {
         .unwrap();
     wait_for(PATIENCE, || (waiting(d) == 1).then_some(())).expect("queued");
     child
+}
+
+/// `child`'s stderr, line by line as it comes (the receiver), and whole once it closes
+/// (the thread's result): for waiting on what a running gpuctl says instead of sleeping.
+fn follow_stderr(
+    child: &mut std::process::Child,
+) -> (
+    std::sync::mpsc::Receiver<String>,
+    std::thread::JoinHandle<String>,
+) {
+    let (lines, seen) = std::sync::mpsc::channel();
+    let stderr = child.stderr.take().unwrap();
+    let reader = std::thread::spawn(move || {
+        let mut all = String::new();
+        for line in std::io::BufRead::lines(std::io::BufReader::new(stderr)) {
+            let line = line.unwrap();
+            all.push_str(&line);
+            all.push('\n');
+            let _ = lines.send(line);
+        }
+        all
+    });
+    (seen, reader)
 }
 
 /// The output of [`queue_a_command`]'s gpuctl, which must have run its command on a GPU.
@@ -904,7 +932,7 @@ fn gpus_says_what_is_free_and_counts_each_reservation_once() {
 fn a_wait_without_a_terminal_says_where_it_stands_and_why_in_lines() {
     let d = Daemon::start("t4-pair", "");
     let [first, _] = fill_t4(&d);
-    let child = d
+    let mut child = d
         .gpuctl()
         .args([
             "reserve",
@@ -923,20 +951,23 @@ fn a_wait_without_a_terminal_says_where_it_stands_and_why_in_lines() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    wait_for(PATIENCE, || (waiting(&d) == 1).then_some(())).expect("queued");
-    // Long enough for the first line and at least one more.
-    std::thread::sleep(Duration::from_millis(2_500));
+    let is_status = |l: &str| {
+        l.starts_with("gpuctl: waiting for 4 GiB on 1 GPU; 1st of 1 waiting, expected in ~")
+            && l.contains("; 0:0")
+    };
+    // Its lines as they come, until two status lines have: then the GPU frees.
+    let (seen, reader) = follow_stderr(&mut child);
+    let mut statuses = 0;
+    while statuses < 2 {
+        let line = seen
+            .recv_timeout(PATIENCE)
+            .expect("gpuctl says where it stands, every second");
+        statuses += usize::from(is_status(&line));
+    }
     expect(&d, &["release", &first], 0);
-    let out = child.wait_with_output().unwrap();
-    assert_eq!(out.status.code(), Some(0));
-    let err = text(&out.stderr);
-    let waiting_lines: Vec<&str> = err
-        .lines()
-        .filter(|l| {
-            l.starts_with("gpuctl: waiting for 4 GiB on 1 GPU; 1st of 1 waiting, expected in ~")
-                && l.contains("; 0:0")
-        })
-        .collect();
+    assert_eq!(child.wait().unwrap().code(), Some(0));
+    let err = reader.join().unwrap();
+    let waiting_lines: Vec<&str> = err.lines().filter(|l| is_status(l)).collect();
     assert!(waiting_lines.len() >= 2, "{err}");
     // When it expects to start (the fill's ten-minute leases end), and why then.
     assert!(
