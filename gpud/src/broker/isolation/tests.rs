@@ -87,6 +87,20 @@ fn on(cgroup: &Path, gib: u64) -> ReserveRequest {
     }
 }
 
+/// Reservation `id`'s isolation as the broker's snapshot has it.
+fn isolation_of(b: &Broker, id: &str) -> crate::model::ReservationIsolation {
+    b.snapshot()
+        .reservation(id)
+        .map(|r| r.isolation.clone())
+        .unwrap_or_else(|| panic!("{id} is not active"))
+}
+
+/// Every event recorded so far.
+fn recorded(b: &Broker) -> Vec<crate::model::Event> {
+    b.read_history(|s| s.events(&EventFilter::default()))
+        .unwrap()
+}
+
 fn reserve(b: &Broker, request: ReserveRequest) -> Result<Reservation, BrokerError> {
     match b.reserve(ROOT, request, None).wait()? {
         ReserveOutcome::Reserved(r) => Ok(r),
@@ -175,9 +189,7 @@ fn a_refused_limit_leaves_the_reservation_advisory_or_under_require_refuses_it()
         let b = start(Store::open_in_memory().unwrap(), config, &limiter);
         let answer = reserve(&b, on(dir.path(), 4));
         b.ping().wait().unwrap();
-        let events = b
-            .read_history(|s| s.events(&EventFilter::default()))
-            .unwrap();
+        let events = recorded(&b);
         assert_eq!(events.len(), 1, "{events:?}");
         assert_eq!(events[0].kind, EventKind::Isolation);
         if require {
@@ -197,7 +209,7 @@ fn a_refused_limit_leaves_the_reservation_advisory_or_under_require_refuses_it()
                     .contains("Insufficient Permissions")
             );
             // The ledger says so too, from the next group on.
-            let listed = b.snapshot().reservation(&r.id).unwrap().isolation.clone();
+            let listed = isolation_of(&b, &r.id);
             assert_eq!(listed.mode, IsolationMode::Advisory);
             assert_eq!(events[0].action, "advisory");
         }
@@ -286,12 +298,7 @@ fn a_lease_waits_for_its_container_is_limited_while_it_runs_and_waits_again_afte
             .unwrap_err();
         assert!(matches!(e, BrokerError::IsolationUnavailable(_)), "{e}");
         assert!(e.to_string().contains("no cgroup of its own"), "{e}");
-        let kept = b
-            .snapshot()
-            .reservation(&lease.id)
-            .unwrap()
-            .isolation
-            .clone();
+        let kept = isolation_of(&b, &lease.id);
         assert_eq!(kept.mode, IsolationMode::Pending);
 
         let attached = b
@@ -316,19 +323,12 @@ fn a_lease_waits_for_its_container_is_limited_while_it_runs_and_waits_again_afte
         // Its container ended: the limit is reset, the lease waits for the next one.
         b.detach(lease.id.clone(), cg.clone());
         b.ping().wait().unwrap();
-        let after = b
-            .snapshot()
-            .reservation(&lease.id)
-            .unwrap()
-            .isolation
-            .clone();
+        let after = isolation_of(&b, &lease.id);
         assert_eq!(after.mode, IsolationMode::Pending);
         assert_eq!(after.cgroup, None);
         assert!(after.reason.as_deref().unwrap().contains(&cg), "{after:?}");
         assert_eq!(limiter.take(), [(gpu, cg.clone(), 0, NO_LIMIT)]);
-        let events = b
-            .read_history(|s| s.events(&EventFilter::default()))
-            .unwrap();
+        let events = recorded(&b);
         assert_eq!(events.len(), 1, "{events:?}");
         assert_eq!(events[0].kind, EventKind::Isolation);
         assert_eq!(events[0].action, "detached");
@@ -354,16 +354,9 @@ fn a_lease_waits_for_its_container_is_limited_while_it_runs_and_waits_again_afte
             })
             .unwrap();
         b.ping().wait().unwrap();
-        let after = b
-            .snapshot()
-            .reservation(&lease.id)
-            .unwrap()
-            .isolation
-            .clone();
+        let after = isolation_of(&b, &lease.id);
         assert_eq!(after.mode, IsolationMode::Pending);
-        let events = b
-            .read_history(|s| s.events(&EventFilter::default()))
-            .unwrap();
+        let events = recorded(&b);
         let last = events.last().unwrap();
         assert_eq!(last.action, "detached, not reset", "{events:?}");
         assert!(
