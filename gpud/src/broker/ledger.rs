@@ -303,6 +303,37 @@ impl Ledger {
     }
 
     /// Takes what must happen now that the commands run so far are committed.
+    /// The units, in the order placement and [`Ledger::loads`] use.
+    pub fn units(&self) -> &[Unit] {
+        &self.units
+    }
+
+    /// What each unit holds now, in [`Ledger::units`]' order.
+    pub fn loads(&self) -> &[UnitLoad] {
+        &self.loads
+    }
+
+    /// How many reservations are active.
+    pub fn active_count(&self) -> usize {
+        self.active.len()
+    }
+
+    /// The configured default placement policy.
+    pub fn default_policy(&self) -> crate::model::Policy {
+        self.settings.config.placement.default_policy
+    }
+
+    /// The ids of the waiters served since the last call, for a driver of the ledger that
+    /// has no broker thread to tell them (the queue simulator). The other effects (limits,
+    /// watches, CDI specs) are dropped: such a driver has nothing to apply them to.
+    pub fn take_served(&mut self) -> Vec<String> {
+        self.take_effects()
+            .served
+            .into_iter()
+            .map(|s| s.reservation.id)
+            .collect()
+    }
+
     pub(super) fn take_effects(&mut self) -> Effects {
         std::mem::take(&mut self.effects)
     }

@@ -23,7 +23,6 @@
 //! | `exact.rs` | the kubelet's exact requests: named units, a pod's containers all or nothing |
 //! | `isolation.rs` | which (cgroup, GPU) pairs driver-mode reservations limit; attaching and detaching a container's cgroup; what the driver refused |
 //! | `ledger/plan.rs` | the first waiter's planned start, from the leases' ends |
-//! | `sim.rs` | the queue simulator the queue benchmark drives (docs/queue.md) |
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, mpsc};
@@ -48,11 +47,10 @@ mod executor;
 mod isolation;
 mod ledger;
 mod queue;
-pub mod sim;
 
 pub use command::{Command, Pending, WaitTicket};
 pub use exact::{AllocateRequest, ExactRequest};
-pub use ledger::{Ledger, MAX_TTL_SECONDS};
+pub use ledger::{Admitted, Ledger, MAX_TTL_SECONDS};
 
 /// A new random reservation id (the API chooses one for a request whose cgroup is named
 /// after it).

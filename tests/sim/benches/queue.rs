@@ -1,12 +1,12 @@
-//! The wait queue under load: the queue simulator (`gpud::broker::sim`, the real ledger in
+//! The wait queue under load: the queue simulator (`gpud_sim`, gpud's real ledger in
 //! virtual time) runs the default mix of issue #21 at 8, 24 and 96 clients, under both
 //! queue policies and the packing reference (the largest waiter that fits first, whatever
 //! its age: how full an order of serving alone keeps the node) in the same run, and prints
 //! one table per client count. docs/queue.md says how to read it.
 //!
 //! ```sh
-//! cargo bench -p gpud --bench queue
-//! GPUD_SIM_HOLDS=1000 GPUD_SIM_SEED=7 GPUD_SIM_CLIENTS=24 cargo bench -p gpud --bench queue
+//! cargo bench -p gpud-sim --bench queue
+//! GPUD_SIM_HOLDS=1000 GPUD_SIM_SEED=7 GPUD_SIM_CLIENTS=24 cargo bench -p gpud-sim --bench queue
 //! ```
 //!
 //! `GPUD_SIM_HOLDS`: measured virtual time, in median holds (default 500, after a warm-up of
@@ -23,8 +23,8 @@
 
 use std::time::{Duration, Instant};
 
-use gpud::broker::sim::{self, Class, ClassReport, Params, Report};
 use gpud::config::{QueuePolicy, WaitConfig};
+use gpud_sim::{self as sim, Class, ClassReport, Params, Report};
 
 fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
     match std::env::var(name) {

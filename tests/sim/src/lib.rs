@@ -1,11 +1,13 @@
-//! The queue simulator: the real [`Ledger`] (its wait queue, backfill, placement, leases and
-//! give-up times) driven in virtual time by simulated clients, so that queue policies are
-//! compared in seconds instead of hours. docs/queue.md says how to run it and read it.
+//! The queue simulator: gpud's real [`Ledger`] (its wait queue, backfill, placement, leases
+//! and give-up times) driven in virtual time by simulated clients, so that queue policies
+//! are compared in seconds instead of hours. docs/queue.md says how to run it and read it.
 //!
-//! Depends on the ledger's rules (the code under test, called as the broker thread calls
-//! it: one committed transaction of an in-memory [`Store`] per step), `placement` (whether
-//! a waiter would fit the machine as it is, ignoring the queue), `config`, `model`, and
-//! `rand` for a seeded generator: the same parameters and seed give the same [`Report`].
+//! A crate of its own, outside the daemon: it drives the ledger through its public API
+//! alone (`reserve`, `release`, `expire_due`, `next_deadline`, `take_served` and the
+//! units' loads), as the broker thread calls it: one committed transaction of an in-memory
+//! [`Store`] per step. It also uses `placement` (whether a waiter would fit the machine as
+//! it is, ignoring the queue), `config` and `model`, and `rand` for a seeded generator: the
+//! same parameters and seed give the same [`Report`].
 //!
 //! Each client asks, waits (or is placed at once), holds what it got for the hold its
 //! request drew, releases, and asks again at once; a request that gives up is asked anew
@@ -21,12 +23,14 @@ use rand::rngs::Xoshiro256PlusPlus;
 use rand::{RngExt, SeedableRng};
 use tokio::sync::oneshot;
 
-use super::ledger::{Admitted, Ledger};
-use super::{BrokerError, BrokerSettings, Caller, GroupLookup, ReserveRequest};
-use crate::config::{Config, WaitConfig};
-use crate::model::{Gpu, GpuInventory, Link, MemoryAsk, Millis, PcieLevel, Reservation, Topology};
-use crate::placement::{self, PlacementRequest, PlacementState};
-use crate::store::{Store, StoreError};
+use gpud::broker::{
+    Admitted, BrokerError, BrokerSettings, Caller, GroupLookup, Ledger, MAX_TTL_SECONDS,
+    ReserveRequest,
+};
+use gpud::config::{Config, WaitConfig};
+use gpud::model::{Gpu, GpuInventory, Link, MemoryAsk, Millis, PcieLevel, Reservation, Topology};
+use gpud::placement::{self, PlacementRequest, PlacementState};
+use gpud::store::{Store, StoreError};
 
 const GIB: u64 = 1 << 30;
 
@@ -202,13 +206,13 @@ impl Generator {
             (Class::Fractional, 1, MemoryAsk::Bytes(bytes))
         };
         let z = standard_normal(&mut self.rng);
-        let median = as_f64(super::queue::millis(w.median_hold));
+        let median = as_f64(millis(w.median_hold));
         let hold = to_u64(median * (w.hold_sigma * z).exp()).max(1);
         let lease = if self.rng.random::<f64>() < w.leaseless_share {
             None
         } else {
             let seconds = (w.lease_factor * as_f64(hold) / 1000.0).ceil();
-            Some(to_u64(seconds).clamp(1, super::MAX_TTL_SECONDS))
+            Some(to_u64(seconds).clamp(1, MAX_TTL_SECONDS))
         };
         Ask {
             class,
@@ -381,6 +385,11 @@ impl Report {
     }
 }
 
+/// Milliseconds in `d`, saturating.
+fn millis(d: Duration) -> Millis {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
 /// Why a run could not be completed.
 #[derive(Debug, thiserror::Error)]
 pub enum SimError {
@@ -549,7 +558,7 @@ impl Sim {
                 }
             })
             .collect();
-        let start = super::queue::millis(params.warmup);
+        let start = millis(params.warmup);
         let sim = Sim {
             ledger,
             topology: inventory.topology.clone(),
@@ -561,7 +570,7 @@ impl Sim {
             next_id: 0,
             now: 0,
             start,
-            end: start.saturating_add(super::queue::millis(params.duration)),
+            end: start.saturating_add(millis(params.duration)),
             total_memory: inventory.gpus.iter().map(|g| g.memory_total_bytes).sum(),
             integral: 0,
             held_integral: 0,
@@ -573,7 +582,7 @@ impl Sim {
                 .collect(),
             expired: 0,
             committed: 0,
-            retry_after: super::queue::millis(w.median_hold).max(1),
+            retry_after: millis(w.median_hold).max(1),
         };
         Ok((sim, store))
     }
@@ -638,9 +647,9 @@ impl Sim {
         if to > from {
             let reserved: u64 = self
                 .ledger
-                .units
+                .units()
                 .iter()
-                .zip(&self.ledger.loads)
+                .zip(self.ledger.loads())
                 .map(|(unit, load)| {
                     if load.exclusive {
                         unit.memory_total_bytes
@@ -650,9 +659,9 @@ impl Sim {
                 })
                 .sum();
             self.integral += u128::from(reserved) * u128::from(to - from);
-            let held = u64::try_from(self.ledger.active.len()).unwrap_or(u64::MAX);
+            let held = u64::try_from(self.ledger.active_count()).unwrap_or(u64::MAX);
             self.held_integral += u128::from(held) * u128::from(to - from);
-            for (unit, load) in self.ledger.units.iter().zip(&self.ledger.loads) {
+            for (unit, load) in self.ledger.units().iter().zip(self.ledger.loads()) {
                 if load.exclusive {
                     continue;
                 }
@@ -672,7 +681,7 @@ impl Sim {
 
     fn release(
         &mut self,
-        txn: &mut crate::store::Txn<'_>,
+        txn: &mut gpud::store::Txn<'_>,
         client: usize,
         t: Millis,
     ) -> Result<(), SimError> {
@@ -691,7 +700,7 @@ impl Sim {
 
     fn ask(
         &mut self,
-        txn: &mut crate::store::Txn<'_>,
+        txn: &mut gpud::store::Txn<'_>,
         source: &mut dyn Source,
         client: usize,
         t: Millis,
@@ -749,17 +758,12 @@ impl Sim {
     /// Notes the waiters served by the step just committed, and those that gave up, and
     /// which of the rest would fit the machine as it is now.
     fn after_commit(&mut self, t: Millis) {
-        for served in self.ledger.take_effects().served {
+        for id in self.ledger.take_served() {
             // Nothing to tell: the client is simulated.
-            let Some(client) = self.waiting_ids.remove(&served.reservation.id) else {
+            let Some(client) = self.waiting_ids.remove(&id) else {
                 continue;
             };
-            let state = std::mem::replace(
-                &mut self.states[client],
-                State::Holding {
-                    id: served.reservation.id,
-                },
-            );
+            let state = std::mem::replace(&mut self.states[client], State::Holding { id });
             if let State::Waiting(w) = state {
                 if w.counted {
                     self.class(w.ask.class).waits.push(t - w.since);
@@ -794,8 +798,8 @@ impl Sim {
             self.schedule(t, client, Kind::Ask);
         }
         let state = PlacementState {
-            units: &self.ledger.units,
-            loads: &self.ledger.loads,
+            units: self.ledger.units(),
+            loads: self.ledger.loads(),
             topology: &self.topology,
         };
         for s in &mut self.states {
@@ -805,7 +809,7 @@ impl Sim {
                 let request = PlacementRequest {
                     gpus: w.ask.gpus,
                     memory: w.ask.memory,
-                    policy: self.ledger.settings.config.placement.default_policy,
+                    policy: self.ledger.default_policy(),
                 };
                 w.room = placement::place(&request, &state).is_ok();
             }
@@ -865,7 +869,7 @@ mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
     use super::*;
-    use crate::config::QueuePolicy;
+    use gpud::config::QueuePolicy;
 
     const SECOND: Millis = 1000;
 
