@@ -57,11 +57,17 @@ fn check_cgroup(cgroup: &str) -> Result<(), NvmlReturn> {
 
 /// Sets (or, with soft 0 and hard max, clears) `cgroup`'s limits on GPU `uuid` of `total`
 /// bytes: INVALID_ARGUMENT when soft exceeds hard or a limit exceeds the card (nvml.h).
+/// Safe from several threads at once, as the driver's calls are: one change at a time in
+/// this process.
 pub fn set(uuid: &str, total: u64, cgroup: &str, soft: u64, hard: u64) -> Result<(), NvmlReturn> {
+    static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
     if soft > hard || soft > total || (hard > total && hard != MEMORY_LIMIT_MAX) {
         return Err(INVALID_ARGUMENT);
     }
     check_cgroup(cgroup)?;
+    let _one = ONE_AT_A_TIME
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     let path = table_path()?;
     let mut table = read(&path)?;
     let gpu = table.entry(uuid.to_owned()).or_default();
