@@ -207,6 +207,9 @@ fn a_container_gets_the_environment_and_its_own_cgroup_limited_before_it_starts(
     // Made to be attached: the driver can limit it once its container's cgroup is known.
     assert_eq!(reservation(d, &id)["isolation"]["mode"], "pending");
     assert!(spec(&id).exists());
+    let pending = "gpud_reservations_isolation{mode=\"pending\"} 1\n";
+    let metrics = d.get("/metrics").text;
+    assert!(metrics.contains(pending), "{metrics}");
 
     let container = Running::start(None, &["--device", &device(&id)]);
     let env = container.environment();
@@ -225,6 +228,11 @@ fn a_container_gets_the_environment_and_its_own_cgroup_limited_before_it_starts(
     let r = reservation(d, &id);
     assert_eq!(r["isolation"]["mode"], "driver", "{r}");
     assert_eq!(r["isolation"]["cgroup"], json!(cgroup));
+    let metrics = d.get("/metrics").text;
+    assert!(
+        metrics.contains("gpud_reservations_isolation{mode=\"driver\"} 1\n"),
+        "{metrics}"
+    );
     // NVIDIA's binding, from another process, reads the limit on exactly that cgroup.
     assert_eq!(
         limits_on(&setup.python, d, &gpu, &cgroup),
