@@ -900,11 +900,11 @@ mod tests {
 
     #[test]
     fn followed_pages_of_events_line_up() {
-        let event = |kind: &str, pid: u32, action: &str| gpud_schema::Event {
+        let event = |kind: gpud_schema::EventKind, pid: u32, action: &str| gpud_schema::Event {
             id: 1,
             at: "2026-11-24T08:00:00.000Z".into(),
-            kind: kind.into(),
-            phase: "start".into(),
+            kind,
+            phase: gpud_schema::EventPhase::Start,
             gpu_index: Some(0),
             unit_uuid: None,
             pid: Some(pid),
@@ -915,9 +915,16 @@ mod tests {
             action: action.into(),
             message: "a message of some length".into(),
         };
-        let first = events_table(&[event("isolation", 7, "recorded")], true);
+        let first = events_table(
+            &[event(gpud_schema::EventKind::Isolation, 7, "recorded")],
+            true,
+        );
         let later = events_table(
-            &[event("gpu_unhealthy", 1_234_567, "no new placements")],
+            &[event(
+                gpud_schema::EventKind::GpuUnhealthy,
+                1_234_567,
+                "no new placements",
+            )],
             false,
         );
         let column = |line: &str, what: &str| line.find(what).unwrap();

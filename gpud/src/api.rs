@@ -791,8 +791,8 @@ pub fn event_to_wire(e: &model::Event) -> schema::Event {
     schema::Event {
         id: e.id,
         at: rfc3339(e.at),
-        kind: e.kind.as_str().to_owned(),
-        phase: e.phase.as_str().to_owned(),
+        kind: e.kind,
+        phase: e.phase,
         gpu_index: e.gpu_index,
         unit_uuid: e.unit_uuid.clone(),
         pid: e.pid,

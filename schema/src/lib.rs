@@ -432,6 +432,86 @@ pub struct Health {
     pub waiting: u64,
 }
 
+/// What an audit event is about.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, JsonSchema,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum EventKind {
+    /// A GPU process that no reservation accounts for.
+    Unreserved,
+    /// A reservation's process on a GPU the reservation does not include.
+    WrongGpu,
+    /// A reservation's processes use more memory than it reserved (beyond the tolerance).
+    OverLimit,
+    /// A GPU NVML reports lost, or whose queries keep failing.
+    GpuUnhealthy,
+    /// The driver refused a reservation's memory limit, or could not reset one.
+    Isolation,
+    /// Under `[isolation] require`, a reservation's process runs outside the cgroup the
+    /// driver limits for it (or before one is attached: `pending`).
+    Unlimited,
+}
+
+impl EventKind {
+    /// Every kind.
+    pub const ALL: [EventKind; 6] = [
+        EventKind::Unreserved,
+        EventKind::WrongGpu,
+        EventKind::OverLimit,
+        EventKind::GpuUnhealthy,
+        EventKind::Isolation,
+        EventKind::Unlimited,
+    ];
+
+    /// The stored and wire name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EventKind::Unreserved => "unreserved",
+            EventKind::WrongGpu => "wrong_gpu",
+            EventKind::OverLimit => "over_limit",
+            EventKind::GpuUnhealthy => "gpu_unhealthy",
+            EventKind::Isolation => "isolation",
+            EventKind::Unlimited => "unlimited",
+        }
+    }
+
+    /// Parses [`EventKind::as_str`]'s output.
+    pub fn parse(s: &str) -> Option<EventKind> {
+        EventKind::ALL.into_iter().find(|k| k.as_str() == s)
+    }
+}
+
+/// Whether an event opens a finding, closes it, or stands alone (an enforcement step).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum EventPhase {
+    /// The finding began.
+    Start,
+    /// The finding is over.
+    End,
+    /// A single step, such as a SIGKILL after the grace period.
+    Point,
+}
+
+impl EventPhase {
+    /// The stored and wire name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EventPhase::Start => "start",
+            EventPhase::End => "end",
+            EventPhase::Point => "point",
+        }
+    }
+
+    /// Parses [`EventPhase::as_str`]'s output.
+    pub fn parse(s: &str) -> Option<EventPhase> {
+        [EventPhase::Start, EventPhase::End, EventPhase::Point]
+            .into_iter()
+            .find(|p| p.as_str() == s)
+    }
+}
+
 /// An audit finding or health change (`GET /v1/events`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct Event {
@@ -439,10 +519,10 @@ pub struct Event {
     pub id: u64,
     /// When, RFC 3339 UTC.
     pub at: String,
-    /// `unreserved`, `wrong_gpu`, `over_limit`, `gpu_unhealthy`, `isolation` or `unlimited`.
-    pub kind: String,
+    /// What it is about.
+    pub kind: EventKind,
     /// `start` (the finding began), `end` (it is over) or `point` (one enforcement step).
-    pub phase: String,
+    pub phase: EventPhase,
     /// Physical GPU index.
     pub gpu_index: Option<u32>,
     /// GPU or MIG instance UUID.

@@ -180,7 +180,7 @@ pub fn document() -> Value {
                      "description": "Only events with a larger id (to follow)",
                      "schema": {"type": "integer", "format": "uint64", "minimum": 0}},
                     {"name": "kind", "in": "query", "required": false,
-                     "schema": {"type": "string", "enum": ["unreserved", "wrong_gpu", "over_limit", "gpu_unhealthy", "isolation", "unlimited"]}},
+                     "schema": {"type": "string", "enum": crate::EventKind::ALL.map(crate::EventKind::as_str)}},
                     {"name": "reservation", "in": "query", "required": false, "schema": id_schema()},
                     {"name": "limit", "in": "query", "required": false,
                      "schema": {"type": "integer", "format": "uint32", "minimum": 1, "maximum": 10000}}
