@@ -673,3 +673,62 @@ async fn allocate_one(
         })
         .await
 }
+
+/// gpud with `[kubelet]`, `[isolation] require` and (when `cdi`) `[cdi] enabled`, on an R615
+/// t4-pair: what the kubelet's `Allocate` gets.
+async fn allocate_under_require(cdi: bool) -> Option<(Daemon, Result<String, Status>)> {
+    let mount = gpud_tests::isolation::prerequisites()?;
+    let kubelet = FakeKubelet::start();
+    let specs = kubelet.dir.path().join("cdi");
+    let workloads = mount.join(format!("gpud-test-kubelet-{cdi}-{}", std::process::id()));
+    let config = format!(
+        "{}[cdi]\nenabled = {cdi}\nspec_dir = \"{}\"\nhook = \"{}\"\n\
+         [isolation]\nrequire = true\nworkloads = \"{}\"\n",
+        kubelet.config(false),
+        specs.display(),
+        gpud_tests::gpuctl_bin().display(),
+        workloads.display()
+    );
+    let d = tokio::task::spawn_blocking(move || {
+        Daemon::start_edited("t4-pair", &config, gpud_tests::isolation::r615)
+    })
+    .await
+    .unwrap();
+    kubelet.wait_registered(MEM, 1).await;
+    let mut plugin = kubelet.plugin("gpud-gpu-mem.sock").await;
+    let gpu0 = uuids(&d)[0].clone();
+    kubelet.set_pods(&[("trainer", MEM, mem_ids(&gpu0, 0..2))]);
+    let answer = allocate_one(&mut plugin, mem_ids(&gpu0, 0..2)).await;
+    let _ = std::fs::remove_dir(&workloads);
+    let id = answer.map(|a| {
+        let container = &a.get_ref().container_responses[0];
+        let id = container.envs["GPUD_RESERVATION_ID"].clone();
+        // The pod's container names the reservation's CDI device: its hook attaches it.
+        let named: Vec<&str> = container
+            .cdi_devices
+            .iter()
+            .map(|c| c.name.as_str())
+            .collect();
+        assert_eq!(named, [format!("gpud.io/reservation={id}")]);
+        id
+    });
+    Some((d, id))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn under_require_a_pod_waits_for_its_container_s_hook_and_without_cdi_is_refused() {
+    let Some((d, allocated)) = allocate_under_require(true).await else {
+        return;
+    };
+    let id = allocated.expect("allocated under require, with CDI");
+    let r = d.get(&format!("/v1/reservations/{id}"));
+    assert_eq!(r.body["isolation"]["mode"], "pending", "{}", r.text);
+    drop(d);
+
+    let Some((d, refused)) = allocate_under_require(false).await else {
+        return;
+    };
+    let status = refused.expect_err("nothing would attach the container's cgroup");
+    assert!(status.message().contains("[cdi] enabled"), "{status:?}");
+    assert!(d.active().is_empty());
+}
