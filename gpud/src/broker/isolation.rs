@@ -204,11 +204,25 @@ impl Ledger {
         if isolation == r.isolation {
             return Ok(Reservation::clone(&r));
         }
-        txn.set_isolation(id, &isolation)?;
-        self.limits_released(&r);
-        let mut updated = Reservation::clone(&r);
-        updated.isolation = isolation;
+        let updated = self.change_isolation(txn, &r, isolation)?;
         self.limits_added(&updated);
+        Ok(updated)
+    }
+
+    /// Records active reservation `r`'s new `isolation` (the row first), lets go of the
+    /// pairs it limited (set anew after the commit), and puts the changed reservation in its
+    /// place; returns it. A caller whose new isolation limits pairs adds them
+    /// ([`Ledger::limits_added`]).
+    fn change_isolation(
+        &mut self,
+        txn: &mut Txn<'_>,
+        r: &Reservation,
+        isolation: ReservationIsolation,
+    ) -> Result<Reservation, BrokerError> {
+        txn.set_isolation(&r.id, &isolation)?;
+        self.limits_released(r);
+        let mut updated = r.clone();
+        updated.isolation = isolation;
         self.replace_active(updated.clone());
         Ok(updated)
     }
@@ -241,7 +255,6 @@ impl Ledger {
             &self.gpus,
             &self.units,
         );
-        txn.set_isolation(id, &isolation)?;
         let event = if reset {
             tracing::info!(reservation = %id, %cgroup, "container ended; limits reset, waiting for the next");
             isolation_event(
@@ -267,10 +280,7 @@ impl Ledger {
             )
         };
         txn.insert_events(&[event])?;
-        self.limits_released(&r);
-        let mut updated = Reservation::clone(&r);
-        updated.isolation = isolation;
-        self.replace_active(updated);
+        self.change_isolation(txn, &r, isolation)?;
         Ok(())
     }
 
@@ -334,11 +344,7 @@ impl Ledger {
             let isolation = r
                 .isolation
                 .made_advisory(format!("the driver refused the memory limit: {reason}"));
-            txn.set_isolation(id, &isolation)?;
-            self.limits_released(&r);
-            let mut updated = Reservation::clone(&r);
-            updated.isolation = isolation;
-            self.replace_active(updated);
+            self.change_isolation(txn, &r, isolation)?;
             if require {
                 self.end_by_gpud(
                     txn,
