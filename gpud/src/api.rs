@@ -694,10 +694,7 @@ impl Api {
             match (wire.cgroup, wire.pid) {
                 (Some(named), _) => {
                     let full = workloads.named(h, &caller, admin, &named)?;
-                    Ok(crate::isolation::Target {
-                        cgroup: Some(full.display().to_string()),
-                        ..crate::isolation::Target::default()
-                    })
+                    Ok(crate::isolation::Target::on(full))
                 }
                 (None, Some(seen_as)) => {
                     // The pid as the caller sees it, like a holder's.

@@ -139,6 +139,14 @@ pub struct Target {
 }
 
 impl Target {
+    /// The limits go on cgroup `full` (its full path).
+    pub fn on(full: impl AsRef<Path>) -> Target {
+        Target {
+            cgroup: Some(full.as_ref().display().to_string()),
+            ..Target::default()
+        }
+    }
+
     /// No cgroup, for `reason`.
     pub fn none(reason: impl Into<String>) -> Target {
         Target {

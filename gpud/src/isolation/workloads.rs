@@ -175,9 +175,8 @@ impl Workloads {
             let full = self.named(h, caller, admin, named)?;
             return Ok(Prepared {
                 target: Target {
-                    cgroup: Some(full.display().to_string()),
                     holds: true,
-                    ..Target::default()
+                    ..Target::on(&full)
                 },
                 moved: None,
             });
@@ -277,10 +276,7 @@ impl Workloads {
                 "the holder (process {pid}) runs in gpud's own cgroup"
             )));
         }
-        Ok(Target {
-            cgroup: Some(full.display().to_string()),
-            ..Target::default()
-        })
+        Ok(Target::on(&full))
     }
 
     /// The cgroup of a container being created, for gpud's CDI hook: `seen_as` is the
@@ -292,10 +288,7 @@ impl Workloads {
     /// container's cgroup".
     pub fn of_container(&self, h: &Hierarchy, hook: u32, seen_as: u32) -> Target {
         match self.container_cgroup(h, hook, seen_as) {
-            Ok(full) => Target {
-                cgroup: Some(full.display().to_string()),
-                ..Target::default()
-            },
+            Ok(full) => Target::on(full),
             Err(reason) => Target::none(reason),
         }
     }
@@ -382,9 +375,8 @@ impl Workloads {
         };
         Ok(Prepared {
             target: Target {
-                cgroup: Some(full.display().to_string()),
                 owned: Some(owned),
-                ..Target::default()
+                ..Target::on(&full)
             },
             moved: Some((pid, before)),
         })

@@ -79,10 +79,7 @@ fn start(store: Store, config: Config, limiter: &Arc<Recorder>) -> Arc<Broker> {
 /// A lease of `gib` GiB whose limits go on `cgroup`.
 fn on(cgroup: &Path, gib: u64) -> ReserveRequest {
     ReserveRequest {
-        target: Target {
-            cgroup: Some(cgroup.display().to_string()),
-            ..Target::default()
-        },
+        target: Target::on(cgroup),
         ..ReserveRequest::lease(MemoryAsk::Bytes(gib * GIB), 600)
     }
 }
@@ -302,14 +299,7 @@ fn a_lease_waits_for_its_container_is_limited_while_it_runs_and_waits_again_afte
         assert_eq!(kept.mode, IsolationMode::Pending);
 
         let attached = b
-            .attach_cgroup(
-                ROOT,
-                lease.id.clone(),
-                Target {
-                    cgroup: Some(cg.clone()),
-                    ..Target::default()
-                },
-            )
+            .attach_cgroup(ROOT, lease.id.clone(), Target::on(&cg))
             .wait()
             .unwrap();
         assert_eq!(attached.isolation.mode, IsolationMode::Driver);
@@ -336,16 +326,9 @@ fn a_lease_waits_for_its_container_is_limited_while_it_runs_and_waits_again_afte
 
         // The next container's runtime removed its cgroup before gpud could reset it: the
         // lease waits all the same, and an event says what may be left in the driver.
-        b.attach_cgroup(
-            ROOT,
-            lease.id.clone(),
-            Target {
-                cgroup: Some(cg.clone()),
-                ..Target::default()
-            },
-        )
-        .wait()
-        .unwrap();
+        b.attach_cgroup(ROOT, lease.id.clone(), Target::on(&cg))
+            .wait()
+            .unwrap();
         b.commands
             .send(Command::Detach {
                 id: lease.id.clone(),
@@ -404,14 +387,7 @@ fn an_advisory_reservation_s_recorded_cgroup_does_not_hold_back_the_next_contain
     assert_eq!(lease.isolation.mode, IsolationMode::Advisory);
     for dir in [first.path(), second.path()] {
         let r = b
-            .attach_cgroup(
-                ROOT,
-                lease.id.clone(),
-                Target {
-                    cgroup: Some(dir.display().to_string()),
-                    ..Target::default()
-                },
-            )
+            .attach_cgroup(ROOT, lease.id.clone(), Target::on(dir))
             .wait()
             .unwrap();
         assert_eq!(r.isolation.mode, IsolationMode::Advisory);
