@@ -61,11 +61,7 @@ fn start(flags: &[&str]) -> Duration {
 
 /// A lease, the container started with its device, the lease released: the start's time.
 fn start_with_device(d: &Daemon) -> Duration {
-    let lease = d.post(
-        "/v1/reservations",
-        r#"{"memory": "1GiB", "ttl_seconds": 600}"#,
-    );
-    assert_eq!(lease.status, 201, "{}", lease.text);
+    let lease = d.lease("1GiB");
     let id = lease.body["id"].as_str().unwrap().to_owned();
     let took = start(&["--device", &format!("gpud.io/reservation={id}")]);
     // Attached, then detached when it ended: wait for that before the next start.

@@ -371,6 +371,14 @@ impl Daemon {
         http(&self.socket, "DELETE", path, None)
     }
 
+    /// A ten-minute lease of `memory` (`"1GiB"`) on one GPU, which must be made (201).
+    pub fn lease(&self, memory: &str) -> Reply {
+        let body = serde_json::json!({"memory": memory, "ttl_seconds": 600});
+        let r = self.post("/v1/reservations", &body.to_string());
+        assert_eq!(r.status, 201, "{}", r.text);
+        r
+    }
+
     /// Active reservations.
     pub fn active(&self) -> Vec<Value> {
         self.get("/v1/reservations").body["reservations"]

@@ -87,11 +87,7 @@ fn gpud(setup: &Setup, name: &str, extra: &str, r615_driver: bool) -> Isolated {
 
 /// A lease of `gib` GiB made by root: its id and GPU uuid.
 fn lease(d: &Daemon, gib: u64) -> (String, String) {
-    let r = d.post(
-        "/v1/reservations",
-        &json!({"memory": format!("{gib}GiB"), "ttl_seconds": 600}).to_string(),
-    );
-    assert_eq!(r.status, 201, "{}", r.text);
+    let r = d.lease(&format!("{gib}GiB"));
     (
         r.body["id"].as_str().unwrap().to_owned(),
         r.body["gpus"][0]["uuid"].as_str().unwrap().to_owned(),

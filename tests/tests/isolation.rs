@@ -261,11 +261,7 @@ fn a_container_s_cgroup_is_attached_to_a_lease_and_takes_its_limit() {
         return;
     };
     let d = &iso.d;
-    let lease = d.post(
-        "/v1/reservations",
-        r#"{"memory": "2GiB", "ttl_seconds": 600}"#,
-    );
-    assert_eq!(lease.status, 201, "{}", lease.text);
+    let lease = d.lease("2GiB");
     assert_eq!(lease.body["isolation"]["mode"], "pending");
     let id = lease.body["id"].as_str().unwrap();
     let container = TestCgroup::new(&mount, "container");
@@ -310,10 +306,7 @@ fn a_process_in_the_root_cgroup_cannot_take_a_limit_the_driver_could_enforce() {
     let d = &iso.d;
     let mut sleeper = Command::new("sleep").arg("600").spawn().unwrap();
     std::fs::write(mount.join("cgroup.procs"), sleeper.id().to_string()).unwrap();
-    let lease = d.post(
-        "/v1/reservations",
-        r#"{"memory": "1GiB", "ttl_seconds": 600}"#,
-    );
+    let lease = d.lease("1GiB");
     let id = lease.body["id"].as_str().unwrap();
     let r = d.post(
         &format!("/v1/reservations/{id}/cgroup"),
@@ -349,11 +342,7 @@ fn a_cdi_device_runs_gpud_s_hook_which_puts_the_limit_on_the_container_s_cgroup(
         ),
         r615,
     );
-    let lease = d.post(
-        "/v1/reservations",
-        r#"{"memory": "2GiB", "ttl_seconds": 600}"#,
-    );
-    assert_eq!(lease.status, 201, "{}", lease.text);
+    let lease = d.lease("2GiB");
     let id = lease.body["id"].as_str().unwrap();
     let gpu = lease.body["gpus"][0]["uuid"].as_str().unwrap();
     // The spec exists before the answer: what a runtime reads for `--device
@@ -667,11 +656,7 @@ fn under_require_a_process_using_a_pending_lease_outside_a_container_is_ended() 
         r615,
     );
     let d = &iso.d;
-    let lease = d.post(
-        "/v1/reservations",
-        r#"{"memory": "1GiB", "ttl_seconds": 600}"#,
-    );
-    assert_eq!(lease.status, 201, "{}", lease.text);
+    let lease = d.lease("1GiB");
     assert_eq!(lease.body["isolation"]["mode"], "pending");
     let id = lease.body["id"].as_str().unwrap();
     // Its environment, run on the host in a cgroup nobody attached: the driver limits
