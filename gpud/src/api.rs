@@ -661,67 +661,82 @@ impl Api {
                 .await?;
             return Ok(json(StatusCode::OK, &to_wire(r)));
         };
-        // The previous container may have ended a moment ago, before gpud saw its cgroup
-        // empty: it is detached first (commands run in order), so that the next one does
-        // not conflict with it.
-        let previous_ended = previous
-            .filter(|p| crate::isolation::cgroup::populated(std::path::Path::new(p)) != Some(true));
-        if let Some(previous) = previous_ended {
-            self.broker.detach(id.clone(), previous);
-        }
         let workloads = self.workloads.clone();
         let admin = self.broker.is_admin(&caller);
-        let target = tokio::task::spawn_blocking(move || {
-            let Some(h) = workloads.hierarchy() else {
-                return Ok(crate::isolation::Target::none(
-                    "this host has no cgroup v2 hierarchy mounted",
-                ));
-            };
-            if let Some(seen_as) = wire.container_pid {
-                let Some(hook) = caller.pid else {
-                    return Ok(crate::isolation::Target::none(
-                        "gpud cannot see the hook's process (it runs in a PID namespace that \
-                         does not include the container's), so it cannot find the container",
-                    ));
-                };
-                let target = workloads.of_container(h, hook, seen_as);
-                // Whoever names a container may only limit a cgroup they could name.
-                if let Some(cgroup) = &target.cgroup {
-                    workloads.named(h, &caller, admin, cgroup)?;
-                }
-                return Ok(target);
-            }
-            match (wire.cgroup, wire.pid) {
-                (Some(named), _) => {
-                    let full = workloads.named(h, &caller, admin, &named)?;
-                    Ok(crate::isolation::Target::on(full))
-                }
-                (None, Some(seen_as)) => {
-                    // The pid as the caller sees it, like a holder's.
-                    let pid = match caller.pid {
-                        Some(caller_pid) => crate::holder::translate_pid(caller_pid, seen_as)
-                            .map_err(|e| {
-                                TargetError::Invalid(format!(
-                                    "process {seen_as} (pid): {e} in your PID namespace"
-                                ))
-                            })?,
-                        None => seen_as,
-                    };
-                    let target = workloads.of_process(h, pid)?;
-                    // Whoever names a process may only limit a cgroup they could name.
-                    if let Some(cgroup) = &target.cgroup {
-                        workloads.named(h, &caller, admin, cgroup)?;
-                    }
-                    Ok(target)
-                }
-                (None, None) => Ok(crate::isolation::Target::default()),
-            }
+        let (target, previous_ended) = tokio::task::spawn_blocking(move || {
+            // The previous container may have ended a moment ago, before gpud saw its
+            // cgroup empty.
+            let previous_ended = previous.filter(|p| {
+                crate::isolation::cgroup::populated(std::path::Path::new(p)) != Some(true)
+            });
+            attach_target(&workloads, caller, admin, wire).map(|t| (t, previous_ended))
         })
         .await
         .map_err(|_| BrokerError::Internal("finding the cgroup panicked"))?
         .map_err(target_error)?;
+        // Detached first (commands run in order), so that the next container does not
+        // conflict with it.
+        if let Some(previous) = previous_ended {
+            self.broker.detach(id.clone(), previous);
+        }
         let r = self.broker.attach_cgroup(caller, id, target).await?;
         Ok(json(StatusCode::OK, &to_wire(r)))
+    }
+}
+
+/// Where an attach's limits go: the cgroup it names, a process's (read in the caller's PID
+/// namespace), or a container's being created (see [`Workloads::of_container`]), checked
+/// against what the caller may name. Blocking: it reads `/proc` and cgroupfs.
+fn attach_target(
+    workloads: &Workloads,
+    caller: Caller,
+    admin: bool,
+    wire: schema::AttachCgroupRequest,
+) -> Result<crate::isolation::Target, TargetError> {
+    let Some(h) = workloads.hierarchy() else {
+        return Ok(crate::isolation::Target::none(
+            "this host has no cgroup v2 hierarchy mounted",
+        ));
+    };
+    if let Some(seen_as) = wire.container_pid {
+        let Some(hook) = caller.pid else {
+            return Ok(crate::isolation::Target::none(
+                "gpud cannot see the hook's process (it runs in a PID namespace that \
+                 does not include the container's), so it cannot find the container",
+            ));
+        };
+        let target = workloads.of_container(h, hook, seen_as);
+        // Whoever names a container may only limit a cgroup they could name.
+        if let Some(cgroup) = &target.cgroup {
+            workloads.named(h, &caller, admin, cgroup)?;
+        }
+        return Ok(target);
+    }
+    match (wire.cgroup, wire.pid) {
+        (Some(named), _) => {
+            let full = workloads.named(h, &caller, admin, &named)?;
+            Ok(crate::isolation::Target::on(full))
+        }
+        (None, Some(seen_as)) => {
+            // The pid as the caller sees it, like a holder's.
+            let pid = match caller.pid {
+                Some(caller_pid) => {
+                    crate::holder::translate_pid(caller_pid, seen_as).map_err(|e| {
+                        TargetError::Invalid(format!(
+                            "process {seen_as} (pid): {e} in your PID namespace"
+                        ))
+                    })?
+                }
+                None => seen_as,
+            };
+            let target = workloads.of_process(h, pid)?;
+            // Whoever names a process may only limit a cgroup they could name.
+            if let Some(cgroup) = &target.cgroup {
+                workloads.named(h, &caller, admin, cgroup)?;
+            }
+            Ok(target)
+        }
+        (None, None) => Ok(crate::isolation::Target::default()),
     }
 }
 
