@@ -474,7 +474,7 @@ impl Default for CdiConfig {
 }
 
 /// A limit on what one uid, or all uids of one primary gid, may hold at once.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Quota {
     /// The uid this applies to (exactly one of `uid` and `gid`).

@@ -406,6 +406,40 @@ pub struct Reservation {
     pub isolation: ReservationIsolation,
 }
 
+impl Reservation {
+    /// For tests: active reservation `id` of uid `owner` (its own group), holding
+    /// `units` (`(uuid, bytes)`, GPU indices in order), with nothing else set.
+    #[cfg(test)]
+    pub fn for_test(id: &str, owner: u32, units: &[(&str, u64)]) -> Reservation {
+        Reservation {
+            id: id.to_owned(),
+            state: ReservationState::Active,
+            owner_uid: owner,
+            owner_gid: owner,
+            holder: None,
+            exclusive: false,
+            units: units
+                .iter()
+                .zip(0..)
+                .map(|(&(uuid, memory_bytes), gpu_index)| ReservedUnit {
+                    uuid: uuid.to_owned(),
+                    gpu_index,
+                    memory_bytes,
+                })
+                .collect(),
+            ttl_seconds: None,
+            expires_at: None,
+            created_at: 0,
+            ended_at: None,
+            end_reason: None,
+            labels: std::collections::BTreeMap::new(),
+            env: gpud_schema::Env::default(),
+            holder_cgroup: None,
+            isolation: ReservationIsolation::default(),
+        }
+    }
+}
+
 /// A reservation's isolation as gpud keeps it: what the API shows, and whether gpud made
 /// the cgroup (and so removes it at the end).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]

@@ -337,7 +337,7 @@ impl Executor {
         if effects.limits.is_empty() && effects.ended_limited.is_empty() {
             return fixups;
         }
-        let require = self.ledger.settings.config.isolation.require;
+        let require = self.ledger.settings().config.isolation.require;
         let mut refused: Vec<(String, String)> = Vec::new();
         let mut unreset: HashMap<(String, String), String> = HashMap::new();
         for (cgroup, uuid) in std::mem::take(&mut effects.limits) {
@@ -361,21 +361,21 @@ impl Executor {
                 }
                 Err(e) => {
                     tracing::error!(%cgroup, gpu = %uuid, error = %e, "the driver refused memory limits");
-                    for id in self.ledger.limited.get(&cgroup).into_iter().flatten() {
+                    for id in self.ledger.limited_on(&cgroup) {
                         let fix = if require {
                             Fix::Refused(e.clone())
                         } else {
                             Fix::Advisory(format!("the driver refused the memory limit: {e}"))
                         };
-                        fixups.insert(id.clone(), fix);
-                        refused.push((id.clone(), e.clone()));
+                        fixups.insert(id.to_owned(), fix);
+                        refused.push((id.to_owned(), e.clone()));
                     }
                 }
             }
         }
         let (mut cleared, mut failed_resets) = (Vec::new(), Vec::new());
         for r in std::mem::take(&mut effects.ended_limited) {
-            let pending = super::isolation::pairs(&r)
+            let pending = super::ledger::pairs(&r)
                 .into_iter()
                 .find_map(|pair| unreset.get(&pair));
             if let Some(e) = pending {
@@ -404,7 +404,7 @@ impl Executor {
     /// Writes the CDI specs of new reservations and removes those of ended ones, before
     /// anyone hears of them: the kubelet passes a device name on to the runtime at once.
     fn write_cdi_specs(&self, effects: &mut Effects) {
-        let config = &self.ledger.settings.config;
+        let config = &self.ledger.settings().config;
         let (dir, hook) = (&config.cdi.spec_dir, &config.cdi.hook);
         let socket = crate::cdi::socket_as_runtimes_see_it(config);
         for (id, env) in std::mem::take(&mut effects.cdi_written) {

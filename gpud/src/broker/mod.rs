@@ -18,10 +18,18 @@
 //! | `mod.rs` | the facade [`Broker`]: sends commands, loads snapshots, reads history |
 //! | `command.rs` | [`Command`], and [`Pending`], the answer to one |
 //! | `executor.rs` | the thread: queue, group, commit, publish, answer; deadlines; holder watches |
-//! | `ledger.rs` | the rules, with `now` a parameter: placement, quotas, permission, leases |
-//! | `queue.rs` | the wait queue: order, backfill, the starvation guard, give-up times |
-//! | `exact.rs` | the kubelet's exact requests: named units, a pod's containers all or nothing |
-//! | `isolation.rs` | which (cgroup, GPU) pairs driver-mode reservations limit; attaching and detaching a container's cgroup; what the driver refused |
+//! | `ledger.rs` | the rules, with `now` a parameter, over the parts below: reserve, release, renew, expire, placement, permission |
+//! | `ledger/machine.rs` | the GPUs, their units and each unit's load |
+//! | `ledger/active.rs` | the active reservations, and the list published to readers |
+//! | `ledger/quota.rs` | the quota book: what each uid and group holds, and the `[[quotas]]` checks |
+//! | `ledger/leases.rs` | when each lease ends, in order |
+//! | `ledger/rate.rs` | each uid's budget of changes (`[limits]`) |
+//! | `ledger/limits.rs` | which active reservations limit which cgroup |
+//! | `ledger/effects.rs` | what must follow a commit (watches, limits, CDI specs, answers to waiters) |
+//! | `ledger/isolation.rs` | the rules of hard isolation: attaching and detaching a container's cgroup; what the driver refused |
+//! | `ledger/exact.rs` | the kubelet's exact requests: named units, a pod's containers all or nothing |
+//! | `ledger/serve.rs` | serving the queue when capacity frees: order, backfill, the starvation guard |
+//! | `queue.rs` | the wait queue: its waiters in order, give-up times, the listing |
 //! | `ledger/plan.rs` | the first waiter's planned start, from the leases' ends |
 
 use std::collections::BTreeMap;
@@ -42,15 +50,12 @@ use crate::placement::UnitLoad;
 use crate::store::{Store, StoreError};
 
 mod command;
-mod exact;
 mod executor;
-mod isolation;
 mod ledger;
 mod queue;
 
 pub use command::{Command, Pending, WaitTicket};
-pub use exact::{AllocateRequest, ExactRequest};
-pub use ledger::{Admitted, Ledger, MAX_TTL_SECONDS};
+pub use ledger::{Admitted, AllocateRequest, ExactRequest, Ledger, MAX_TTL_SECONDS};
 
 /// A new random reservation id (the API chooses one for a request whose cgroup is named
 /// after it).

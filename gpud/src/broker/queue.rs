@@ -55,7 +55,7 @@ impl Waiter {
 /// The queue, oldest first.
 #[derive(Debug, Default)]
 pub(super) struct WaitQueue {
-    pub waiters: VecDeque<Waiter>,
+    waiters: VecDeque<Waiter>,
     next_ticket: u64,
 }
 
@@ -64,7 +64,72 @@ pub(super) fn millis(d: Duration) -> Millis {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
+impl std::ops::Index<usize> for WaitQueue {
+    type Output = Waiter;
+
+    fn index(&self, i: usize) -> &Waiter {
+        &self.waiters[i]
+    }
+}
+
+impl std::ops::IndexMut<usize> for WaitQueue {
+    fn index_mut(&mut self, i: usize) -> &mut Waiter {
+        &mut self.waiters[i]
+    }
+}
+
 impl WaitQueue {
+    /// How many wait (a client that went away counts until [`WaitQueue::drop_gone`]).
+    pub fn len(&self) -> usize {
+        self.waiters.len()
+    }
+
+    /// Whether none waits.
+    pub fn is_empty(&self) -> bool {
+        self.waiters.is_empty()
+    }
+
+    /// The waiters, oldest first.
+    pub fn iter(&self) -> impl Iterator<Item = &Waiter> {
+        self.waiters.iter()
+    }
+
+    /// The waiters, oldest first, to change.
+    pub fn iter_mut(&mut self) -> impl Iterator<Item = &mut Waiter> {
+        self.waiters.iter_mut()
+    }
+
+    /// The position of `ticket` in the queue.
+    pub fn position(&self, ticket: u64) -> Option<usize> {
+        self.waiters.iter().position(|w| w.ticket == ticket)
+    }
+
+    /// Takes the waiter at `i` out.
+    pub fn remove(&mut self, i: usize) -> Option<Waiter> {
+        self.waiters.remove(i)
+    }
+
+    /// Drops the waiters whose client went away, or whose holder exited (telling them).
+    pub fn drop_gone(&mut self) {
+        let mut i = 0;
+        while i < self.waiters.len() {
+            let w = &self.waiters[i];
+            let exited = w.holder.as_ref().is_some_and(PinnedProcess::has_exited);
+            if !exited && !w.reply.is_closed() {
+                i += 1;
+                continue;
+            }
+            if let Some(w) = self.waiters.remove(i)
+                && exited
+            {
+                let pid = w.holder.as_ref().map_or(0, |h| h.holder.pid);
+                let _ = w.reply.send(Err(BrokerError::Invalid(format!(
+                    "holder process {pid} exited while waiting"
+                ))));
+            }
+        }
+    }
+
     /// Queues a request at `now` for `wait`; returns its ticket and where its answer comes.
     pub fn push(
         &mut self,

@@ -5,7 +5,7 @@
 //! (the holder may release sooner, and a renewal moves it; every decision plans anew from
 //! the ledger as it is). One without a lease (held by a process, a cgroup, a pod) is
 //! expected to last as long as its owner's recent lease-less reservations did (a moving
-//! average of their lengths, [`Ledger::note_hold`]), or `[wait] assumed_hold` while the
+//! average of their lengths, [`PastHolds::note`]), or `[wait] assumed_hold` while the
 //! owner has none. One that outlives that is expected to last twice as long, then four
 //! times, and so on: the plan follows reality instead of insisting on a past end.
 //!
@@ -35,7 +35,11 @@ use std::time::Duration;
 
 use gpud_schema::format_duration;
 
-use super::{BrokerError, Caller, Counted, Ledger, ReserveRequest};
+use std::collections::HashMap;
+
+use super::Ledger;
+use super::quota::Counted;
+use crate::broker::{BrokerError, Caller, ReserveRequest};
 use crate::config::QueuePolicy;
 use crate::model::{Millis, Reservation, ReservedUnit};
 use crate::placement::UnitLoad;
@@ -164,11 +168,18 @@ fn from_now(at: Millis, now: Millis) -> String {
     }
 }
 
-impl Ledger {
+/// How long each user's reservations without a lease were held lately: a moving average
+/// per uid, in ms.
+#[derive(Debug, Default)]
+pub(super) struct PastHolds {
+    by_uid: HashMap<u32, Millis>,
+}
+
+impl PastHolds {
     /// Records that a reservation of `uid` without a lease was held for `held` ms.
-    pub(super) fn note_hold(&mut self, uid: u32, held: Millis) {
+    pub fn note(&mut self, uid: u32, held: Millis) {
         let estimate = self
-            .holds
+            .by_uid
             .get(&uid)
             .map_or(held, |&old| {
                 (old.saturating_mul(4 - NEWEST_HOLD_QUARTERS))
@@ -176,13 +187,20 @@ impl Ledger {
                     / 4
             })
             .max(1);
-        self.holds.insert(uid, estimate);
+        self.by_uid.insert(uid, estimate);
     }
 
+    /// The estimate for `uid`, once one of its holds ended.
+    pub fn of(&self, uid: u32) -> Option<Millis> {
+        self.by_uid.get(&uid).copied()
+    }
+}
+
+impl Ledger {
     /// How long a reservation of `uid` without a lease is expected to be held.
     fn assumed_hold(&self, uid: u32) -> Millis {
-        self.holds.get(&uid).copied().unwrap_or_else(|| {
-            super::super::queue::millis(self.settings.config.wait.assumed_hold).max(1)
+        self.holds.of(uid).unwrap_or_else(|| {
+            crate::broker::queue::millis(self.settings.config.wait.assumed_hold).max(1)
         })
     }
 
@@ -219,8 +237,8 @@ impl Ledger {
     /// Whether the queue's first waiter (in queue order, skipping those whose quotas do
     /// not allow them now) is this position.
     fn first_waiter(&mut self) -> Option<usize> {
-        for i in 0..self.queue.waiters.len() {
-            let w = &self.queue.waiters[i];
+        for i in 0..self.queue.len() {
+            let w = &self.queue[i];
             if w.reply.is_closed() {
                 continue;
             }
@@ -249,9 +267,9 @@ impl Ledger {
         let mut freed: Vec<Freed> = Vec::new();
         let mut heap = BinaryHeap::new();
         // In a fixed order, so that ends at the same moment are told the same way every time.
-        let mut active: Vec<&std::sync::Arc<Reservation>> = self.active.values().collect();
-        active.sort_by(|a, b| (a.created_at, &a.id).cmp(&(b.created_at, &b.id)));
-        for r in active {
+        // (The published list is in that order.)
+        let active = self.active.published();
+        for r in active.iter() {
             heap.push(Reverse(Ending {
                 at: self.expected_end(r, now),
                 seq: freed.len(),
@@ -262,12 +280,12 @@ impl Ledger {
                 whose: Whose::Reservation(r.clone()),
             });
         }
-        let mut loads = self.loads.clone();
+        let mut loads = self.loads().to_vec();
         let mut t = now;
         let mut last: Option<Whose> = None;
         let mut out = Vec::new();
-        for i in first..self.queue.waiters.len() {
-            let w = &self.queue.waiters[i];
+        for i in first..self.queue.len() {
+            let w = &self.queue[i];
             if w.reply.is_closed() {
                 continue;
             }
@@ -365,7 +383,7 @@ impl Ledger {
     pub(in crate::broker) fn gate_for(&mut self, now: Millis, first: Option<Expected>) -> Gate {
         let guard = |ledger: &mut Ledger| match ledger.guard(now) {
             Some((i, held)) => Gate::Held {
-                ticket: ledger.queue.waiters[i].ticket,
+                ticket: ledger.queue[i].ticket,
                 held,
             },
             None => Gate::Open,
@@ -376,23 +394,19 @@ impl Ledger {
         let Some(first) = first else {
             return Gate::Open;
         };
-        let Some(i) = self
-            .queue
-            .waiters
-            .iter()
-            .position(|w| w.ticket == first.ticket)
-        else {
+        let Some(i) = self.queue.position(first.ticket) else {
             return Gate::Open;
         };
-        let late = super::super::queue::millis(self.settings.config.wait.starvation_after);
+        let late = crate::broker::queue::millis(self.settings.config.wait.starvation_after);
         // A promise is the first waiter's alone: one that stopped being first (an older
         // one came first again) gets a new one when its turn comes back.
-        for w in &mut self.queue.waiters {
+        for w in self.queue.iter_mut() {
             if w.ticket != first.ticket {
                 w.promised = None;
             }
         }
-        let waiter = &mut self.queue.waiters[i];
+        let unit_count = self.units().len();
+        let waiter = &mut self.queue[i];
         match first.start {
             Ok((start, _)) => {
                 let promised = *waiter.promised.get_or_insert(start);
@@ -400,7 +414,7 @@ impl Ledger {
                     // Overdue: something outlived its prediction. Hold back all it could use.
                     return guard(self);
                 }
-                let mut units = vec![false; self.units.len()];
+                let mut units = vec![false; unit_count];
                 for u in first.units {
                     if let Some(slot) = units.get_mut(u) {
                         *slot = true;
@@ -464,7 +478,7 @@ impl Ledger {
                     from_now(*start, now),
                     units
                         .iter()
-                        .zip(self.units.iter())
+                        .zip(self.units().iter())
                         .filter(|(held, _)| **held)
                         .map(|(_, u)| u.gpu_index.to_string())
                         .collect::<Vec<_>>()

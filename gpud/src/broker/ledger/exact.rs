@@ -6,8 +6,8 @@ use std::collections::BTreeMap;
 
 use gpud_schema::format_bytes;
 
-use super::ledger::Ledger;
-use super::{BrokerError, Caller};
+use super::Ledger;
+use crate::broker::{BrokerError, Caller};
 use crate::isolation::Target;
 use crate::model::{Millis, Reservation, ReservationState, ReservedUnit};
 use crate::store::Txn;
@@ -124,7 +124,7 @@ impl Ledger {
             if chosen.iter().any(|(u, _)| &u.uuid == uuid) {
                 return Err(BrokerError::Invalid(format!("{uuid} is named twice")));
             }
-            let (unit, load) = (&self.units[i], &self.loads[i]);
+            let (unit, load) = (&self.units()[i], &self.loads()[i]);
             let name = match unit.mig_index {
                 Some(m) => format!("MIG instance {m} of GPU {}", unit.gpu_index),
                 None => format!("GPU {}", unit.gpu_index),
@@ -174,7 +174,7 @@ impl Ledger {
         }
         chosen.sort_by(|(a, _), (b, _)| (a.gpu_index, &a.uuid).cmp(&(b.gpu_index, &b.uuid)));
         let (units, totals): (Vec<ReservedUnit>, Vec<u64>) = chosen.into_iter().unzip();
-        self.check_quota(&caller, &units)?;
+        self.quotas.check_units(&self.settings, &caller, &units)?;
         // The container's cgroup is attached by its CDI hook when it starts, if the kubelet
         // plugin names the CDI device: without one nothing attaches it, and under
         // `[isolation] require` the pod is refused here rather than run without its limit.
@@ -194,7 +194,7 @@ impl Ledger {
             &units,
             &totals,
             request.exclusive,
-            &self.gpus,
+            self.machine.gpus(),
             &self.settings.config.env,
         );
         let r = Reservation {

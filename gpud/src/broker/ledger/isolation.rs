@@ -10,16 +10,14 @@
 
 use gpud_schema::IsolationMode;
 
-use super::ledger::Ledger;
-use super::{BrokerError, Caller};
+use super::Ledger;
+use super::limits::pairs;
+use crate::broker::{BrokerError, Caller};
 use crate::isolation::{self, Limits, NO_LIMIT, Target};
 use crate::model::{
     Event, EventKind, EventPhase, Millis, Reservation, ReservationIsolation, ReservedUnit,
 };
 use crate::store::Txn;
-
-/// A pair whose limits must be made what the ledger says: `(cgroup, GPU uuid)`.
-pub(super) type Pair = (String, String);
 
 /// An event about reservation `id`'s limits that someone should look at (logged as a
 /// warning).
@@ -47,18 +45,6 @@ fn isolation_event(now: Millis, id: &str, action: &str, message: String) -> Even
     }
 }
 
-/// The pairs a driver-mode reservation limits.
-pub(super) fn pairs(r: &Reservation) -> Vec<Pair> {
-    match (&r.isolation.cgroup, r.isolation.is_driver()) {
-        (Some(cgroup), true) => r
-            .units
-            .iter()
-            .map(|u| (cgroup.clone(), u.uuid.clone()))
-            .collect(),
-        _ => Vec::new(),
-    }
-}
-
 impl Ledger {
     /// The isolation a new reservation of `units` gets on `target`; under `[isolation]
     /// require`, an error instead of advisory.
@@ -67,7 +53,7 @@ impl Ledger {
         target: &Target,
         units: &[ReservedUnit],
     ) -> Result<ReservationIsolation, BrokerError> {
-        let decided = isolation::decide(target, units, &self.gpus, &self.units);
+        let decided = isolation::decide(target, units, self.machine.gpus(), self.units());
         match (&decided.reason, self.settings.config.isolation.require) {
             (Some(reason), true) if decided.mode == IsolationMode::Advisory => {
                 Err(BrokerError::IsolationUnavailable(format!(
@@ -81,10 +67,7 @@ impl Ledger {
 
     /// Records that `r` (now active) limits its pairs: they are set after the commit.
     pub(super) fn limits_added(&mut self, r: &Reservation) {
-        let pairs = pairs(r);
-        if let Some(cgroup) = pairs.first().map(|(c, _)| c.clone()) {
-            self.limited.entry(cgroup).or_default().insert(r.id.clone());
-        }
+        let pairs = self.limits.claim(r);
         if let Some(cgroup) = &r.holder_cgroup {
             self.effects
                 .cgroup_watches
@@ -115,36 +98,22 @@ impl Ledger {
     /// Drops `r`'s claim on its pairs, which are set anew after the commit; whether it had
     /// any.
     fn limits_released(&mut self, r: &Reservation) -> bool {
-        let pairs = pairs(r);
-        let Some(cgroup) = pairs.first().map(|(c, _)| c.clone()) else {
-            return false;
-        };
-        if let Some(ids) = self.limited.get_mut(&cgroup) {
-            ids.remove(&r.id);
-            if ids.is_empty() {
-                self.limited.remove(&cgroup);
-            }
-        }
+        let pairs = self.limits.release(r);
+        let had = !pairs.is_empty();
         self.effects.limits.extend(pairs);
-        true
+        had
     }
 
     /// The limits `cgroup` is to have on GPU `uuid` now: the sum of its active
     /// reservations' there, or a reset (soft 0, no hard limit) when it has none.
     pub fn desired_limits(&self, cgroup: &str, uuid: &str) -> Limits {
         let burst = self.settings.config.isolation.burst;
-        let Some(total) = self
-            .unit_index(uuid)
-            .and_then(|i| self.units.get(i))
-            .map(|u| u.memory_total_bytes)
-        else {
+        let Some(total) = self.machine.unit_total(uuid) else {
             return (0, NO_LIMIT);
         };
         let reserved: Vec<Option<u64>> = self
-            .limited
-            .get(cgroup)
-            .into_iter()
-            .flatten()
+            .limits
+            .on(cgroup)
             .filter_map(|id| self.active.get(id))
             .flat_map(|r| {
                 r.units
@@ -162,7 +131,7 @@ impl Ledger {
 
     /// Whether an active reservation still limits `cgroup`.
     pub fn cgroup_in_use(&self, cgroup: &str) -> bool {
-        self.limited.contains_key(cgroup)
+        self.limits.in_use(cgroup)
     }
 
     /// Puts `id`'s limits on `target`'s cgroup (a container's, found by a CDI hook).
@@ -189,7 +158,7 @@ impl Ledger {
         // Asked to limit a cgroup the driver could limit, gpud never answers with less:
         // a container started this way would run without its limit, silently.
         if target.cgroup.is_none()
-            && isolation::enforceable(&r.units, &self.gpus, &self.units).is_ok()
+            && isolation::enforceable(&r.units, self.machine.gpus(), self.units()).is_ok()
         {
             let why = target
                 .none_because
@@ -223,7 +192,7 @@ impl Ledger {
         self.limits_released(r);
         let mut updated = r.clone();
         updated.isolation = isolation;
-        self.replace_active(updated.clone());
+        self.active.put(updated.clone());
         Ok(updated)
     }
 
@@ -252,8 +221,8 @@ impl Ledger {
                  its CDI device is attached"
             )),
             &r.units,
-            &self.gpus,
-            &self.units,
+            self.machine.gpus(),
+            self.units(),
         );
         let event = if reset {
             tracing::info!(reservation = %id, %cgroup, "container ended; limits reset, waiting for the next");

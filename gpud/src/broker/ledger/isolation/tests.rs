@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 
 use gpud_schema::{GpuIsolation, IsolationMode};
 
-use super::super::*;
+use crate::broker::*;
 use crate::isolation::{Limiter, NO_LIMIT, Target};
 use crate::model::{EventFilter, EventKind};
 

@@ -1,0 +1,146 @@
+//! Where a request goes: placement over the machine's loads (or over the units it names),
+//! with units held back for a waiter out of reach, then its owner's quotas. Part of the
+//! ledger; it changes nothing.
+
+use super::Ledger;
+use crate::broker::{BrokerError, Caller, ReserveRequest};
+use crate::holder::PinnedProcess;
+use crate::model::{MemoryAsk, Reservation, ReservedUnit, Unit};
+use crate::placement::{self, PlacementError, PlacementRequest, PlacementState, UnitLoad};
+
+impl Ledger {
+    /// Whether active reservation `r` is what `request` from `caller` would make: same
+    /// owner, GPUs, memory, lifetime and labels (a retry of the request that made it).
+    pub(super) fn is_same_request(
+        &self,
+        r: &Reservation,
+        caller: &Caller,
+        request: &ReserveRequest,
+        holder: Option<&PinnedProcess>,
+    ) -> bool {
+        let memory_matches = r.units.iter().all(|u| {
+            let total = self.machine.unit_total(&u.uuid).unwrap_or(0);
+            match request.memory {
+                MemoryAsk::Exclusive => r.exclusive,
+                ask => !r.exclusive && u.memory_bytes == ask.bytes_on(total),
+            }
+        });
+        let devices_match = request.devices.is_empty()
+            || self
+                .machine
+                .named_units(&request.devices)
+                .is_ok_and(|named| {
+                    r.units
+                        .iter()
+                        .all(|u| named.iter().any(|&i| self.units()[i].uuid == u.uuid))
+                });
+        r.owner_uid == caller.uid
+            && devices_match
+            && r.units.len() == request.gpus as usize
+            && memory_matches
+            && r.ttl_seconds == request.ttl_seconds
+            && r.holder.as_ref().map(|h| h.pid) == holder.map(|h| h.holder.pid)
+            && r.labels == request.labels
+            && r.holder_cgroup
+                == request
+                    .target
+                    .holds
+                    .then(|| request.target.cgroup.clone())
+                    .flatten()
+    }
+
+    /// Where placement would put `request` on units loaded as `loads` (aligned with
+    /// `self.units`): each unit's position and the bytes it gets. Quotas are not asked.
+    pub(super) fn place_on(
+        &self,
+        request: &ReserveRequest,
+        loads: &[UnitLoad],
+    ) -> Result<Vec<(usize, u64)>, BrokerError> {
+        let placement_request = PlacementRequest {
+            gpus: request.gpus,
+            memory: request.memory,
+            policy: request
+                .policy
+                .unwrap_or(self.settings.config.placement.default_policy),
+        };
+        // Named units: placement sees only those (and says why they do not fit), and its
+        // positions map back through `named`.
+        let named = self.machine.named_units(&request.devices)?;
+        let units = self.units();
+        let (named_units, named_loads): (Vec<Unit>, Vec<UnitLoad>) =
+            named.iter().map(|&i| (units[i].clone(), loads[i])).unzip();
+        let topology = self.machine.topology();
+        let state = if request.devices.is_empty() {
+            PlacementState {
+                units,
+                loads,
+                topology,
+            }
+        } else {
+            PlacementState {
+                units: &named_units,
+                loads: &named_loads,
+                topology,
+            }
+        };
+        let placement = placement::place(&placement_request, &state).map_err(|e| match e {
+            PlacementError::Impossible(m) => BrokerError::Unsatisfiable(m),
+            PlacementError::NoCapacity(m) => BrokerError::NoCapacity(m),
+        })?;
+        placement
+            .assignments
+            .iter()
+            .map(|a| {
+                let position = if request.devices.is_empty() {
+                    Some(a.unit)
+                } else {
+                    named.get(a.unit).copied()
+                };
+                position
+                    .filter(|&p| p < units.len())
+                    .map(|p| (p, a.memory_bytes))
+                    .ok_or(BrokerError::Internal("placement chose an unknown unit"))
+            })
+            .collect()
+    }
+
+    /// The units `request` of `caller` would get now, with their sizes, or why none: placement
+    /// (the units `held` back for a waiter out of reach), then quotas. Changes nothing.
+    pub(super) fn choose(
+        &mut self,
+        caller: &Caller,
+        request: &ReserveRequest,
+        held: Option<&[bool]>,
+    ) -> Result<(Vec<ReservedUnit>, Vec<u64>), BrokerError> {
+        // Units held back for a waiter are out of reach, as if unhealthy.
+        let masked: Vec<UnitLoad>;
+        let loads = match held {
+            Some(held) => {
+                masked = self
+                    .loads()
+                    .iter()
+                    .zip(held)
+                    .map(|(load, held)| UnitLoad {
+                        healthy: load.healthy && !held,
+                        ..*load
+                    })
+                    .collect();
+                &masked
+            }
+            None => self.loads(),
+        };
+        let mut units: Vec<ReservedUnit> = Vec::new();
+        let mut totals = Vec::new();
+        for (p, memory_bytes) in self.place_on(request, loads)? {
+            let unit = &self.units()[p];
+            units.push(ReservedUnit {
+                uuid: unit.uuid.clone(),
+                gpu_index: unit.gpu_index,
+                memory_bytes,
+            });
+            totals.push(unit.memory_total_bytes);
+        }
+        self.quotas.check_units(&self.settings, caller, &units)?;
+        Ok((units, totals))
+    }
+}

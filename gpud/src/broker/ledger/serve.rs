@@ -1,0 +1,218 @@
+//! Serving the wait queue: which waiters are tried when capacity frees, in what order,
+//! and what the gate lets go ahead of the first one (the plan is in [`super::plan`]).
+//! Part of the ledger: it changes the queue and makes reservations through the same rules
+//! as a request.
+
+use super::quota::Counted;
+use super::{Gate, Ledger, Served};
+use crate::broker::queue::Waiter;
+use crate::broker::{BrokerError, Caller, ReserveRequest};
+use crate::config::QueuePolicy;
+use crate::holder::PinnedProcess;
+use crate::model::{Millis, Reservation};
+use crate::store::Txn;
+
+impl Ledger {
+    /// Withdraws a queued request (its client went away). `false` when it is not queued.
+    pub fn withdraw(&mut self, ticket: u64) -> bool {
+        self.queue.withdraw(ticket)
+    }
+
+    /// Serves queued requests that fit now, in queue order: up to the first waiter (the one
+    /// the gate protects) anything that fits, behind it what the gate lets go ahead.
+    /// Waiters whose client or holder went away are dropped. Those served are told once the
+    /// transaction is committed ([`Ledger::take_effects`]).
+    pub(super) fn serve_waiters(&mut self, txn: &mut Txn<'_>, now: Millis) {
+        self.queue.drop_gone();
+        if self.settings.config.wait.policy == QueuePolicy::PackingBound {
+            // Largest first (all it asks for, on the largest GPU); the sort is stable, so
+            // equals keep their order.
+            let largest = self.units().iter().map(|u| u.memory_total_bytes).max();
+            let mut tickets: Vec<(u64, u64)> = self
+                .queue
+                .iter()
+                .map(|w| {
+                    let per_gpu = w.request.memory.bytes_on(largest.unwrap_or(0));
+                    (w.ticket, u64::from(w.request.gpus).saturating_mul(per_gpu))
+                })
+                .collect();
+            tickets.sort_by_key(|&(_, bytes)| std::cmp::Reverse(bytes));
+            for (ticket, _) in tickets {
+                self.serve_waiter(txn, ticket, None, now);
+            }
+            return;
+        }
+        'plan: loop {
+            let mut gate = self.gate(now);
+            let first = gate.ticket().and_then(|t| self.queue.position(t));
+            let upto = first.map_or(self.queue.len(), |p| p + 1);
+            let tickets: Vec<u64> = self.queue.iter().map(|w| w.ticket).collect();
+            let (ahead, behind) = tickets.split_at(upto);
+            for &ticket in ahead {
+                self.serve_waiter(txn, ticket, None, now);
+                if gate.ticket() == Some(ticket) && self.queue.position(ticket).is_none() {
+                    // The first waiter is served (or failed for good): plan for the next.
+                    continue 'plan;
+                }
+            }
+            for &ticket in behind {
+                self.serve_waiter(txn, ticket, Some(&mut gate), now);
+            }
+            return;
+        }
+    }
+
+    /// Tries waiter `ticket` now: ungated (`gate` None: it is not behind the first waiter),
+    /// or as far as `gate` lets it go ahead. Served, it leaves the queue (told after the
+    /// commit); over capacity, or over quota for now, it stays; otherwise it leaves with
+    /// the error.
+    fn serve_waiter(
+        &mut self,
+        txn: &mut Txn<'_>,
+        ticket: u64,
+        gate: Option<&mut Gate>,
+        now: Millis,
+    ) {
+        let Some(i) = self.queue.position(ticket) else {
+            return;
+        };
+        let waiter = &mut self.queue[i];
+        let (caller, request) = (waiter.caller, waiter.request.clone());
+        let holder = waiter.holder.take();
+        let tried = match gate {
+            Some(gate) => self.try_behind(txn, gate, &caller, &request, holder.as_ref(), now),
+            None => self.try_reserve(txn, &caller, &request, holder.as_ref(), now, None),
+        };
+        match tried {
+            Ok(reservation) => {
+                if let Some(Waiter { reply, .. }) = self.queue.remove(i) {
+                    self.effects.served.push(Served {
+                        reply,
+                        reservation,
+                        holder,
+                    });
+                }
+            }
+            // Over quota for now (its owner holds other reservations): it goes on waiting
+            // for them to end, as long as its quotas could ever let it through.
+            Err(BrokerError::NoCapacity(_)) => {
+                self.queue[i].holder = holder;
+            }
+            Err(BrokerError::QuotaExceeded(_))
+                if self
+                    .check_quota_of_request(&caller, &request, Counted::Nothing)
+                    .is_ok() =>
+            {
+                self.queue[i].holder = holder;
+            }
+            Err(e) => {
+                if let Some(w) = self.queue.remove(i) {
+                    let _ = w.reply.send(Err(e));
+                }
+            }
+        }
+    }
+
+    /// Says anew why each waiter waits, against the machine as it is at `now` (what
+    /// `GET /v1/waiters` and a time-out's message tell). Changes nothing else.
+    pub fn refresh_reasons(&mut self, now: Millis) {
+        if self.queue.is_empty() {
+            return;
+        }
+        // One projection serves the gate (its first entry) and the listing.
+        let mut expected = match self.settings.config.wait.policy {
+            QueuePolicy::Planned => self.project(now, true),
+            QueuePolicy::Guard | QueuePolicy::PackingBound => Vec::new(),
+        };
+        let gate = self.gate_for(now, expected.first().cloned());
+        let mut behind = false;
+        for i in 0..self.queue.len() {
+            let w = &self.queue[i];
+            let (caller, request, ticket) = (w.caller, w.request.clone(), w.ticket);
+            let allowed = if behind {
+                self.admit(&gate, &caller, &request, now)
+            } else {
+                Ok(None)
+            };
+            let why = match allowed.and_then(|held| self.choose(&caller, &request, held.as_deref()))
+            {
+                Ok(_) => "it fits now and is served next".to_owned(),
+                Err(BrokerError::QuotaExceeded(q)) => {
+                    format!("{q}; it waits for that user's own reservations to end")
+                }
+                Err(e) => e.to_string(),
+            };
+            behind |= gate.ticket() == Some(ticket);
+            let w = &mut self.queue[i];
+            w.why = why;
+            w.expected = expected
+                .iter()
+                .position(|e| e.ticket == ticket)
+                .map(|p| expected.swap_remove(p).start);
+        }
+    }
+
+    /// The starvation guard: the oldest waiter that its owner's quotas allow, once it has
+    /// waited `starvation_after`, and the units held back for it (those it could use:
+    /// healthy, and large enough for its ask). `None` while no such waiter has waited that
+    /// long.
+    pub(super) fn guard(&mut self, now: Millis) -> Option<(usize, Vec<bool>)> {
+        let starvation = crate::broker::queue::millis(self.settings.config.wait.starvation_after);
+        for i in 0..self.queue.len() {
+            let w = &self.queue[i];
+            if w.reply.is_closed() {
+                continue;
+            }
+            let (caller, request, since) = (w.caller, w.request.clone(), w.since);
+            if self
+                .check_quota_of_request(&caller, &request, Counted::Held)
+                .is_err()
+            {
+                continue;
+            }
+            if now.saturating_sub(since) < starvation {
+                return None;
+            }
+            let held = self
+                .units()
+                .iter()
+                .zip(self.loads())
+                .map(|(unit, load)| {
+                    load.healthy
+                        && unit.memory_total_bytes
+                            >= request.memory.bytes_on(unit.memory_total_bytes)
+                })
+                .collect();
+            return Some((i, held));
+        }
+        None
+    }
+
+    /// Reserves `request` if it fits now and `gate` lets it go ahead of the queue's first
+    /// waiter; tells the gate what went ahead.
+    pub(super) fn try_behind(
+        &mut self,
+        txn: &mut Txn<'_>,
+        gate: &mut Gate,
+        caller: &Caller,
+        request: &ReserveRequest,
+        holder: Option<&PinnedProcess>,
+        now: Millis,
+    ) -> Result<Reservation, BrokerError> {
+        let held = self.admit(gate, caller, request, now)?;
+        let r = self
+            .try_reserve(txn, caller, request, holder, now, held.as_deref())
+            .map_err(|e| match (e, &*gate) {
+                (BrokerError::NoCapacity(_), Gate::Held { .. }) => {
+                    BrokerError::NoCapacity(format!(
+                        "capacity is being held for a request that has waited more than {}; \
+                         wait for it to be served",
+                        gpud_schema::format_duration(self.settings.config.wait.starvation_after)
+                    ))
+                }
+                (e, _) => e,
+            })?;
+        self.went_ahead(gate, &r, now);
+        Ok(r)
+    }
+}
