@@ -15,20 +15,14 @@ use hyper::header::{CONTENT_TYPE, HeaderValue};
 use hyper::{Method, Request, Response, StatusCode};
 use serde::Serialize;
 
-use gpud_schema::{self as schema, MemoryAmount, MemorySpec, codes};
+use gpud_schema::{self as schema, codes};
 
-use crate::broker::{Broker, BrokerError, Caller, ReserveOutcome, ReserveRequest};
+use crate::broker::{Broker, BrokerError, Caller};
 use crate::clock::rfc3339;
-use crate::isolation::{TargetError, Workloads};
+use crate::isolation::TargetError;
 use crate::metrics::Metrics;
-use crate::model::{
-    self, EventFilter, EventKind, MemoryAsk, Millis, Page, Policy, ReservationState, Topology,
-};
-use crate::probe::link_cell;
-
-use gpud_schema::limits::{
-    MAX_DEVICES, MAX_ID_LEN, MAX_LABEL_KEY, MAX_LABEL_VALUE, MAX_LABELS, MAX_LABELS_BYTES,
-};
+use crate::model::{EventFilter, EventKind, MemoryAsk, Page, ReservationState};
+use crate::service::{AttachTo, HolderCgroup, Reserved, Service, ServiceError};
 
 /// What every request handler shares.
 #[derive(Debug)]
@@ -41,8 +35,8 @@ pub struct Api {
     pub body_timeout: Duration,
     /// Prometheus metrics.
     pub metrics: Arc<Metrics>,
-    /// Where workloads' cgroups are.
-    pub workloads: Arc<Workloads>,
+    /// Reserving and attaching, with the host's cgroups.
+    pub service: Arc<Service>,
 }
 
 /// An error on its way to becoming a JSON response.
@@ -558,75 +552,16 @@ impl Api {
 
     async fn create(&self, caller: Caller, body: &[u8]) -> Result<Reply, ApiError> {
         let wire: schema::ReservationRequest = parse_json(body)?;
-        let (named, own) = (wire.holder_cgroup.clone(), wire.own_cgroup);
-        let mut request = to_request(wire)?;
-        // A cgroup made for the holder is named after the reservation: its id is chosen here,
-        // unless the client chose it.
-        if own && request.id.is_none() {
-            request.id = Some(crate::broker::new_reservation_id());
-        }
-        let workloads = self.workloads.clone();
-        let admin = self.broker.is_admin(&caller);
-        let id = request.id.clone().unwrap_or_default();
-        let enforceable = self
-            .broker
-            .snapshot()
-            .gpus
-            .iter()
-            .any(|g| g.isolation.mode == schema::IsolationMode::Driver);
-        let holder_pid = request.holder_pid;
-        let reads_proc = holder_pid.is_some() || named.is_some() || own;
-        // Pinning the holder and finding its cgroup read /proc and cgroupfs: one trip to a
-        // blocking thread for both, and none for a request that names neither.
-        let pin_and_prepare = move || -> Result<_, ApiError> {
-            let holder = match holder_pid {
-                Some(pid) => Some(
-                    crate::holder::pin_holder(&caller, pid)
-                        .map_err(|e| ApiError::from(BrokerError::from(e)))?,
-                ),
-                None => None,
-            };
-            let pinned_pid = holder.as_ref().map(|h| h.holder.pid);
-            let prepared = workloads
-                .prepare(
-                    &caller,
-                    admin,
-                    named.as_deref(),
-                    own,
-                    enforceable,
-                    pinned_pid,
-                    &id,
-                )
-                .map_err(target_error)?;
-            Ok((holder, prepared))
+        let cgroup = HolderCgroup {
+            named: wire.holder_cgroup.clone(),
+            own: wire.own_cgroup,
         };
-        let (holder, prepared) = if reads_proc {
-            tokio::task::spawn_blocking(pin_and_prepare)
-                .await
-                .map_err(|_| {
-                    BrokerError::Internal("pinning the holder or finding its cgroup panicked")
-                })??
-        } else {
-            pin_and_prepare()?
-        };
-        request.target = prepared.target.clone();
-        let outcome = match self.broker.reserve(caller, request, holder).await {
-            Ok(ReserveOutcome::Reserved(r)) => Ok((StatusCode::CREATED, r)),
+        let request = to_request(wire)?;
+        Ok(match self.service.reserve(caller, request, cgroup).await? {
+            Reserved::Made(r) => json(StatusCode::CREATED, &to_wire(r)),
             // A retry: what the first request made, unchanged.
-            Ok(ReserveOutcome::Existing(r)) => Ok((StatusCode::OK, r)),
-            Ok(ReserveOutcome::Queued(ticket)) => {
-                ticket.wait().await.map(|r| (StatusCode::CREATED, r))
-            }
-            Err(e) => Err(e),
-        };
-        match outcome {
-            Ok((status, r)) => Ok(json(status, &to_wire(r))),
-            Err(e) => {
-                let workloads = self.workloads.clone();
-                let _ = tokio::task::spawn_blocking(move || workloads.undo(&prepared)).await;
-                Err(e.into())
-            }
-        }
+            Reserved::Existing(r) => json(StatusCode::OK, &to_wire(r)),
+        })
     }
 
     async fn attach_cgroup(
@@ -636,184 +571,34 @@ impl Api {
         body: &[u8],
     ) -> Result<Reply, ApiError> {
         let wire: schema::AttachCgroupRequest = parse_json(body)?;
-        let given = [
-            wire.cgroup.is_some(),
-            wire.pid.is_some(),
-            wire.container_pid.is_some(),
-        ];
-        if given.iter().filter(|&&g| g).count() != 1 {
-            return Err(ApiError::invalid(
-                "give the cgroup (\"cgroup\": \"/kubepods/…\"), a process in it \
-                 (\"pid\": 4242) or a container's first process as its CDI hook sees it \
-                 (\"container_pid\": 1): one of the three",
-            ));
-        }
-        // Not active: the broker says which (404 or 409) before any cgroup is looked at.
-        let Some(previous) = self.broker.snapshot().reservation(&id).map(|r| {
-            r.isolation
-                .cgroup
-                .clone()
-                .filter(|_| r.isolation.is_driver())
-        }) else {
-            let r = self
-                .broker
-                .attach_cgroup(caller, id, crate::isolation::Target::default())
-                .await?;
-            return Ok(json(StatusCode::OK, &to_wire(r)));
+        let to = match (wire.cgroup, wire.pid, wire.container_pid) {
+            (Some(cgroup), None, None) => AttachTo::Cgroup(cgroup),
+            (None, Some(pid), None) => AttachTo::Pid(pid),
+            (None, None, Some(pid)) => AttachTo::ContainerPid(pid),
+            _ => {
+                return Err(ApiError::invalid(
+                    "give the cgroup (\"cgroup\": \"/kubepods/…\"), a process in it \
+                     (\"pid\": 4242) or a container's first process as its CDI hook sees it \
+                     (\"container_pid\": 1): one of the three",
+                ));
+            }
         };
-        let workloads = self.workloads.clone();
-        let admin = self.broker.is_admin(&caller);
-        let (target, previous_ended) = tokio::task::spawn_blocking(move || {
-            // The previous container may have ended a moment ago, before gpud saw its
-            // cgroup empty.
-            let previous_ended = previous.filter(|p| {
-                crate::isolation::cgroup::populated(std::path::Path::new(p)) != Some(true)
-            });
-            attach_target(&workloads, caller, admin, wire).map(|t| (t, previous_ended))
-        })
-        .await
-        .map_err(|_| BrokerError::Internal("finding the cgroup panicked"))?
-        .map_err(target_error)?;
-        // Detached first (commands run in order), so that the next container does not
-        // conflict with it.
-        if let Some(previous) = previous_ended {
-            self.broker.detach(id.clone(), previous);
-        }
-        let r = self.broker.attach_cgroup(caller, id, target).await?;
+        let r = self.service.attach(caller, id, to).await?;
         Ok(json(StatusCode::OK, &to_wire(r)))
     }
 }
 
-/// Where an attach's limits go: the cgroup it names, a process's (read in the caller's PID
-/// namespace), or a container's being created (see [`Workloads::of_container`]), checked
-/// against what the caller may name. Blocking: it reads `/proc` and cgroupfs.
-fn attach_target(
-    workloads: &Workloads,
-    caller: Caller,
-    admin: bool,
-    wire: schema::AttachCgroupRequest,
-) -> Result<crate::isolation::Target, TargetError> {
-    let Some(h) = workloads.hierarchy() else {
-        return Ok(crate::isolation::Target::none(
-            "this host has no cgroup v2 hierarchy mounted",
-        ));
-    };
-    if let Some(seen_as) = wire.container_pid {
-        let Some(hook) = caller.pid else {
-            return Ok(crate::isolation::Target::none(
-                "gpud cannot see the hook's process (it runs in a PID namespace that \
-                 does not include the container's), so it cannot find the container",
-            ));
-        };
-        let target = workloads.of_container(h, hook, seen_as);
-        // Whoever names a container may only limit a cgroup they could name.
-        if let Some(cgroup) = &target.cgroup {
-            workloads.named(h, &caller, admin, cgroup)?;
-        }
-        return Ok(target);
-    }
-    match (wire.cgroup, wire.pid) {
-        (Some(named), _) => {
-            let full = workloads.named(h, &caller, admin, &named)?;
-            Ok(crate::isolation::Target::on(full))
-        }
-        (None, Some(seen_as)) => {
-            // The pid as the caller sees it, like a holder's.
-            let pid = match caller.pid {
-                Some(caller_pid) => {
-                    crate::holder::translate_pid(caller_pid, seen_as).map_err(|e| {
-                        TargetError::Invalid(format!(
-                            "process {seen_as} (pid): {e} in your PID namespace"
-                        ))
-                    })?
-                }
-                None => seen_as,
-            };
-            let target = workloads.of_process(h, pid)?;
-            // Whoever names a process may only limit a cgroup they could name.
-            if let Some(cgroup) = &target.cgroup {
-                workloads.named(h, &caller, admin, cgroup)?;
+impl From<ServiceError> for ApiError {
+    fn from(e: ServiceError) -> ApiError {
+        match e {
+            ServiceError::Broker(e) => e.into(),
+            ServiceError::Target(TargetError::Invalid(m)) => ApiError::invalid(m),
+            ServiceError::Target(TargetError::Forbidden(m)) => BrokerError::Forbidden(m).into(),
+            ServiceError::Target(TargetError::Failed(m)) => {
+                tracing::error!(error = %m, "could not prepare a workload cgroup");
+                ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, codes::INTERNAL, m)
             }
-            Ok(target)
         }
-        (None, None) => Ok(crate::isolation::Target::default()),
-    }
-}
-
-/// The API error of a request's cgroup that cannot be used.
-fn target_error(e: TargetError) -> ApiError {
-    match e {
-        TargetError::Invalid(m) => ApiError::invalid(m),
-        TargetError::Forbidden(m) => BrokerError::Forbidden(m).into(),
-        TargetError::Failed(m) => {
-            tracing::error!(error = %m, "could not prepare a workload cgroup");
-            ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, codes::INTERNAL, m)
-        }
-    }
-}
-
-/// `value` with its `%XX` escapes decoded; `None` for a broken escape or invalid UTF-8.
-fn percent_decoded(value: &str) -> Option<String> {
-    let bytes = value.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'%' {
-            let hex = std::str::from_utf8(bytes.get(i + 1..i + 3)?).ok()?;
-            out.push(u8::from_str_radix(hex, 16).ok()?);
-            i += 3;
-        } else {
-            out.push(bytes[i]);
-            i += 1;
-        }
-    }
-    String::from_utf8(out).ok()
-}
-
-/// A listing cursor, `CREATED_MS.ID` as `next` gives it (`0` for the beginning).
-fn parse_cursor(value: &str) -> Result<(Millis, String), ApiError> {
-    let bad = || {
-        ApiError::invalid(format!(
-            "after must be a cursor from a listing's next (or 0 for the start); got {value:?}"
-        ))
-    };
-    let (at, id) = value.split_once('.').unwrap_or((value, ""));
-    let at = at.parse().map_err(|_| bad())?;
-    let id = if id.is_empty() {
-        String::new()
-    } else {
-        valid_id(id).map_err(|_| bad())?
-    };
-    Ok((at, id))
-}
-
-/// `2026-11-21T05:00:00Z` (RFC 3339, with `%3A` for `:` as URLs may encode it) or Unix seconds.
-fn parse_since(value: &str) -> Option<Millis> {
-    if let Ok(secs) = value.parse::<u64>() {
-        return secs.checked_mul(1000);
-    }
-    let text = value.replace("%3A", ":").replace("%3a", ":");
-    let at = humantime::parse_rfc3339_weak(&text).ok()?;
-    let since_epoch = at.duration_since(std::time::UNIX_EPOCH).ok()?;
-    u64::try_from(since_epoch.as_millis()).ok()
-}
-
-/// The wire form of an event.
-pub fn event_to_wire(e: &model::Event) -> schema::Event {
-    schema::Event {
-        id: e.id,
-        at: rfc3339(e.at),
-        kind: e.kind,
-        phase: e.phase,
-        gpu_index: e.gpu_index,
-        unit_uuid: e.unit_uuid.clone(),
-        pid: e.pid,
-        uid: e.uid,
-        reservation_id: e.reservation_id.clone(),
-        used_bytes: e.used_bytes,
-        reserved_bytes: e.reserved_bytes,
-        action: e.action.clone(),
-        message: e.message.clone(),
     }
 }
 
@@ -846,402 +631,10 @@ fn parse_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError
     serde_json::from_slice(body).map_err(|e| ApiError::invalid(format!("invalid JSON body: {e}")))
 }
 
-fn valid_id(id: &str) -> Result<String, ApiError> {
-    let ok = !id.is_empty()
-        && id.len() <= MAX_ID_LEN
-        && id
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.')
-        && id != "."
-        && id != "..";
-    if ok {
-        Ok(id.to_owned())
-    } else {
-        Err(ApiError::invalid(format!(
-            "{id:?} is not a reservation id (letters, digits, '-', '_' and '.', at most {MAX_ID_LEN})"
-        )))
-    }
-}
+mod wire;
 
-/// A memory ask as the wire writes it (the reverse of [`to_request`]'s); `None` when
-/// exclusive.
-fn memory_spec(ask: MemoryAsk) -> Option<MemorySpec> {
-    match ask {
-        MemoryAsk::Bytes(b) => Some(MemorySpec::Bytes(b)),
-        MemoryAsk::BasisPoints(bp) => Some(MemorySpec::Text(schema::format_basis_points(bp))),
-        MemoryAsk::Exclusive => None,
-    }
-}
-
-/// Checks and converts the wire request into the broker's.
-pub fn to_request(wire: schema::ReservationRequest) -> Result<ReserveRequest, ApiError> {
-    let named = u32::try_from(wire.devices.len()).unwrap_or(u32::MAX);
-    let gpus = wire.gpus.unwrap_or(named.max(1));
-    if gpus == 0 {
-        return Err(ApiError::invalid("gpus must be at least 1"));
-    }
-    if named > 0 && gpus > named {
-        return Err(ApiError::invalid(format!(
-            "asked for {gpus} GPUs among {named} named in devices; name at least as many \
-             as you ask for, or leave gpus out to reserve all the named ones"
-        )));
-    }
-    if named > MAX_DEVICES {
-        return Err(ApiError::invalid(format!(
-            "devices names {named} GPUs; at most {MAX_DEVICES}"
-        )));
-    }
-    let memory = match (wire.memory, wire.exclusive) {
-        (Some(_), true) => {
-            return Err(ApiError::invalid(
-                "give either memory (shared GPUs) or exclusive: true (whole GPUs), not both",
-            ));
-        }
-        (None, true) => MemoryAsk::Exclusive,
-        (None, false) => {
-            return Err(ApiError::invalid(
-                "say how much memory per GPU (\"memory\": \"4GiB\") or ask for whole GPUs (\"exclusive\": true)",
-            ));
-        }
-        (Some(MemorySpec::Bytes(0)), false) => {
-            return Err(ApiError::invalid("memory must be at least 1 byte"));
-        }
-        (Some(MemorySpec::Bytes(b)), false) => MemoryAsk::Bytes(b),
-        (Some(MemorySpec::Text(t)), false) => match gpud_schema::parse_memory(&t) {
-            Ok(MemoryAmount::Bytes(b)) => MemoryAsk::Bytes(b),
-            Ok(MemoryAmount::BasisPoints(bp)) => MemoryAsk::BasisPoints(bp),
-            Err(e) => return Err(ApiError::invalid(e.to_string())),
-        },
-    };
-    if wire.labels.len() > MAX_LABELS {
-        return Err(ApiError::invalid(format!("at most {MAX_LABELS} labels")));
-    }
-    for (k, v) in &wire.labels {
-        if k.is_empty() || k.len() > MAX_LABEL_KEY || v.len() > MAX_LABEL_VALUE || k.contains('=') {
-            return Err(ApiError::invalid(format!(
-                "label {k:?}: keys are 1-{MAX_LABEL_KEY} characters without '=', values at most {MAX_LABEL_VALUE}"
-            )));
-        }
-    }
-    let bytes: usize = wire.labels.iter().map(|(k, v)| k.len() + v.len()).sum();
-    if bytes > MAX_LABELS_BYTES {
-        return Err(ApiError::invalid(format!(
-            "labels take {bytes} bytes; at most {MAX_LABELS_BYTES} in all (keys and values)"
-        )));
-    }
-    if wire.holder_pid == Some(0) {
-        return Err(ApiError::invalid("holder_pid must be a process id, not 0"));
-    }
-    Ok(ReserveRequest {
-        gpus,
-        memory,
-        policy: wire.policy.map(|p| match p {
-            schema::PolicyName::Binpack => Policy::Binpack,
-            schema::PolicyName::Spread => Policy::Spread,
-        }),
-        wait: wire.wait_seconds.map(Duration::from_secs),
-        ttl_seconds: wire.ttl_seconds,
-        holder_pid: wire.holder_pid,
-        labels: wire.labels,
-        id: wire.id.as_deref().map(valid_id).transpose()?,
-        target: crate::isolation::Target::default(),
-        owner_uid: wire.owner_uid,
-        devices: wire.devices,
-    })
-}
-
-/// A `label=KEY=VALUE` query parameter's value (the `=` may be written `%3D`).
-fn label_param(value: &str) -> Result<(String, String), ApiError> {
-    let decoded = percent_decoded(value).ok_or_else(|| {
-        ApiError::invalid(format!(
-            "label: {value:?} is not valid percent-encoded UTF-8"
-        ))
-    })?;
-    let (k, v) = decoded.split_once('=').ok_or_else(|| {
-        ApiError::invalid(format!(
-            "label must be KEY=VALUE (label=job%3Dasr, or label=job=asr); got {decoded:?}"
-        ))
-    })?;
-    Ok((k.to_owned(), v.to_owned()))
-}
-
-/// The wire form of a reservation.
-/// Consumes the reservation: its maps and strings move into the reply, uncopied.
-pub fn to_wire(r: model::Reservation) -> schema::Reservation {
-    schema::Reservation {
-        state: r.state,
-        owner_uid: r.owner_uid,
-        owner_gid: r.owner_gid,
-        holder_pid: r.holder.as_ref().map(|h| h.pid),
-        exclusive: r.exclusive,
-        gpus: r
-            .units
-            .into_iter()
-            .map(|u| schema::ReservedGpu {
-                index: u.gpu_index,
-                uuid: u.uuid,
-                memory_bytes: u.memory_bytes,
-            })
-            .collect(),
-        env: r.env,
-        created_at: rfc3339(r.created_at),
-        expires_at: r.expires_at.map(rfc3339),
-        ttl_seconds: r.ttl_seconds,
-        ended_at: r.ended_at.map(rfc3339),
-        end_reason: r.end_reason,
-        labels: r.labels,
-        holder_cgroup: r.holder_cgroup,
-        isolation: schema::Isolation {
-            mode: r.isolation.mode,
-            cgroup: r.isolation.cgroup,
-            reason: r.isolation.reason,
-        },
-        id: r.id,
-    }
-}
-
-/// `GET /v1/gpus` from the broker's snapshot.
-pub fn gpu_list(broker: &Broker) -> schema::GpuList {
-    let snap = broker.snapshot();
-    let inventory = model::GpuInventory {
-        driver_version: None,
-        cuda_driver_version: None,
-        gpus: snap.gpus.to_vec(),
-        topology: Topology::clone(&snap.topology),
-    };
-    let mut per_gpu: BTreeMap<u32, (u64, u64, u64, u32)> = BTreeMap::new();
-    let mut free: BTreeMap<u32, u64> = BTreeMap::new();
-    let mut migs: BTreeMap<u32, Vec<schema::MigStatus>> = BTreeMap::new();
-    for ((unit, load), used) in snap.units.iter().zip(&snap.loads).zip(&snap.used) {
-        let entry = per_gpu.entry(unit.gpu_index).or_default();
-        entry.0 += load.reserved_bytes;
-        entry.1 += used;
-        entry.2 += load.unaccounted_bytes;
-        entry.3 += load.reservations;
-        // What one request could get: a MIG instance only whole.
-        let here = match (load.healthy && !load.exclusive, unit.is_mig()) {
-            (false, _) => 0,
-            (true, true) if crate::placement::is_completely_free(load) => unit.memory_total_bytes,
-            (true, true) => 0,
-            (true, false) => crate::placement::free_bytes(unit, load),
-        };
-        let slot = free.entry(unit.gpu_index).or_default();
-        *slot = (*slot).max(here);
-        if unit.is_mig() {
-            let name = snap
-                .gpus
-                .get(usize::try_from(unit.gpu_index).unwrap_or(usize::MAX))
-                .and_then(|g| g.mig_instances.iter().find(|m| m.uuid == unit.uuid))
-                .map_or_else(String::new, |m| m.name.clone());
-            migs.entry(unit.gpu_index)
-                .or_default()
-                .push(schema::MigStatus {
-                    uuid: unit.uuid.clone(),
-                    name,
-                    memory_total_bytes: unit.memory_total_bytes,
-                    memory_reserved_bytes: load.reserved_bytes,
-                    memory_used_bytes: *used,
-                    reservations: load.reservations,
-                });
-        }
-    }
-    let n = snap.gpus.len();
-    schema::GpuList {
-        driver_version: snap.driver_version.clone(),
-        gpus: snap
-            .gpus
-            .iter()
-            .enumerate()
-            .map(|(i, g)| {
-                let (reserved, used, unaccounted, reservations) =
-                    per_gpu.get(&g.index).copied().unwrap_or_default();
-                schema::GpuStatus {
-                    index: g.index,
-                    uuid: g.uuid.clone(),
-                    name: g.name.clone(),
-                    pci_bus_id: g.pci_bus_id.clone(),
-                    numa_node: g.numa_node,
-                    memory_total_bytes: g.memory_total_bytes,
-                    memory_reserved_bytes: reserved,
-                    memory_used_bytes: used,
-                    memory_unaccounted_bytes: unaccounted,
-                    memory_free_bytes: Some(free.get(&g.index).copied().unwrap_or(0)),
-                    reservations,
-                    healthy: g.healthy,
-                    mig_instances: migs.remove(&g.index).unwrap_or_default(),
-                    isolation: g.isolation.clone(),
-                    links: (0..n)
-                        .map(|j| link_cell(&inventory, i, j).trim().to_owned())
-                        .collect(),
-                }
-            })
-            .collect(),
-        reservations: Some(snap.reservations.len() as u64),
-    }
-}
-
-fn count_u32(n: usize) -> u32 {
-    u32::try_from(n).unwrap_or(u32::MAX)
-}
+use wire::{count_u32, label_param, memory_spec, parse_cursor, parse_since, valid_id};
+pub use wire::{event_to_wire, gpu_list, to_request, to_wire};
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::store::StoreError;
-
-    #[test]
-    fn every_broker_error_has_its_status() {
-        let sqlite_full = rusqlite::Error::SqliteFailure(
-            rusqlite::ffi::Error::new(rusqlite::ffi::SQLITE_FULL),
-            Some("database or disk is full".into()),
-        );
-        let sqlite_bug = rusqlite::Error::InvalidColumnIndex(99);
-        let table: Vec<(BrokerError, u16, &str)> = vec![
-            (
-                BrokerError::Invalid("x".into()),
-                400,
-                codes::INVALID_REQUEST,
-            ),
-            (
-                BrokerError::Unsatisfiable("x".into()),
-                422,
-                codes::UNSATISFIABLE,
-            ),
-            (BrokerError::NoCapacity("x".into()), 409, codes::NO_CAPACITY),
-            (
-                BrokerError::WaitTimeout("x".into()),
-                408,
-                codes::WAIT_TIMEOUT,
-            ),
-            (BrokerError::Forbidden("x".into()), 403, codes::FORBIDDEN),
-            (
-                BrokerError::from(crate::holder::PinError::NotYours {
-                    pid: 1,
-                    owner: 0,
-                    caller: 1000,
-                }),
-                403,
-                codes::FORBIDDEN,
-            ),
-            (
-                BrokerError::from(crate::holder::PinError::Invisible { seen_as: 1 }),
-                400,
-                codes::INVALID_REQUEST,
-            ),
-            (
-                BrokerError::from(crate::holder::PinError::Unpinnable {
-                    pid: 1,
-                    source: crate::holder::HolderError::Resources {
-                        pid: 1,
-                        source: std::io::Error::from_raw_os_error(libc::EMFILE),
-                    },
-                }),
-                503,
-                codes::OUT_OF_RESOURCES,
-            ),
-            (
-                BrokerError::QuotaExceeded("x".into()),
-                403,
-                codes::QUOTA_EXCEEDED,
-            ),
-            (BrokerError::NotFound("x".into()), 404, codes::NOT_FOUND),
-            (
-                BrokerError::RateLimited("x".into()),
-                429,
-                codes::RATE_LIMITED,
-            ),
-            (
-                BrokerError::NotActive {
-                    id: "x".into(),
-                    state: "released",
-                    reason: "r".into(),
-                },
-                409,
-                codes::NOT_ACTIVE,
-            ),
-            (
-                BrokerError::from(StoreError::Sqlite {
-                    op: "insert",
-                    path: "db".into(),
-                    source: sqlite_full,
-                }),
-                503,
-                codes::STORAGE_UNAVAILABLE,
-            ),
-            (
-                BrokerError::from(StoreError::Sqlite {
-                    op: "insert",
-                    path: "db".into(),
-                    source: sqlite_bug,
-                }),
-                500,
-                codes::INTERNAL,
-            ),
-            (BrokerError::ShuttingDown, 503, codes::SHUTTING_DOWN),
-        ];
-        for (e, status, code) in table {
-            let (s, c) = status_for(&e);
-            assert_eq!((s.as_u16(), c), (status, code), "{e:?}");
-        }
-    }
-
-    fn wire(json: &str) -> Result<ReserveRequest, String> {
-        let w: schema::ReservationRequest =
-            serde_json::from_str(json).map_err(|e| e.to_string())?;
-        to_request(w).map_err(|e| e.message)
-    }
-
-    #[test]
-    fn requests_are_checked_before_they_reach_the_broker() {
-        let r = wire(r#"{"memory": "4G", "ttl_seconds": 60}"#).unwrap();
-        assert_eq!((r.gpus, r.memory), (1, MemoryAsk::Bytes(4 << 30)));
-        let r = wire(r#"{"gpus": 2, "memory": 1024, "holder_pid": 1}"#).unwrap();
-        assert_eq!((r.gpus, r.memory), (2, MemoryAsk::Bytes(1024)));
-        assert_eq!(
-            wire(r#"{"memory": "25%"}"#).unwrap().memory,
-            MemoryAsk::BasisPoints(2500)
-        );
-        assert_eq!(
-            wire(r#"{"exclusive": true}"#).unwrap().memory,
-            MemoryAsk::Exclusive
-        );
-        for (body, needle) in [
-            (r#"{"gpus": 0, "exclusive": true}"#, "at least 1"),
-            (r#"{}"#, "how much memory"),
-            (r#"{"memory": "4G", "exclusive": true}"#, "not both"),
-            (r#"{"memory": 0}"#, "at least 1 byte"),
-            (r#"{"memory": "1e99GiB"}"#, "invalid memory size"),
-            (r#"{"memory": "-4G"}"#, "invalid memory size"),
-            (
-                r#"{"memory": "4G", "colour": "red"}"#,
-                "unknown field `colour`",
-            ),
-            (r#"{"memory": "4G", "gpus": -1}"#, "invalid value"),
-            (r#"{"memory": "4G", "gpus": "two"}"#, "invalid type"),
-            (
-                r#"{"memory": 18446744073709551616}"#,
-                "expected a whole number of bytes",
-            ),
-            (r#"{"memory": "4G", "holder_pid": 0}"#, "not 0"),
-            (r#"{"memory": "4G", "labels": {"": "x"}}"#, "label"),
-        ] {
-            let e = wire(body).unwrap_err();
-            assert!(e.contains(needle), "{body}: {e}");
-        }
-        // Five labels of 1000 characters: each is allowed, together they are too much.
-        let labels: serde_json::Map<String, serde_json::Value> = (0..5)
-            .map(|i| (format!("k{i}"), serde_json::Value::from("v".repeat(1000))))
-            .collect();
-        let body = serde_json::json!({"memory": "4G", "labels": labels}).to_string();
-        let e = wire(&body).unwrap_err();
-        assert!(e.contains("at most 4096 in all"), "{e}");
-    }
-
-    #[test]
-    fn ids_in_paths_are_plain() {
-        assert!(valid_id("3f2a9c0d1e2b4a5c").is_ok());
-        for bad in ["", "..", "a/b", "a%2Fb", &"x".repeat(200), "a b"] {
-            assert!(valid_id(bad).is_err(), "{bad}");
-        }
-    }
-}
+mod tests;

@@ -267,7 +267,7 @@ async fn serve(config: Config, config_path: Option<PathBuf>) -> anyhow::Result<(
         max_body_bytes: config.server.max_body_bytes,
         body_timeout: config.server.body_timeout,
         metrics: metrics.clone(),
-        workloads,
+        service: Arc::new(crate::service::Service::new(broker.clone(), workloads)),
     });
 
     tokio::spawn(history_loop(broker.clone(), metrics.clone()));

@@ -472,16 +472,16 @@ mod tests {
         })
         .await
         .unwrap();
+        let workloads = crate::isolation::Workloads::new(&Default::default(), None, None);
         let api = Arc::new(Api {
+            service: Arc::new(crate::service::Service::new(
+                broker.clone(),
+                Arc::new(workloads),
+            )),
             broker,
             max_body_bytes: 1024,
             body_timeout: limits.body_timeout,
             metrics: Arc::new(Metrics::new()),
-            workloads: Arc::new(crate::isolation::Workloads::new(
-                &Default::default(),
-                None,
-                None,
-            )),
         });
         let listener = bind(&path, 0o600).unwrap();
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
