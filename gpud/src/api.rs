@@ -70,7 +70,7 @@ pub fn status_for(e: &BrokerError) -> (StatusCode, &'static str) {
         BrokerError::Invalid(_) => (StatusCode::BAD_REQUEST, codes::INVALID_REQUEST),
         BrokerError::Unsatisfiable(_) => (StatusCode::UNPROCESSABLE_ENTITY, codes::UNSATISFIABLE),
         BrokerError::NoCapacity(_) => (StatusCode::CONFLICT, codes::NO_CAPACITY),
-        BrokerError::WaitTimeout(_) => (StatusCode::REQUEST_TIMEOUT, codes::WAIT_TIMEOUT),
+        BrokerError::WaitTimeout { .. } => (StatusCode::REQUEST_TIMEOUT, codes::WAIT_TIMEOUT),
         BrokerError::Forbidden(_) => (StatusCode::FORBIDDEN, codes::FORBIDDEN),
         BrokerError::Holder(e) if e.is_gpud_s_fault() => {
             (StatusCode::SERVICE_UNAVAILABLE, codes::OUT_OF_RESOURCES)
@@ -78,8 +78,8 @@ pub fn status_for(e: &BrokerError) -> (StatusCode, &'static str) {
         BrokerError::Holder(e) if e.is_forbidden() => (StatusCode::FORBIDDEN, codes::FORBIDDEN),
         BrokerError::Holder(_) => (StatusCode::BAD_REQUEST, codes::INVALID_REQUEST),
         BrokerError::QuotaExceeded(_) => (StatusCode::FORBIDDEN, codes::QUOTA_EXCEEDED),
-        BrokerError::RateLimited(_) => (StatusCode::TOO_MANY_REQUESTS, codes::RATE_LIMITED),
-        BrokerError::NotFound(_) => (StatusCode::NOT_FOUND, codes::NOT_FOUND),
+        BrokerError::RateLimited { .. } => (StatusCode::TOO_MANY_REQUESTS, codes::RATE_LIMITED),
+        BrokerError::NotFound { .. } => (StatusCode::NOT_FOUND, codes::NOT_FOUND),
         BrokerError::NotActive { .. } => (StatusCode::CONFLICT, codes::NOT_ACTIVE),
         BrokerError::Conflict(_) => (StatusCode::CONFLICT, codes::CONFLICT),
         BrokerError::IsolationUnavailable(_) => (
@@ -536,7 +536,7 @@ impl Api {
             match self.broker.release(caller, id).await {
                 Ok(r) => released.push(to_wire(r)),
                 // Ended meanwhile (its holder exited, another release): not ours to report.
-                Err(BrokerError::NotFound(_) | BrokerError::NotActive { .. }) => {}
+                Err(BrokerError::NotFound { .. } | BrokerError::NotActive { .. }) => {}
                 Err(e) => return Err(e.into()),
             }
         }

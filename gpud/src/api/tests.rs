@@ -25,7 +25,10 @@ fn every_broker_error_has_its_status() {
         ),
         (BrokerError::NoCapacity("x".into()), 409, codes::NO_CAPACITY),
         (
-            BrokerError::WaitTimeout("x".into()),
+            BrokerError::WaitTimeout {
+                waited: std::time::Duration::from_secs(1),
+                why: "x".into(),
+            },
             408,
             codes::WAIT_TIMEOUT,
         ),
@@ -56,13 +59,24 @@ fn every_broker_error_has_its_status() {
             codes::OUT_OF_RESOURCES,
         ),
         (
-            BrokerError::QuotaExceeded("x".into()),
+            BrokerError::QuotaExceeded(crate::broker::QuotaExceeded {
+                owner: crate::broker::QuotaOwner::Uid(1000),
+                limit: crate::broker::QuotaLimit::Reservations { max: 1, held: 1 },
+            }),
             403,
             codes::QUOTA_EXCEEDED,
         ),
-        (BrokerError::NotFound("x".into()), 404, codes::NOT_FOUND),
         (
-            BrokerError::RateLimited("x".into()),
+            BrokerError::NotFound { id: "x".into() },
+            404,
+            codes::NOT_FOUND,
+        ),
+        (
+            BrokerError::RateLimited {
+                uid: 1000,
+                per_second: 1,
+                burst: 1,
+            },
             429,
             codes::RATE_LIMITED,
         ),

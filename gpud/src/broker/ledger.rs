@@ -22,7 +22,10 @@ use std::time::Duration;
 use gpud_schema::format_bytes;
 
 use super::queue::WaitQueue;
-use super::{AuditFindings, BrokerError, BrokerSettings, Caller, ReserveRequest, Snapshot};
+use super::{
+    AuditFindings, BrokerError, BrokerSettings, Caller, QuotaExceeded, QuotaLimit, QuotaOwner,
+    ReserveRequest, Snapshot,
+};
 use crate::holder::PinnedProcess;
 use crate::model::{
     Event, GpuInventory, Holder, MemoryAsk, Millis, Reservation, ReservationState, ReservedUnit,
@@ -345,11 +348,11 @@ impl Ledger {
         ) {
             return Ok(());
         }
-        Err(BrokerError::RateLimited(format!(
-            "uid {} reserves or renews faster than this gpud allows ({} a second, {} at once: \
-             [limits]); slow down and try again",
-            caller.uid, limits.changes_per_second, limits.changes_burst
-        )))
+        Err(BrokerError::RateLimited {
+            uid: caller.uid,
+            per_second: limits.changes_per_second,
+            burst: limits.changes_burst,
+        })
     }
 
     /// Whether `caller` may release or renew `r`: its owner, root, or an admin.
@@ -376,7 +379,7 @@ impl Ledger {
                     .end_reason
                     .unwrap_or_else(|| "no reason recorded".to_owned()),
             }),
-            None => Err(BrokerError::NotFound(id.to_owned())),
+            None => Err(BrokerError::NotFound { id: id.to_owned() }),
         }
     }
 
@@ -477,11 +480,10 @@ impl Ledger {
                 let max = self.settings.config.wait.max_waiting_per_user;
                 let mine = self.queue.waiting_of(caller.uid);
                 if caller.uid != 0 && mine >= max {
-                    return Err(BrokerError::QuotaExceeded(format!(
-                        "uid {} has {mine} requests waiting, the most one user may \
-                         (wait.max_waiting_per_user); wait for one, or cancel one",
-                        caller.uid
-                    )));
+                    return Err(BrokerError::QuotaExceeded(QuotaExceeded {
+                        owner: QuotaOwner::Uid(caller.uid),
+                        limit: QuotaLimit::Waiting { max, waiting: mine },
+                    }));
                 }
                 // The id is known here only when the caller chose it.
                 tracing::debug!(reservation = request.id.as_deref(), %why, "request queued");
@@ -665,7 +667,7 @@ impl Ledger {
             format!("released by uid {}", caller.uid)
         };
         self.release_one(txn, id, reason, now)?
-            .ok_or_else(|| BrokerError::NotFound(id.to_owned()))
+            .ok_or_else(|| BrokerError::NotFound { id: id.to_owned() })
     }
 
     /// Ends `id` on gpud's own authority, with `reason` recorded. `None` when it was not

@@ -41,7 +41,7 @@ use tokio::sync::oneshot;
 
 use crate::clock::Clock;
 use crate::config::Config;
-use crate::holder::{PinError, PinnedProcess};
+use crate::holder::PinnedProcess;
 use crate::model::{
     AuditView, AuditedReservation, Event, EventFilter, Gpu, GpuInventory, Holder, MemoryAsk,
     Millis, Page, Policy, Reservation, ReservationState, Topology, Unit,
@@ -50,11 +50,13 @@ use crate::placement::UnitLoad;
 use crate::store::{Store, StoreError};
 
 mod command;
+mod error;
 mod executor;
 mod ledger;
 mod queue;
 
 pub use command::{Command, Pending, WaitTicket};
+pub use error::{BrokerError, QuotaExceeded, QuotaLimit, QuotaOwner};
 pub use ledger::{Admitted, AllocateRequest, ExactRequest, Ledger, MAX_TTL_SECONDS};
 
 /// A new random reservation id (the API chooses one for a request whose cgroup is named
@@ -132,76 +134,6 @@ pub struct WaitingRequest {
     /// What that start waits for ("when uid 1000's lease on GPU 2 ends"), or why no start
     /// can be planned.
     pub plan: Option<String>,
-}
-
-/// Why a broker operation failed. Each variant maps to one HTTP status in `api`.
-/// Cloneable: a failed group commit gives the same error to every call of the group.
-#[derive(Debug, Clone, thiserror::Error)]
-pub enum BrokerError {
-    /// The request is malformed or inconsistent.
-    #[error("{0}")]
-    Invalid(String),
-    /// It can never fit on this machine.
-    #[error("{0}")]
-    Unsatisfiable(String),
-    /// Not enough capacity now.
-    #[error("{0}")]
-    NoCapacity(String),
-    /// Waited and capacity did not free up.
-    #[error("{0}")]
-    WaitTimeout(String),
-    /// The caller may not do this.
-    #[error("{0}")]
-    Forbidden(String),
-    /// A quota would be exceeded.
-    #[error("{0}")]
-    QuotaExceeded(String),
-    /// The caller changes state faster than `[limits]` allows.
-    #[error("{0}")]
-    RateLimited(String),
-    /// No such reservation.
-    #[error("no reservation with id {0:?}")]
-    NotFound(String),
-    /// The reservation is no longer active.
-    #[error("reservation {id} is {state} ({reason})")]
-    NotActive {
-        /// The id.
-        id: String,
-        /// Its state.
-        state: &'static str,
-        /// Why it ended.
-        reason: String,
-    },
-    /// The process named as holder cannot hold it (400), or is not the caller's (403).
-    #[error("{0}")]
-    Holder(#[source] Arc<PinError>),
-    /// The database failed.
-    #[error("state could not be written, nothing was changed: {0}")]
-    Storage(#[source] Arc<StoreError>),
-    /// `[isolation] require` is set and the driver cannot enforce this reservation.
-    #[error("{0}")]
-    IsolationUnavailable(String),
-    /// The change conflicts with the reservation's state (limits on another cgroup).
-    #[error("{0}")]
-    Conflict(String),
-    /// gpud is stopping.
-    #[error("gpud is shutting down; try again when it is back")]
-    ShuttingDown,
-    /// A bug: a command panicked, or the broker thread is gone.
-    #[error("internal error: {0}")]
-    Internal(&'static str),
-}
-
-impl From<StoreError> for BrokerError {
-    fn from(e: StoreError) -> BrokerError {
-        BrokerError::Storage(Arc::new(e))
-    }
-}
-
-impl From<PinError> for BrokerError {
-    fn from(e: PinError) -> BrokerError {
-        BrokerError::Holder(Arc::new(e))
-    }
 }
 
 /// What `reserve` did: placed at once, or queued the request.
@@ -627,7 +559,7 @@ impl Broker {
         let wanted = id.clone();
         self.history(move |store| store.get(&wanted))
             .await?
-            .ok_or(BrokerError::NotFound(id))
+            .ok_or(BrokerError::NotFound { id })
     }
 
     /// Reservations in `state` (`None`: all states), optionally of one owner, the part

@@ -44,11 +44,10 @@ impl Waiter {
     /// What the waiter's client is told when it gives up.
     pub fn timed_out(&self) -> BrokerError {
         let waited = Duration::from_millis(self.gives_up_at.saturating_sub(self.since));
-        BrokerError::WaitTimeout(format!(
-            "waited {} and nothing freed up: {}",
-            gpud_schema::format_duration(waited),
-            self.why
-        ))
+        BrokerError::WaitTimeout {
+            waited,
+            why: self.why.clone(),
+        }
     }
 }
 

@@ -65,15 +65,15 @@ fn status(e: &BrokerError) -> Status {
         BrokerError::Invalid(_) => Status::invalid_argument(message),
         BrokerError::NoCapacity(_)
         | BrokerError::Unsatisfiable(_)
-        | BrokerError::WaitTimeout(_) => Status::resource_exhausted(message),
-        BrokerError::RateLimited(_) => Status::resource_exhausted(message),
+        | BrokerError::WaitTimeout { .. } => Status::resource_exhausted(message),
+        BrokerError::RateLimited { .. } => Status::resource_exhausted(message),
         BrokerError::QuotaExceeded(_) | BrokerError::Forbidden(_) => {
             Status::permission_denied(message)
         }
         BrokerError::Holder(e) if e.is_gpud_s_fault() => Status::unavailable(message),
         BrokerError::Holder(_) => Status::invalid_argument(message),
         BrokerError::IsolationUnavailable(_) => Status::failed_precondition(message),
-        BrokerError::NotFound(_) | BrokerError::NotActive { .. } | BrokerError::Conflict(_) => {
+        BrokerError::NotFound { .. } | BrokerError::NotActive { .. } | BrokerError::Conflict(_) => {
             Status::failed_precondition(message)
         }
         BrokerError::Storage(_) | BrokerError::Internal(_) => Status::internal(message),

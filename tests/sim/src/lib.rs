@@ -777,7 +777,7 @@ impl Sim {
             };
             let outcome = match w.rx.try_recv() {
                 Err(oneshot::error::TryRecvError::Empty) => continue,
-                Ok(Err(BrokerError::WaitTimeout(_))) => true,
+                Ok(Err(BrokerError::WaitTimeout { .. })) => true,
                 // Refused while waiting, or answered by nobody.
                 Ok(_) | Err(oneshot::error::TryRecvError::Closed) => false,
             };

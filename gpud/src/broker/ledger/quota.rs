@@ -5,9 +5,7 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
-use gpud_schema::format_bytes;
-
-use crate::broker::{BrokerError, BrokerSettings, Caller};
+use crate::broker::{BrokerError, BrokerSettings, Caller, QuotaExceeded, QuotaLimit, QuotaOwner};
 use crate::model::{MemoryAsk, Reservation, ReservedUnit};
 
 /// What a quota check counts besides the request: what the quota's users hold now, or
@@ -200,12 +198,12 @@ impl QuotaBook {
         let groups = self.groups(settings, caller.uid, caller.gid);
         let empty = Usage::default();
         for q in &settings.config.quotas {
-            let (who, usage) = match (q.uid, q.gid) {
+            let (owner, usage) = match (q.uid, q.gid) {
                 (Some(uid), _) if uid == caller.uid => {
-                    (format!("uid {uid}"), self.by_uid.get(&uid))
+                    (QuotaOwner::Uid(uid), self.by_uid.get(&uid))
                 }
                 (_, Some(gid)) if groups.contains(&gid) => {
-                    (format!("group {gid}"), self.by_gid.get(&gid))
+                    (QuotaOwner::Group(gid), self.by_gid.get(&gid))
                 }
                 _ => continue,
             };
@@ -217,31 +215,32 @@ impl QuotaBook {
                 units: new_units,
                 memory: asked_memory,
             } = asked(usage);
+            let exceeded = |limit| Err(BrokerError::QuotaExceeded(QuotaExceeded { owner, limit }));
             if let Some(max) = q.max_gpus
                 && usage.gpus() + new_units > u64::from(max)
             {
-                return Err(BrokerError::QuotaExceeded(format!(
-                    "quota for {who} allows {max} GPUs at once; {} held, {new_units} more asked",
-                    usage.gpus()
-                )));
+                return exceeded(QuotaLimit::Gpus {
+                    max,
+                    held: usage.gpus(),
+                    asked: new_units,
+                });
             }
             if let Some(max) = q.max_memory
                 && usage.memory.saturating_add(asked_memory) > max
             {
-                return Err(BrokerError::QuotaExceeded(format!(
-                    "quota for {who} allows {} of GPU memory at once; {} held, {} asked",
-                    format_bytes(max),
-                    format_bytes(usage.memory),
-                    format_bytes(asked_memory)
-                )));
+                return exceeded(QuotaLimit::Memory {
+                    max,
+                    held: usage.memory,
+                    asked: asked_memory,
+                });
             }
             if let Some(max) = q.max_reservations
                 && usage.reservations + 1 > u64::from(max)
             {
-                return Err(BrokerError::QuotaExceeded(format!(
-                    "quota for {who} allows {max} reservations at once; {} held",
-                    usage.reservations
-                )));
+                return exceeded(QuotaLimit::Reservations {
+                    max,
+                    held: usage.reservations,
+                });
             }
         }
         Ok(())
@@ -301,9 +300,21 @@ mod tests {
         let r = held("a", 1000, "GPU-0", 8 * GIB);
         book.add(&s, &r);
         let refused = book.check_units(&s, &caller(1000, 1000), &unit("GPU-1", 4 * GIB));
-        assert!(
-            matches!(&refused, Err(BrokerError::QuotaExceeded(m)) if m.contains("8 GiB held")),
-            "{refused:?}"
+        let Err(BrokerError::QuotaExceeded(exceeded)) = refused else {
+            panic!("{refused:?}");
+        };
+        assert_eq!(exceeded.owner, QuotaOwner::Uid(1000));
+        assert_eq!(
+            exceeded.limit,
+            QuotaLimit::Memory {
+                max: 10 * GIB,
+                held: 8 * GIB,
+                asked: 4 * GIB
+            }
+        );
+        assert_eq!(
+            exceeded.to_string(),
+            "quota for uid 1000 allows 10 GiB of GPU memory at once; 8 GiB held, 4 GiB asked"
         );
         // Another user is not counted against it.
         assert!(
@@ -331,7 +342,14 @@ mod tests {
         assert!(book.check_units(&s, &member, &unit("GPU-0", GIB)).is_ok());
         assert!(matches!(
             book.check_units(&s, &member, &unit("GPU-1", GIB)),
-            Err(BrokerError::QuotaExceeded(m)) if m.contains("group 50")
+            Err(BrokerError::QuotaExceeded(QuotaExceeded {
+                owner: QuotaOwner::Group(50),
+                limit: QuotaLimit::Gpus {
+                    max: 1,
+                    held: 1,
+                    asked: 1
+                },
+            }))
         ));
         // A non-member running with gid 50 (sg) is counted too.
         assert!(
