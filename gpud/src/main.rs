@@ -91,7 +91,7 @@ fn run(mut cli: Cli) -> anyhow::Result<()> {
             cli.serve.socket = serve.socket.or(cli.serve.socket);
             cli.serve.state_dir = serve.state_dir.or(cli.serve.state_dir);
             let (config, path) = load_config(cli)?;
-            gpud::server::run(config, Some(path))
+            Ok(gpud::server::run(config, Some(path))?)
         }
         Command::Probe { json } => {
             if cli.serve.socket.is_some() || cli.serve.state_dir.is_some() {

@@ -14,7 +14,6 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::Context;
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
@@ -29,9 +28,11 @@ use crate::gpu::Nvml;
 use crate::metrics::Metrics;
 use crate::store::Store;
 
+mod error;
 mod reload;
 mod socket;
 
+pub use error::ServeError;
 use reload::reload_on_hangup;
 pub use reload::{ReloadError, ReloadPlan, plan_reload, reload};
 pub use socket::{InFlight, bind, serve_on};
@@ -63,7 +64,7 @@ pub fn raise_open_file_limit() -> Option<u64> {
 }
 
 /// Runs the daemon until SIGTERM or SIGINT.
-pub fn run(config: Config, config_path: Option<PathBuf>) -> anyhow::Result<()> {
+pub fn run(config: Config, config_path: Option<PathBuf>) -> Result<(), ServeError> {
     if let Some(limit) = raise_open_file_limit() {
         tracing::debug!(limit, "open files allowed");
     }
@@ -81,7 +82,7 @@ pub fn run(config: Config, config_path: Option<PathBuf>) -> anyhow::Result<()> {
         .enable_all()
         .thread_name("gpud")
         .build()
-        .context("cannot start the async runtime")?;
+        .map_err(ServeError::setup("cannot start the async runtime"))?;
     runtime.block_on(serve(config, config_path))
 }
 
@@ -98,13 +99,13 @@ fn runtime_threads(cpus: usize) -> usize {
 /// Locks `dir/gpud.lock` for as long as the returned lock lives (gpud's life), with gpud's
 /// pid written in it. A second gpud on the same state directory would load the same
 /// reservations and promise the same GPUs again: it stops here, naming the first.
-fn lock_state_dir(dir: &Path) -> anyhow::Result<nix::fcntl::Flock<std::fs::File>> {
+fn lock_state_dir(dir: &Path) -> Result<nix::fcntl::Flock<std::fs::File>, ServeError> {
     use std::io::Write;
 
     use nix::fcntl::{Flock, FlockArg};
 
     std::fs::create_dir_all(dir)
-        .with_context(|| format!("cannot create the state directory {}", dir.display()))?;
+        .map_err(ServeError::at("cannot create the state directory", dir))?;
     let path = dir.join("gpud.lock");
     let file = std::fs::OpenOptions::new()
         .read(true)
@@ -112,12 +113,12 @@ fn lock_state_dir(dir: &Path) -> anyhow::Result<nix::fcntl::Flock<std::fs::File>
         .create(true)
         .truncate(false)
         .open(&path)
-        .with_context(|| format!("cannot open {}", path.display()))?;
+        .map_err(ServeError::at("cannot open", &path))?;
     match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
         Ok(mut lock) => {
             lock.set_len(0)
                 .and_then(|()| writeln!(lock, "{}", std::process::id()))
-                .with_context(|| format!("cannot write {}", path.display()))?;
+                .map_err(ServeError::at("cannot write", &path))?;
             Ok(lock)
         }
         Err((_, nix::errno::Errno::EWOULDBLOCK)) => {
@@ -128,17 +129,17 @@ fn lock_state_dir(dir: &Path) -> anyhow::Result<nix::fcntl::Flock<std::fs::File>
             } else {
                 format!("another gpud (pid {pid})")
             };
-            anyhow::bail!(
-                "{who} is using the state directory {}; stop it, or give this one its own --state-dir",
-                dir.display()
-            )
+            Err(ServeError::StateDirInUse {
+                who,
+                dir: dir.to_owned(),
+            })
         }
-        Err((_, e)) => Err(e).with_context(|| format!("cannot lock {}", path.display())),
+        Err((_, e)) => Err(ServeError::at("cannot lock", &path)(e.into())),
     }
 }
 
 /// Resolves admin group names (or numeric gids) to gids.
-pub fn resolve_groups(names: &[String]) -> anyhow::Result<Vec<u32>> {
+pub fn resolve_groups(names: &[String]) -> Result<Vec<u32>, ServeError> {
     names
         .iter()
         .map(|name| {
@@ -147,16 +148,17 @@ pub fn resolve_groups(names: &[String]) -> anyhow::Result<Vec<u32>> {
             }
             match nix::unistd::Group::from_name(name) {
                 Ok(Some(g)) => Ok(g.gid.as_raw()),
-                _ => anyhow::bail!("admin group {name:?} does not exist on this machine"),
+                _ => Err(ServeError::AdminGroup { name: name.clone() }),
             }
         })
         .collect()
 }
 
-async fn serve(config: Config, config_path: Option<PathBuf>) -> anyhow::Result<()> {
+async fn serve(config: Config, config_path: Option<PathBuf>) -> Result<(), ServeError> {
     // Caught from the start, so that a `systemctl reload` during startup cannot kill gpud
     // (SIGHUP's default action); it is acted on once gpud serves.
-    let sighup = signal(SignalKind::hangup()).context("cannot install the SIGHUP handler")?;
+    let sighup = signal(SignalKind::hangup())
+        .map_err(ServeError::setup("cannot install the SIGHUP handler"))?;
     // What the file said at start, before command-line overrides: reloads compare
     // restart-only keys against this, so `--socket` is never reported as a change.
     let at_start = config_path
@@ -204,11 +206,9 @@ async fn serve(config: Config, config_path: Option<PathBuf>) -> anyhow::Result<(
         driver = inventory.driver_version.as_deref().unwrap_or("unknown"),
         "discovered GPUs"
     );
-    let store = Store::open(&config.state_dir).with_context(|| {
-        format!(
-            "cannot open the state database in {}",
-            config.state_dir.display()
-        )
+    let store = Store::open(&config.state_dir).map_err(|source| ServeError::Store {
+        dir: config.state_dir.clone(),
+        source: Box::new(source),
     })?;
     let settings = BrokerSettings {
         admin_gids,
@@ -309,10 +309,10 @@ async fn serve(config: Config, config_path: Option<PathBuf>) -> anyhow::Result<(
         None => tracing::debug!("no config file: SIGHUP has nothing to reload"),
     }
 
-    let mut sigterm =
-        signal(SignalKind::terminate()).context("cannot install the SIGTERM handler")?;
-    let mut sigint =
-        signal(SignalKind::interrupt()).context("cannot install the SIGINT handler")?;
+    let mut sigterm = signal(SignalKind::terminate())
+        .map_err(ServeError::setup("cannot install the SIGTERM handler"))?;
+    let mut sigint = signal(SignalKind::interrupt())
+        .map_err(ServeError::setup("cannot install the SIGINT handler"))?;
     let stop = async move {
         tokio::select! {
             _ = sigterm.recv() => {}

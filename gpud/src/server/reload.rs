@@ -93,13 +93,13 @@ pub enum ReloadError {
     #[error(transparent)]
     Config(#[from] ConfigError),
     /// An admin group does not resolve.
-    #[error("{path}: {source:#}")]
+    #[error("{path}: {source}")]
     Groups {
         /// The config file.
         path: PathBuf,
-        /// Which group, and why.
+        /// Which group.
         #[source]
-        source: anyhow::Error,
+        source: Box<super::ServeError>,
     },
     /// The broker could not take the new settings (it is stopping).
     #[error("{path}: the new settings were not applied: {source}")]
@@ -119,7 +119,7 @@ pub fn reload(broker: &Broker, path: &Path, at_start: &Config) -> Result<ReloadP
     let file = Config::load(path, true)?;
     let admin_gids = resolve_groups(&file.admin_groups).map_err(|source| ReloadError::Groups {
         path: path.to_owned(),
-        source,
+        source: Box::new(source),
     })?;
     let running = broker.settings();
     let plan = plan_reload(&running.config, at_start, &file);

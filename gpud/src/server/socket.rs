@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use anyhow::Context;
+use super::ServeError;
 use gpud_schema::codes;
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
@@ -167,7 +167,7 @@ pub async fn serve_on(
     api: Arc<Api>,
     limits: &ServerConfig,
     shutdown: impl Future<Output = ()>,
-) -> anyhow::Result<InFlight> {
+) -> Result<InFlight, ServeError> {
     tokio::pin!(shutdown);
     let total = u32::try_from(limits.max_connections).unwrap_or(u32::MAX);
     let permits = Arc::new(Semaphore::new(total as usize));
@@ -175,7 +175,11 @@ pub async fn serve_on(
     let (stop, stopping) = tokio::sync::watch::channel(false);
     loop {
         let permit = tokio::select! {
-            p = permits.clone().acquire_owned() => p.context("connection limiter closed")?,
+            // The semaphore is never closed: `break` is only a guard.
+            p = permits.clone().acquire_owned() => match p {
+                Ok(p) => p,
+                Err(_) => break,
+            },
             () = &mut shutdown => break,
         };
         let stream = tokio::select! {
@@ -351,9 +355,11 @@ const FD_NAME: &str = "gpud";
 /// The listening socket: handed over by systemd (`LISTEN_FDS`), or bound at `config.socket`.
 /// When systemd hands over several, the one named `gpud` (or `gpud.socket`, systemd's
 /// default name) is used; the others are left alone.
-pub(super) fn listen(config: &Config) -> anyhow::Result<Listening> {
+pub(super) fn listen(config: &Config) -> Result<Listening, ServeError> {
     let fds: Vec<(RawFd, String)> = sd_notify::listen_fds_with_names()
-        .context("systemd's LISTEN_FDS/LISTEN_FDNAMES are malformed")?
+        .map_err(ServeError::setup(
+            "systemd's LISTEN_FDS/LISTEN_FDNAMES are malformed",
+        ))?
         .collect();
     if fds.is_empty() {
         return Ok(Listening {
@@ -366,15 +372,17 @@ pub(super) fn listen(config: &Config) -> anyhow::Result<Listening> {
         .find(|(_, name)| name == FD_NAME || name == "gpud.socket");
     let fd = match (named, fds.as_slice()) {
         (Some((fd, _)), _) | (None, [(fd, _)]) => *fd,
-        (None, _) => anyhow::bail!(
-            "systemd passed {} sockets ({}) and none is named {FD_NAME:?}; \
-             set FileDescriptorName={FD_NAME} in the socket unit",
-            fds.len(),
-            fds.iter()
-                .map(|(_, n)| n.as_str())
-                .collect::<Vec<_>>()
-                .join(", ")
-        ),
+        (None, _) => {
+            return Err(ServeError::Activation(format!(
+                "systemd passed {} sockets ({}) and none is named {FD_NAME:?}; \
+                 set FileDescriptorName={FD_NAME} in the socket unit",
+                fds.len(),
+                fds.iter()
+                    .map(|(_, n)| n.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )));
+        }
     };
     check_activated(fd)?;
     // SAFETY: systemd passed us this fd (LISTEN_PID is our pid), it is a listening Unix
@@ -382,58 +390,58 @@ pub(super) fn listen(config: &Config) -> anyhow::Result<Listening> {
     let std_listener = unsafe { std::os::unix::net::UnixListener::from_raw_fd(fd) };
     std_listener
         .set_nonblocking(true)
-        .context("cannot make the activated socket non-blocking")?;
+        .map_err(ServeError::setup(
+            "cannot make the activated socket non-blocking",
+        ))?;
     tracing::info!(fd, "using the socket handed over by systemd");
     Ok(Listening {
         listener: UnixListener::from_std(std_listener)
-            .context("cannot use the activated socket")?,
+            .map_err(ServeError::setup("cannot use the activated socket"))?,
         activated: true,
     })
 }
 
 /// Refuses an activated fd that is not a listening Unix stream socket (a socket unit with
 /// `ListenStream=0.0.0.0:…` or `ListenDatagram=` by mistake), naming what it is instead.
-fn check_activated(fd: RawFd) -> anyhow::Result<()> {
+fn check_activated(fd: RawFd) -> Result<(), ServeError> {
     use nix::sys::socket::{AddressFamily, SockType, SockaddrLike, SockaddrStorage, sockopt};
     // SAFETY: the fd stays open for the duration of this function (it is only borrowed).
     let borrowed = unsafe { BorrowedFd::borrow_raw(fd) };
-    let kind = nix::sys::socket::getsockopt(&borrowed, sockopt::SockType)
-        .with_context(|| format!("fd {fd} from systemd is not a socket"))?;
+    let kind = nix::sys::socket::getsockopt(&borrowed, sockopt::SockType).map_err(|e| {
+        ServeError::Activation(format!("fd {fd} from systemd is not a socket: {e}"))
+    })?;
     let family = nix::sys::socket::getsockname::<SockaddrStorage>(fd)
         .ok()
         .and_then(|a| a.family());
     let listening = nix::sys::socket::getsockopt(&borrowed, sockopt::AcceptConn).unwrap_or(false);
     if kind != SockType::Stream || family != Some(AddressFamily::Unix) || !listening {
-        anyhow::bail!(
+        return Err(ServeError::Activation(format!(
             "the socket systemd passed (fd {fd}) is {kind:?} {family:?}{}; gpud needs a \
              listening Unix stream socket (ListenStream=/run/gpud/gpud.sock)",
             if listening { "" } else { ", not listening" }
-        );
+        )));
     }
     Ok(())
 }
 
 /// Binds `path`, replacing a stale socket file left by a crash but never one that another
 /// gpud still serves.
-pub fn bind(path: &Path, mode: u32) -> anyhow::Result<UnixListener> {
+pub fn bind(path: &Path, mode: u32) -> Result<UnixListener, ServeError> {
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir)
-            .with_context(|| format!("cannot create socket directory {}", dir.display()))?;
+            .map_err(ServeError::at("cannot create socket directory", dir))?;
     }
     if path.exists() {
         if std::os::unix::net::UnixStream::connect(path).is_ok() {
-            anyhow::bail!(
-                "another process (probably another gpud) is serving on {}; stop it or use --socket",
-                path.display()
-            );
+            return Err(ServeError::SocketInUse {
+                path: path.to_owned(),
+            });
         }
-        std::fs::remove_file(path)
-            .with_context(|| format!("cannot remove stale socket {}", path.display()))?;
+        std::fs::remove_file(path).map_err(ServeError::at("cannot remove stale socket", path))?;
     }
-    let listener =
-        UnixListener::bind(path).with_context(|| format!("cannot bind {}", path.display()))?;
+    let listener = UnixListener::bind(path).map_err(ServeError::at("cannot bind", path))?;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
-        .with_context(|| format!("cannot set permissions on {}", path.display()))?;
+        .map_err(ServeError::at("cannot set permissions on", path))?;
     Ok(listener)
 }
 
@@ -458,7 +466,7 @@ mod tests {
     ) -> (
         std::path::PathBuf,
         tokio::sync::oneshot::Sender<()>,
-        tokio::task::JoinHandle<anyhow::Result<InFlight>>,
+        tokio::task::JoinHandle<Result<InFlight, ServeError>>,
     ) {
         let path = dir.join("gpud.sock");
         let broker = tokio::task::spawn_blocking(|| {
