@@ -7,7 +7,6 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, missing_docs)] // bench code
 
-use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::{Child, Command};
 use std::sync::Arc;
@@ -79,17 +78,9 @@ fn bench_audit(c: &mut Criterion) {
     };
     for pid in pids.iter().take(PROCESSES / 2) {
         let request = ReserveRequest {
-            gpus: 1,
-            memory: MemoryAsk::Bytes(1 << 30),
-            policy: None,
-            wait: None,
             ttl_seconds: None,
             holder_pid: Some(*pid),
-            labels: BTreeMap::new(),
-            id: None,
-            target: Default::default(),
-            owner_uid: None,
-            devices: Vec::new(),
+            ..ReserveRequest::lease(MemoryAsk::Bytes(1 << 30), 1)
         };
         assert!(matches!(
             broker
