@@ -1,0 +1,815 @@
+//! Whole passes: an [`Auditor`] over a real broker, with NVML and `/proc` stood in.
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use nix::sys::signal::Signal;
+
+use super::testing::*;
+use super::*;
+use crate::broker::{Caller, ReserveOutcome, ReserveRequest};
+use crate::config::Tolerance;
+use crate::model::{GpuInventory, MemoryAsk};
+
+#[test]
+fn a_foreign_process_is_recorded_once_while_it_lasts_and_shrinks_placement() {
+    let b = broker();
+    let (nvml, procs) = (FakeNvml::default(), FakeProcs::default());
+    procs.table.lock().unwrap().insert(4242, (1, ME, 7));
+    nvml.0
+        .lock()
+        .unwrap()
+        .insert(0, Ok(vec![process(4242, "GPU-0", 10)]));
+    nvml.0
+        .lock()
+        .unwrap()
+        .insert(1, Ok(vec![process(4243, "GPU-1", 10)]));
+    let mut a = Auditor::new(b.clone(), &nvml, &procs, Arc::new(Metrics::new()));
+    let config = AuditConfig::default();
+    let first = a.pass(&config, 1);
+    assert_eq!(
+        kinds(&first),
+        [(EventKind::Unreserved, EventPhase::Start); 2]
+    );
+    assert_eq!(first.events[0].uid, Some(ME));
+    assert!(
+        first.events[0].message.contains("10 GiB on GPU 0"),
+        "{}",
+        first.events[0].message
+    );
+    assert!(
+        a.pass(&config, 2).events.is_empty(),
+        "recorded once, not every pass"
+    );
+    // 10 GiB of each 16 GiB T4 is taken by processes nobody reserved: 7 GiB no longer fits.
+    let snap = b.snapshot();
+    assert_eq!(snap.loads[0].unaccounted_bytes, 10 * GIB);
+    let request = ReserveRequest::lease(MemoryAsk::Bytes(7 * GIB), 60);
+    let e = b
+        .reserve(
+            Caller {
+                uid: ME,
+                gid: ME,
+                pid: None,
+            },
+            request.clone(),
+            None,
+        )
+        .wait()
+        .unwrap_err();
+    assert!(e.to_string().contains("largest free block is 6 GiB"), "{e}");
+    // The same request, waiting: served by the pass that sees the memory free again
+    // (no release or expiry happens to wake it).
+    let waiting = ReserveRequest {
+        wait: Some(Duration::from_secs(60)),
+        ..request
+    };
+    let caller = Caller {
+        uid: ME,
+        gid: ME,
+        pid: None,
+    };
+    let ReserveOutcome::Queued(_ticket) = b.reserve(caller, waiting, None).wait().unwrap() else {
+        panic!("7 GiB fits nowhere yet, so it waits");
+    };
+    nvml.0.lock().unwrap().insert(0, Ok(vec![]));
+    let ended = a.pass(&config, 4);
+    assert_eq!(kinds(&ended), [(EventKind::Unreserved, EventPhase::End)]);
+    assert_eq!(b.snapshot().loads[0].unaccounted_bytes, 0);
+    assert_eq!((b.snapshot().waiting(), b.snapshot().active()), (0, 1));
+    assert_eq!(
+        b.read_history(|s| s.events(&crate::model::EventFilter::default()))
+            .unwrap()
+            .len(),
+        3,
+        "stored"
+    );
+}
+
+#[test]
+fn descendants_count_for_their_holder_and_overuse_is_over_limit() {
+    let b = broker();
+    let (id, units) = reserve(&b, MemoryAsk::Bytes(4 * GIB));
+    let (nvml, procs) = (FakeNvml::default(), FakeProcs::default());
+    let me = std::process::id();
+    // me -> 5000 -> 5001 (a grandchild of the holder).
+    procs
+        .table
+        .lock()
+        .unwrap()
+        .extend([(5000, (me, ME, 1)), (5001, (5000, ME, 2))]);
+    nvml.0
+        .lock()
+        .unwrap()
+        .insert(0, Ok(vec![process(5001, &units[0], 4)]));
+    let mut a = Auditor::new(b.clone(), &nvml, &procs, Arc::new(Metrics::new()));
+    let config = AuditConfig::default();
+    assert!(
+        a.pass(&config, 1).events.is_empty(),
+        "within the reservation"
+    );
+    assert_eq!(b.snapshot().loads[0].unaccounted_bytes, 0);
+    // 4.1 GiB is within 5 % of 4 GiB; 5 GiB is not.
+    nvml.0.lock().unwrap().insert(
+        0,
+        Ok(vec![GpuProcess {
+            used_bytes: Some(4 * GIB + GIB / 10),
+            ..process(5001, &units[0], 0)
+        }]),
+    );
+    assert!(a.pass(&config, 2).events.is_empty(), "tolerance");
+    nvml.0
+        .lock()
+        .unwrap()
+        .insert(0, Ok(vec![process(5001, &units[0], 5)]));
+    let over = a.pass(&config, 3);
+    assert_eq!(kinds(&over), [(EventKind::OverLimit, EventPhase::Start)]);
+    // The gigabyte beyond the reservation is in use: placement must not promise it.
+    assert_eq!(b.snapshot().loads[0].unaccounted_bytes, GIB);
+    assert_eq!(over.events[0].reservation_id.as_deref(), Some(id.as_str()));
+    assert_eq!(
+        (over.events[0].used_bytes, over.events[0].reserved_bytes),
+        (Some(5 * GIB), Some(4 * GIB))
+    );
+    let strict = AuditConfig {
+        over_limit_tolerance: Tolerance::Bytes(0),
+        ..AuditConfig::default()
+    };
+    nvml.0
+        .lock()
+        .unwrap()
+        .insert(0, Ok(vec![process(5001, &units[0], 4)]));
+    assert_eq!(
+        kinds(&a.pass(&strict, 4)),
+        [(EventKind::OverLimit, EventPhase::End)]
+    );
+    assert_eq!(b.snapshot().loads[0].unaccounted_bytes, 0);
+}
+
+#[test]
+fn a_holder_with_two_reservations_on_a_gpu_is_over_only_past_both() {
+    let b = broker();
+    let (_, units) = reserve(&b, MemoryAsk::Bytes(4 * GIB));
+    let (_, again) = reserve(&b, MemoryAsk::Bytes(4 * GIB));
+    assert_eq!(units, again, "binpacked onto the same GPU");
+    let (nvml, procs) = (FakeNvml::default(), FakeProcs::default());
+    procs
+        .table
+        .lock()
+        .unwrap()
+        .insert(5000, (std::process::id(), ME, 1));
+    let mut a = Auditor::new(b.clone(), &nvml, &procs, Arc::new(Metrics::new()));
+    let config = AuditConfig::default();
+    // Attribution books all 8 GiB to one of the two: still within the 8 GiB reserved.
+    nvml.0
+        .lock()
+        .unwrap()
+        .insert(0, Ok(vec![process(5000, &units[0], 8)]));
+    a.pass(&config, 1);
+    assert_eq!(b.snapshot().loads[0].unaccounted_bytes, 0);
+    nvml.0
+        .lock()
+        .unwrap()
+        .insert(0, Ok(vec![process(5000, &units[0], 9)]));
+    a.pass(&config, 2);
+    assert_eq!(b.snapshot().loads[0].unaccounted_bytes, GIB);
+}
+
+#[test]
+fn a_reservations_process_on_another_gpu_is_wrong_gpu() {
+    let b = broker();
+    let (id, units) = reserve(&b, MemoryAsk::Bytes(GIB));
+    let other = if units[0] == "GPU-0" {
+        (1, "GPU-1")
+    } else {
+        (0, "GPU-0")
+    };
+    let (nvml, procs) = (FakeNvml::default(), FakeProcs::default());
+    nvml.0
+        .lock()
+        .unwrap()
+        .insert(other.0, Ok(vec![process(std::process::id(), other.1, 1)]));
+    procs
+        .table
+        .lock()
+        .unwrap()
+        .insert(std::process::id(), (1, ME, 9));
+    let mut a = Auditor::new(b.clone(), &nvml, &procs, Arc::new(Metrics::new()));
+    let report = a.pass(&AuditConfig::default(), 1);
+    assert_eq!(kinds(&report), [(EventKind::WrongGpu, EventPhase::Start)]);
+    assert_eq!(
+        report.events[0].reservation_id.as_deref(),
+        Some(id.as_str())
+    );
+    assert_eq!(
+        b.snapshot().loads[usize::try_from(other.0).unwrap()].unaccounted_bytes,
+        GIB
+    );
+}
+
+#[test]
+fn a_container_process_is_attributed_by_cgroup() {
+    let b = broker();
+    let (_, units) = reserve(&b, MemoryAsk::Bytes(GIB));
+    let (nvml, procs) = (FakeNvml::default(), FakeProcs::default());
+    procs.cgroups.lock().unwrap().extend([
+        (std::process::id(), "/kubepods/pod-a/ctr".to_owned()),
+        (7000, "/kubepods/pod-a/ctr".to_owned()),
+    ]);
+    nvml.0
+        .lock()
+        .unwrap()
+        .insert(0, Ok(vec![process(7000, &units[0], 1)]));
+    let mut a = Auditor::new(b, &nvml, &procs, Arc::new(Metrics::new()));
+    // In this test the holder is the test process, which is also the auditor's own pid;
+    // pretend gpud is another process so the holder's cgroup is not gpud's.
+    a.self_pid = 1;
+    assert!(a.pass(&AuditConfig::default(), 1).events.is_empty());
+    // A process in gpud's own (shared) cgroup is not attributed that way.
+    procs
+        .cgroups
+        .lock()
+        .unwrap()
+        .insert(1, "/kubepods/pod-a/ctr".to_owned());
+    assert_eq!(
+        kinds(&a.pass(&AuditConfig::default(), 2)),
+        [(EventKind::Unreserved, EventPhase::Start)]
+    );
+}
+
+#[test]
+fn a_process_started_with_a_reservations_environment_is_its_own() {
+    let b = broker();
+    let (id, units) = reserve(&b, MemoryAsk::Bytes(GIB));
+    let (nvml, procs) = (FakeNvml::default(), FakeProcs::default());
+    // Not a descendant of the holder (reparented to init), but started with its env.
+    procs
+        .table
+        .lock()
+        .unwrap()
+        .extend([(8000, (1, ME, 1)), (8001, (1, 0, 2))]);
+    procs
+        .environ
+        .lock()
+        .unwrap()
+        .extend([(8000, id.clone()), (8001, id.clone())]);
+    nvml.0.lock().unwrap().insert(
+        0,
+        Ok(vec![
+            process(8000, &units[0], 1),
+            process(8001, &units[0], 1),
+        ]),
+    );
+    let mut a = Auditor::new(b, &nvml, &procs, Arc::new(Metrics::new()));
+    let report = a.pass(&AuditConfig::default(), 1);
+    // The reservation is owned by uid 0 (the test reserves as root): 8001 (root) is
+    // accounted; 8000 (uid 1000) claims someone else's reservation and is not.
+    assert_eq!(kinds(&report), [(EventKind::Unreserved, EventPhase::Start)]);
+    assert_eq!(report.events[0].pid, Some(8000));
+}
+
+fn terminate_after_500ms() -> AuditConfig {
+    AuditConfig {
+        enforcement: Enforcement::Terminate,
+        grace: Duration::from_millis(500),
+        ..AuditConfig::default()
+    }
+}
+
+#[test]
+fn a_process_whose_environment_cannot_be_read_is_reported_but_never_terminated() {
+    let b = broker();
+    let (nvml, procs) = (FakeNvml::default(), FakeProcs::default());
+    procs.table.lock().unwrap().insert(6100, (1, ME, 5));
+    procs.hidden_environ.lock().unwrap().insert(6100);
+    nvml.0
+        .lock()
+        .unwrap()
+        .insert(0, Ok(vec![process(6100, "GPU-0", 1)]));
+    let mut a = Auditor::new(b, &nvml, &procs, Arc::new(Metrics::new()));
+    let config = terminate_after_500ms();
+    let report = a.pass(&config, 1_000);
+    assert_eq!(kinds(&report), [(EventKind::Unreserved, EventPhase::Start)]);
+    let event = &report.events[0];
+    assert!(
+        event.message.contains("CAP_SYS_PTRACE"),
+        "{}",
+        event.message
+    );
+    assert!(event.action.contains("6100: spared"), "{}", event.action);
+    assert!(a.pass(&config, 2_000).events.is_empty());
+    assert!(procs.signals.lock().unwrap().is_empty());
+}
+
+#[test]
+fn terminate_signals_term_then_kill_and_spares_root_and_gpud() {
+    let b = broker();
+    let (nvml, procs) = (FakeNvml::default(), FakeProcs::default());
+    procs
+        .table
+        .lock()
+        .unwrap()
+        .extend([(6000, (1, ME, 5)), (6001, (1, 0, 6))]);
+    nvml.0.lock().unwrap().insert(
+        0,
+        Ok(vec![process(6000, "GPU-0", 1), process(6001, "GPU-0", 1)]),
+    );
+    let mut a = Auditor::new(b, &nvml, &procs, Arc::new(Metrics::new()));
+    let config = terminate_after_500ms();
+    let report = a.pass(&config, 1_000);
+    let actions: Vec<&str> = report.events.iter().map(|e| e.action.as_str()).collect();
+    assert!(
+        actions[0].contains("6000: sigterm, sigkill in 500 ms"),
+        "{actions:?}"
+    );
+    assert!(actions[1].contains("spared (root's process"), "{actions:?}");
+    assert_eq!(*procs.signals.lock().unwrap(), [(6000, Signal::SIGTERM)]);
+    assert!(
+        a.pass(&config, 1_200).events.is_empty(),
+        "grace period not over"
+    );
+    let killed = a.pass(&config, 1_600);
+    assert_eq!(kinds(&killed), [(EventKind::Unreserved, EventPhase::Point)]);
+    assert_eq!(killed.events[0].action, "sigkill");
+    assert_eq!(
+        *procs.signals.lock().unwrap(),
+        [(6000, Signal::SIGTERM), (6000, Signal::SIGKILL)]
+    );
+    // Observe mode never signals.
+    let observe = AuditConfig::default();
+    nvml.0
+        .lock()
+        .unwrap()
+        .insert(1, Ok(vec![process(6002, "GPU-1", 1)]));
+    procs.table.lock().unwrap().insert(6002, (1, ME, 8));
+    let seen = a.pass(&observe, 2_000);
+    assert!(
+        seen.events
+            .iter()
+            .any(|e| e.pid == Some(6002) && e.action.contains("observe"))
+    );
+    assert_eq!(procs.signals.lock().unwrap().len(), 2);
+}
+
+#[test]
+fn a_lost_gpu_turns_unhealthy_at_once_and_recovers() {
+    let b = broker();
+    let (nvml, procs) = (FakeNvml::default(), FakeProcs::default());
+    let mut a = Auditor::new(b.clone(), &nvml, &procs, Arc::new(Metrics::new()));
+    let config = AuditConfig::default();
+    nvml.0
+        .lock()
+        .unwrap()
+        .insert(1, Err((true, "GPU is lost".into())));
+    let lost = a.pass(&config, 1);
+    assert_eq!(kinds(&lost), [(EventKind::GpuUnhealthy, EventPhase::Start)]);
+    assert!(!b.snapshot().gpus[1].healthy);
+    assert!(
+        b.snapshot().gpus[0].healthy,
+        "one bad GPU does not affect the others"
+    );
+    // The links as a re-read would find them now: only a recovery re-reads them.
+    let before = Topology::clone(&b.snapshot().topology);
+    let mut after = before.clone();
+    after.set_link(
+        0,
+        1,
+        crate::model::Link {
+            pcie: crate::model::PcieLevel::Board,
+            nvlinks: 4,
+        },
+    );
+    assert_ne!(after, before);
+    *nvml.1.lock().unwrap() = Some(after.clone());
+    assert!(a.pass(&config, 2).events.is_empty());
+    assert_eq!(*b.snapshot().topology, before);
+    nvml.0.lock().unwrap().insert(1, Ok(vec![]));
+    assert_eq!(
+        kinds(&a.pass(&config, 3)),
+        [(EventKind::GpuUnhealthy, EventPhase::End)]
+    );
+    assert!(b.snapshot().gpus[1].healthy);
+    assert_eq!(
+        *b.snapshot().topology,
+        after,
+        "read again when GPU 1 came back"
+    );
+    // A GPU whose queries fail turns unhealthy only after several failures in a row.
+    nvml.0
+        .lock()
+        .unwrap()
+        .insert(0, Err((false, "Unknown Error".into())));
+    assert!(a.pass(&config, 4).events.is_empty());
+    assert!(a.pass(&config, 5).events.is_empty());
+    assert_eq!(
+        kinds(&a.pass(&config, 6)),
+        [(EventKind::GpuUnhealthy, EventPhase::Start)]
+    );
+}
+
+#[test]
+fn a_critical_xid_takes_its_gpu_out_of_service_for_good_and_a_programs_xid_does_not() {
+    let b = broker_on(&GpuInventory::test_machine(3, 16));
+    let (nvml, procs) = (FakeNvml::default(), FakeProcs::default());
+    let (tx, rx) = std::sync::mpsc::channel();
+    let metrics = Arc::new(Metrics::new());
+    let mut a = Auditor::new(b.clone(), &nvml, &procs, metrics.clone()).with_xids(rx);
+    let config = AuditConfig::default();
+    assert!(a.pass(&config, 1).events.is_empty());
+    // 31 (a program's page fault) is in the default `xid_ignore`; 79 is the card.
+    tx.send((0, 31)).unwrap();
+    tx.send((1, 79)).unwrap();
+    let report = a.pass(&config, 2);
+    assert_eq!(
+        kinds(&report),
+        [(EventKind::GpuUnhealthy, EventPhase::Start)]
+    );
+    let event = &report.events[0];
+    assert_eq!(event.gpu_index, Some(1));
+    assert!(
+        event
+            .message
+            .contains("Xid 79 (GPU has fallen off the bus)"),
+        "{}",
+        event.message
+    );
+    let snap = b.snapshot();
+    assert!(
+        snap.gpus[0].healthy,
+        "a program's Xid leaves the GPU in service"
+    );
+    assert!(!snap.gpus[1].healthy);
+    // Both are counted, for dashboards and alerts.
+    let text = metrics.render(&snap);
+    for line in [
+        "gpud_xid_errors_total{gpu=\"0\",xid=\"31\"} 1",
+        "gpud_xid_errors_total{gpu=\"1\",xid=\"79\"} 1",
+    ] {
+        assert!(text.lines().any(|l| l == line), "{line} in\n{text}");
+    }
+    // NVML still answers for GPU 1 (FakeNvml lists no processes): it stays unhealthy,
+    // and the finding is not recorded again.
+    for now in 3..6 {
+        assert!(a.pass(&config, now).events.is_empty());
+    }
+    assert!(!b.snapshot().gpus[1].healthy);
+    // An Xid on a GPU already unhealthy for another reason is recorded too, and keeps
+    // it out once NVML answers again.
+    nvml.0
+        .lock()
+        .unwrap()
+        .insert(2, Err((true, "GPU is lost".into())));
+    assert_eq!(
+        kinds(&a.pass(&config, 6)),
+        [(EventKind::GpuUnhealthy, EventPhase::Start)]
+    );
+    tx.send((2, 48)).unwrap();
+    let report = a.pass(&config, 7);
+    assert_eq!(
+        kinds(&report),
+        [(EventKind::GpuUnhealthy, EventPhase::Start)]
+    );
+    assert!(
+        report.events[0]
+            .message
+            .contains("Xid 48 (double-bit ECC error)"),
+        "{}",
+        report.events[0].message
+    );
+    nvml.0.lock().unwrap().insert(2, Ok(vec![]));
+    assert!(a.pass(&config, 8).events.is_empty());
+    assert!(!b.snapshot().gpus[2].healthy);
+    // A configured `xid_ignore` replaces the default list.
+    let strict = AuditConfig {
+        xid_ignore: Vec::new(),
+        ..AuditConfig::default()
+    };
+    tx.send((0, 31)).unwrap();
+    assert_eq!(
+        kinds(&a.pass(&strict, 9)),
+        [(EventKind::GpuUnhealthy, EventPhase::Start)]
+    );
+    assert!(!b.snapshot().gpus[0].healthy);
+}
+
+#[test]
+fn a_reservation_made_on_behalf_of_a_user_owns_that_users_processes_by_environment() {
+    // Root reserved for uid ME (a Slurm Prolog) with a root process as holder; the job's
+    // processes run as ME and carry the id; another user's process naming it does not.
+    let reservations = [audited("slurm-7", Some(900), "GPU-0", 4)];
+    let listed = [(0, vec![process(700, "GPU-0", 3), process(701, "GPU-0", 1)])];
+    let with_env = |uid| ProcessFacts {
+        uid: Some(uid),
+        start_time: Some(1),
+        reservation_env: Some("slurm-7".into()),
+        ..ProcessFacts::default()
+    };
+    let facts = Facts {
+        processes: HashMap::from([(700, with_env(ME)), (701, with_env(ME + 1))]),
+        holder_cgroups: HashMap::new(),
+        own_cgroup: None,
+        limited: Vec::new(),
+    };
+    let attribution = attribute(&reservations, &inventory().units(), &listed, &facts);
+    assert_eq!(
+        owners(&attribution),
+        [(700, Attributed::Held(0)), (701, Attributed::Unreserved)]
+    );
+}
+
+#[test]
+fn attribution_follows_holder_then_environment_then_cgroup_from_plain_data() {
+    let reservations = [
+        audited("a", Some(100), "GPU-0", 4),
+        audited("b", None, "GPU-1", 2),
+        audited("c", Some(300), "GPU-1", 1),
+    ];
+    let listed = [
+        (0, vec![process(101, "GPU-0", 5), process(200, "GPU-0", 1)]),
+        (
+            1,
+            vec![
+                process(101, "GPU-1", 1),
+                process(400, "GPU-1", 2),
+                process(500, "GPU-1", 1),
+                process(600, "GPU-1", 3),
+            ],
+        ),
+    ];
+    let mine = |start_time| ProcessFacts {
+        uid: Some(ME),
+        start_time: Some(start_time),
+        ..ProcessFacts::default()
+    };
+    let facts = Facts {
+        processes: HashMap::from([
+            // A child of reservation a's holder.
+            (
+                101,
+                ProcessFacts {
+                    ancestry: vec![100],
+                    ..mine(1)
+                },
+            ),
+            (200, mine(2)),
+            // Started with b's environment; b has no holder.
+            (
+                400,
+                ProcessFacts {
+                    reservation_env: Some("b".into()),
+                    ..mine(4)
+                },
+            ),
+            // In c's holder's container.
+            (
+                500,
+                ProcessFacts {
+                    cgroup: Some("/kubepods/pod-c/ctr".into()),
+                    ..mine(5)
+                },
+            ),
+            // Names a's environment, but a has a holder and 600 is not a's owner.
+            (
+                600,
+                ProcessFacts {
+                    uid: Some(ME + 1),
+                    reservation_env: Some("a".into()),
+                    ..mine(6)
+                },
+            ),
+        ]),
+        holder_cgroups: HashMap::from([(300, "/kubepods/pod-c/ctr".to_owned())]),
+        own_cgroup: Some("/system.slice/gpud.service".into()),
+        limited: Vec::new(),
+    };
+    let attribution = attribute(&reservations, &inventory().units(), &listed, &facts);
+    assert_eq!(
+        owners(&attribution),
+        [
+            (101, Attributed::Held(0)),
+            (200, Attributed::Unreserved),
+            (101, Attributed::WrongGpu(0)),
+            (400, Attributed::Held(1)),
+            (500, Attributed::Held(2)),
+            (600, Attributed::Unreserved),
+        ]
+    );
+    assert_eq!(attribution.used, [6 * GIB, 7 * GIB]);
+    // GPU 0: 200's 1 GiB and the 1 GiB a uses beyond its 4; GPU 1: 101 (a's, on a GPU a
+    // does not hold) and 600.
+    assert_eq!(attribution.unaccounted, [(2 * GIB, true), (4 * GIB, true)]);
+    let usage: Vec<((usize, &str), u64)> = attribution
+        .per_reservation
+        .iter()
+        .map(|((o, unit), (bytes, ..))| ((*o, unit.as_str()), *bytes))
+        .collect();
+    assert_eq!(
+        usage,
+        [
+            ((0, "GPU-0"), 5 * GIB),
+            ((1, "GPU-1"), 2 * GIB),
+            ((2, "GPU-1"), GIB)
+        ]
+    );
+    // The findings follow from the attribution alone.
+    let found: BTreeSet<(EventKind, Option<u32>)> =
+        findings(&reservations, &attribution, &AuditConfig::default(), 1)
+            .keys()
+            .map(|k| (k.kind, k.pid))
+            .collect();
+    assert_eq!(
+        found,
+        BTreeSet::from([
+            (EventKind::Unreserved, Some(200)),
+            (EventKind::Unreserved, Some(600)),
+            (EventKind::WrongGpu, Some(101)),
+            (EventKind::OverLimit, None),
+        ])
+    );
+}
+
+#[test]
+fn with_a_driver_limit_over_limit_means_the_driver_let_it_through() {
+    let listed = [(0, vec![process(100, "GPU-0", 5)])];
+    let facts = Facts {
+        processes: HashMap::from([(
+            100,
+            ProcessFacts {
+                uid: Some(ME),
+                start_time: Some(1),
+                ..ProcessFacts::default()
+            },
+        )]),
+        ..Facts::default()
+    };
+    let over = |burst_gib: u64| {
+        let reservations = [AuditedReservation {
+            driver_limit: Some(("/sys/fs/cgroup/gpud/a".to_owned(), burst_gib * GIB)),
+            ..audited("a", Some(100), "GPU-0", 4)
+        }];
+        let attribution = attribute(&reservations, &inventory().units(), &listed, &facts);
+        findings(&reservations, &attribution, &AuditConfig::default(), 1)
+            .into_values()
+            .map(|(e, _)| e.message)
+            .collect::<Vec<_>>()
+    };
+    // 5 GiB used against 4 reserved: within a 1 GiB burst the driver allowed it.
+    assert!(over(1).is_empty(), "{:?}", over(1));
+    let found = over(0);
+    assert_eq!(found.len(), 1);
+    assert!(
+        found[0].contains(
+            "beyond the hard limit of 4 GiB the driver was to enforce on /sys/fs/cgroup/gpud/a"
+        ),
+        "{found:?}"
+    );
+}
+
+#[test]
+fn attribution_ignores_a_cgroup_shared_with_gpud_and_pools_one_holders_reservations() {
+    let gpud = "/system.slice/gpud.service".to_owned();
+    let reservations = [
+        audited("x", Some(100), "GPU-0", 4),
+        audited("y", Some(100), "GPU-0", 4),
+        audited("z", Some(300), "GPU-1", 1),
+    ];
+    let listed = [
+        (0, vec![process(100, "GPU-0", 8)]),
+        (1, vec![process(500, "GPU-1", 1)]),
+    ];
+    let facts = Facts {
+        processes: HashMap::from([(
+            500,
+            ProcessFacts {
+                cgroup: Some(gpud.clone()),
+                ..ProcessFacts::default()
+            },
+        )]),
+        // z's holder runs in gpud's own cgroup (a shared one): that proves nothing.
+        holder_cgroups: HashMap::from([(300, gpud.clone())]),
+        own_cgroup: Some(gpud),
+        limited: Vec::new(),
+    };
+    let attribution = attribute(&reservations, &inventory().units(), &listed, &facts);
+    // The holder's process goes to one of its reservations (the last), and is found by
+    // pid alone: nothing else about it is known.
+    assert_eq!(
+        owners(&attribution),
+        [(100, Attributed::Held(1)), (500, Attributed::Unreserved)]
+    );
+    // 8 GiB used of the 4 + 4 GiB the holder reserved on GPU 0: none unaccounted.
+    assert_eq!(attribution.unaccounted, [(0, false), (GIB, true)]);
+}
+
+#[test]
+fn under_require_a_process_outside_its_reservations_limited_cgroup_is_unlimited() {
+    let config = AuditConfig::default();
+    let ctr = "/libpod_parent/libpod-c1";
+    let limited = |id: &str, driver: Option<&str>| AuditedReservation {
+        driver_limit: driver.map(|cg| (cg.to_owned(), 0)),
+        limit_required: true,
+        ..audited(id, None, "GPU-0", 4)
+    };
+    // p: pending (no cgroup yet); d: its container's cgroup attached; a: advisory.
+    let reservations = [
+        limited("p", None),
+        limited("d", Some(ctr)),
+        audited("a", None, "GPU-0", 4),
+    ];
+    let listed = vec![(
+        0,
+        vec![
+            process(100, "GPU-0", 1),
+            process(200, "GPU-0", 1),
+            process(300, "GPU-0", 1),
+            process(400, "GPU-0", 1),
+            process(500, "GPU-0", 1),
+        ],
+    )];
+    let with = |env: &str, cgroup: &str| ProcessFacts {
+        uid: Some(ME),
+        start_time: Some(1),
+        reservation_env: Some(env.to_owned()),
+        cgroup: Some(cgroup.to_owned()),
+        ..ProcessFacts::default()
+    };
+    let facts = Facts {
+        processes: HashMap::from([
+            (100, with("p", "/user.slice/session-1")),
+            (200, with("d", ctr)),
+            (300, with("d", &format!("{ctr}/child"))),
+            (400, with("d", "/user.slice/session-1")),
+            (500, with("a", "/user.slice/session-1")),
+        ]),
+        limited: vec![None, Some(ctr.to_owned()), None],
+        ..Facts::default()
+    };
+    let attribution = attribute(&reservations, &inventory().units(), &listed, &facts);
+    let found = findings(&reservations, &attribution, &config, 0);
+    let unlimited: Vec<(Option<u32>, Option<&str>)> = found
+        .values()
+        .map(|(e, _)| {
+            assert_eq!(e.kind, EventKind::Unlimited, "{e:?}");
+            (e.pid, e.reservation_id.as_deref())
+        })
+        .collect();
+    assert_eq!(unlimited, [(Some(100), Some("p")), (Some(400), Some("d"))]);
+    let messages: Vec<&str> = found.values().map(|(e, _)| e.message.as_str()).collect();
+    assert!(
+        messages[0].contains("(cgroup /user.slice/session-1)"),
+        "{}",
+        messages[0]
+    );
+    assert!(messages[0].contains("pending"), "{}", messages[0]);
+    assert!(
+        messages[1].contains(&format!("outside {ctr}")),
+        "{}",
+        messages[1]
+    );
+
+    // Without require nothing is a finding; a process in an attached cgroup is its
+    // reservation's even without the environment.
+    let relaxed: Vec<AuditedReservation> = reservations
+        .iter()
+        .map(|r| AuditedReservation {
+            limit_required: false,
+            ..r.clone()
+        })
+        .collect();
+    let mut facts = facts;
+    facts.processes.insert(
+        200,
+        ProcessFacts {
+            reservation_env: None,
+            ..with("d", ctr)
+        },
+    );
+    let attribution = attribute(&relaxed, &inventory().units(), &listed, &facts);
+    assert_eq!(owners(&attribution)[1], (200, Attributed::Held(1)));
+    assert!(findings(&relaxed, &attribution, &config, 0).is_empty());
+}
+
+#[test]
+fn an_unreserved_process_is_named_with_its_cgroup() {
+    let listed = vec![(0, vec![process(100, "GPU-0", 1)])];
+    let facts = Facts {
+        processes: HashMap::from([(
+            100,
+            ProcessFacts {
+                uid: Some(ME),
+                cgroup: Some("/libpod_parent/libpod-c2".to_owned()),
+                ..ProcessFacts::default()
+            },
+        )]),
+        ..Facts::default()
+    };
+    let attribution = attribute(&[], &inventory().units(), &listed, &facts);
+    let found = findings(&[], &attribution, &AuditConfig::default(), 0);
+    let (event, _) = found.values().next().unwrap();
+    assert_eq!(event.kind, EventKind::Unreserved);
+    assert_eq!(
+        event.message,
+        "process 100 (cgroup /libpod_parent/libpod-c2) uses 1 GiB on GPU 0 without a \
+         reservation"
+    );
+}
