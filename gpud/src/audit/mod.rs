@@ -42,9 +42,12 @@ use crate::broker::{AuditFindings, Broker, GpuProcessRow};
 use crate::config::{AuditConfig, Enforcement};
 use crate::gpu::{GpuProcess, Nvml};
 use crate::metrics::Metrics;
-use crate::model::{AuditedReservation, Event, EventKind, EventPhase, Gpu, Millis, Topology, Unit};
+use crate::model::{AuditedReservation, Event, EventKind, EventPhase, Gpu, Millis, Topology};
 
+mod attribution;
 mod procfs;
+
+use attribution::{Attributed, Attribution, Target, attribute};
 
 use procfs::read_facts;
 pub use procfs::{ProcFs, ProcessTable, cgroup_key};
@@ -82,21 +85,8 @@ struct FindingKey {
     reservation: Option<String>,
 }
 
-/// A process enforcement may signal: pid, start time (to recognise it later) and owner.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Target {
-    pid: u32,
-    start_time: Option<u64>,
-    uid: Option<u32>,
-    /// Its environment could not be read, so it may name a reservation: never signalled.
-    unverified: bool,
-}
-
 /// Processes of one finding, keyed by the finding.
 type Findings = BTreeMap<FindingKey, (Event, Vec<Target>)>;
-
-/// Per reservation and unit: bytes used, GPU index, and its processes.
-type ReservationUse = BTreeMap<(usize, String), (u64, u32, Vec<Target>)>;
 
 /// A process whose SIGKILL is due unless it exits first.
 #[derive(Debug, Clone)]
@@ -158,90 +148,6 @@ impl<S, T> std::fmt::Debug for Auditor<S, T> {
             .field("open", &self.open.len())
             .finish_non_exhaustive()
     }
-}
-
-/// Whose a listed process is, as attribution decided.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Attributed {
-    /// No reservation's.
-    Unreserved,
-    /// Reservation `i`'s (an index into the view's reservations), on a unit it holds.
-    Held(usize),
-    /// Reservation `i`'s, on a unit it does not hold.
-    WrongGpu(usize),
-}
-
-/// A process as attributed in one pass.
-struct Seen<'a> {
-    process: &'a GpuProcess,
-    gpu_index: u32,
-    uid: Option<u32>,
-    start_time: Option<u64>,
-    owner: Attributed,
-    /// Its environment could not be read.
-    env_unreadable: bool,
-    /// Its cgroup ([`cgroup_key`]), where attribution read it.
-    cgroup: Option<String>,
-    /// It uses a reservation under `[isolation] require` from outside the cgroup the driver
-    /// limits for it (or before one is attached).
-    outside_limit: bool,
-}
-
-impl Seen<'_> {
-    /// The process as enforcement would signal it.
-    fn target(&self) -> Target {
-        Target {
-            pid: self.process.pid,
-            start_time: self.start_time,
-            uid: self.uid,
-            unverified: self.env_unreadable,
-        }
-    }
-}
-
-/// What `/proc` says about one listed process, read before attribution ([`read_facts`]).
-#[derive(Debug, Default)]
-struct ProcessFacts {
-    /// Owner, if the process still exists.
-    uid: Option<u32>,
-    /// Start time, to recognise the process when it is signalled later.
-    start_time: Option<u64>,
-    /// Its parent, the parent's parent, … nearest first: up to the nearest holder, init, or
-    /// `MAX_ANCESTRY` processes counting the process itself.
-    ancestry: Vec<u32>,
-    /// The `GPUD_RESERVATION_ID` it was started with.
-    reservation_env: Option<String>,
-    /// Its environment exists but could not be read.
-    env_unreadable: bool,
-    /// Its cgroup ([`cgroup_key`]).
-    cgroup: Option<String>,
-}
-
-/// The `/proc` facts one pass's attribution needs, as plain data.
-#[derive(Debug, Default)]
-struct Facts {
-    /// Each listed process's facts, by pid; a pid missing here is one `/proc` knew nothing of.
-    processes: HashMap<u32, ProcessFacts>,
-    /// Each holder's cgroup, by holder pid.
-    holder_cgroups: HashMap<u32, String>,
-    /// gpud's own cgroup: a holder in it shares gpud's, so its cgroup proves nothing.
-    own_cgroup: Option<String>,
-    /// Each reservation's cgroup that the driver limits ([`cgroup_key`]), by index in the
-    /// view.
-    limited: Vec<Option<String>>,
-}
-
-/// What attribution found: whose each process is, and the memory in use.
-struct Attribution<'a> {
-    /// Every listed process, in listing order.
-    seen: Vec<Seen<'a>>,
-    /// Usage of each reservation on each unit it holds.
-    per_reservation: ReservationUse,
-    /// Memory used per unit (indexed like the view's units), by all processes.
-    used: Vec<u64>,
-    /// Per unit: memory no reservation accounts for, and whether a process outside every
-    /// reservation (or on a unit its reservation does not hold) runs there.
-    unaccounted: Vec<(u64, bool)>,
 }
 
 /// What listing found.
@@ -686,199 +592,11 @@ impl<S: ProcessSource, T: ProcessTable> Auditor<S, T> {
     }
 }
 
-/// Memory in use beyond what reservations reserved, per unit: placement must not promise it
-/// to the next request. Counted per attribution group (`group[i]` for reservation `i`: its
-/// holder, or its holder's cgroup), since attribution gives all of a group's processes to
-/// one of its reservations: a shell holding two 10 GiB reservations on one GPU and using
-/// 20 GiB is over by nothing. Exclusive reservations hold their whole unit anyway.
-fn overage(
-    reservations: &[AuditedReservation],
-    group: &[String],
-    used: &ReservationUse,
-) -> BTreeMap<String, u64> {
-    // (group, unit) -> (used, reserved)
-    let mut by_group: BTreeMap<(&str, &str), (u64, u64)> = BTreeMap::new();
-    for ((o, unit), (bytes, ..)) in used {
-        if !reservations[*o].exclusive {
-            by_group.entry((&group[*o], unit)).or_default().0 += bytes;
-        }
-    }
-    for (r, g) in reservations.iter().zip(group) {
-        for (unit, reserved) in &r.units {
-            if let Some(entry) = by_group.get_mut(&(g.as_str(), unit.as_str())) {
-                entry.1 += reserved;
-            }
-        }
-    }
-    let mut over = BTreeMap::new();
-    for ((_, unit), (used, reserved)) in by_group {
-        *over.entry(unit.to_owned()).or_default() += used.saturating_sub(reserved);
-    }
-    over
-}
-/// Attribution, pure: whose each `listed` process is, given the `reservations`, the
-/// `units` and what `/proc` said (`facts`); and from that the memory in use per unit and
-/// per reservation, and what no reservation accounts for.
-fn attribute<'a>(
-    reservations: &[AuditedReservation],
-    units: &[Unit],
-    listed: &'a [(u32, Vec<GpuProcess>)],
-    facts: &Facts,
-) -> Attribution<'a> {
-    // A holder of several reservations: its processes go to the last one (see `overage`).
-    let holders: HashMap<u32, usize> = reservations
-        .iter()
-        .enumerate()
-        .filter_map(|(i, r)| r.holder_pid.map(|p| (p, i)))
-        .collect();
-    let mut by_cgroup: HashMap<&str, Vec<usize>> = HashMap::new();
-    // Which reservations attribution may choose among for a process: one holder's, or
-    // one holder cgroup's (see `overage`).
-    let mut attribution_group: Vec<String> = Vec::with_capacity(reservations.len());
-    for (i, r) in reservations.iter().enumerate() {
-        // The holder's own cgroup, else the one the driver limits for it (a container's,
-        // attached by its CDI hook).
-        let cgroup = r
-            .holder_pid
-            .and_then(|p| facts.holder_cgroups.get(&p))
-            .or_else(|| facts.limited.get(i).and_then(Option::as_ref))
-            .filter(|cg| Some(*cg) != facts.own_cgroup.as_ref());
-        attribution_group.push(match (cgroup, r.holder_pid) {
-            (Some(cg), _) => format!("cgroup {cg}"),
-            (None, Some(pid)) => format!("pid {pid}"),
-            (None, None) => format!("reservation {i}"),
-        });
-        if let Some(cg) = cgroup {
-            by_cgroup.entry(cg).or_default().push(i);
-        }
-    }
-
-    let unit_index: HashMap<&str, usize> = units
-        .iter()
-        .enumerate()
-        .map(|(i, u)| (u.uuid.as_str(), i))
-        .collect();
-    let mut used = vec![0u64; units.len()];
-    let mut unaccounted = vec![(0u64, false); units.len()];
-    let mut per_reservation = ReservationUse::new();
-    let mut seen = Vec::new();
-    let unknown = ProcessFacts::default();
-    for (gpu_index, procs) in listed {
-        for p in procs {
-            let known = facts.processes.get(&p.pid).unwrap_or(&unknown);
-            let owner = match owner_of(p, known, &holders, &by_cgroup, reservations) {
-                None => Attributed::Unreserved,
-                Some(o) if holds(&reservations[o], &p.unit_uuid) => Attributed::Held(o),
-                Some(o) => Attributed::WrongGpu(o),
-            };
-            let outside_limit = match owner {
-                Attributed::Held(o) => {
-                    reservations[o].limit_required
-                        && known.cgroup.as_deref().is_some_and(|cg| {
-                            !facts
-                                .limited
-                                .get(o)
-                                .and_then(Option::as_deref)
-                                .is_some_and(|limited| is_within_key(cg, limited))
-                        })
-                }
-                Attributed::Unreserved | Attributed::WrongGpu(_) => false,
-            };
-            let s = Seen {
-                process: p,
-                gpu_index: *gpu_index,
-                uid: known.uid,
-                start_time: known.start_time,
-                owner,
-                env_unreadable: known.env_unreadable,
-                cgroup: known.cgroup.clone(),
-                outside_limit,
-            };
-            let bytes = p.used_bytes.unwrap_or(0);
-            let slot = unit_index.get(p.unit_uuid.as_str()).copied();
-            if let Some(i) = slot {
-                used[i] += bytes;
-            }
-            if let Attributed::Held(o) = owner {
-                let entry = per_reservation.entry((o, p.unit_uuid.clone())).or_insert((
-                    0,
-                    *gpu_index,
-                    Vec::new(),
-                ));
-                entry.0 += bytes;
-                entry.2.push(s.target());
-            } else if let Some(i) = slot {
-                unaccounted[i].0 += bytes;
-                unaccounted[i].1 = true;
-            }
-            seen.push(s);
-        }
-    }
-    for (unit, bytes) in overage(reservations, &attribution_group, &per_reservation) {
-        if let Some(i) = unit_index.get(unit.as_str()).copied() {
-            unaccounted[i].0 += bytes;
-        }
-    }
-    Attribution {
-        seen,
-        per_reservation,
-        used,
-        unaccounted,
-    }
-}
-
-/// The reservation process `p` belongs to: its holder is `p` or an ancestor; else it was
-/// started with a reservation's environment (a Kubernetes pod's container, or a workload's
-/// child that lost its parent) — honoured for reservations without a holder process, or
-/// when the process belongs to the owner, so nobody can book their usage to someone else's
-/// reservation; else it shares the holder's own cgroup (a container).
-fn owner_of(
-    p: &GpuProcess,
-    facts: &ProcessFacts,
-    holders: &HashMap<u32, usize>,
-    by_cgroup: &HashMap<&str, Vec<usize>>,
-    reservations: &[AuditedReservation],
-) -> Option<usize> {
-    let by_holder = std::iter::once(&p.pid)
-        .chain(&facts.ancestry)
-        .find_map(|pid| holders.get(pid).copied());
-    if by_holder.is_some() {
-        return by_holder;
-    }
-    let by_env = facts.reservation_env.as_ref().and_then(|id| {
-        let i = reservations.iter().position(|r| r.id == *id)?;
-        let r = &reservations[i];
-        (r.holder_pid.is_none() || facts.uid == Some(r.owner_uid)).then_some(i)
-    });
-    if by_env.is_some() {
-        return by_env;
-    }
-    let candidates = by_cgroup.get(facts.cgroup.as_deref()?)?;
-    // Several reservations from one container: the one holding this GPU, else the first.
-    candidates
-        .iter()
-        .copied()
-        .find(|&i| holds(&reservations[i], &p.unit_uuid))
-        .or_else(|| candidates.first().copied())
-}
-
-/// Whether cgroup `inner` is `outer` or below it (both [`cgroup_key`]s).
-fn is_within_key(inner: &str, outer: &str) -> bool {
-    inner
-        .strip_prefix(outer)
-        .is_some_and(|rest| rest.is_empty() || rest.starts_with('/'))
-}
-
 /// `" (cgroup X)"` for a process whose cgroup is known, to name a container by it.
 fn in_cgroup(cgroup: Option<&str>) -> String {
     cgroup
         .map(|cg| format!(" (cgroup {cg})"))
         .unwrap_or_default()
-}
-
-/// Whether `r` holds `unit`.
-fn holds(r: &AuditedReservation, unit: &str) -> bool {
-    r.units.iter().any(|(u, _)| u == unit)
 }
 
 /// Findings, pure: the findings `attribution` shows at `now`, each with the processes

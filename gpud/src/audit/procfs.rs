@@ -9,7 +9,7 @@
 
 use std::collections::{HashMap, HashSet};
 
-use super::{Facts, ProcessFacts};
+use super::attribution::{Facts, ProcessFacts};
 use crate::gpu::GpuProcess;
 use crate::holder::process_info;
 use crate::model::AuditedReservation;

@@ -6,7 +6,8 @@ use std::sync::{Arc, Mutex};
 
 use nix::sys::signal::Signal;
 
-use super::{Attributed, Attribution, Listing, PassReport, ProcessSource, ProcessTable};
+use super::attribution::{Attributed, Attribution};
+use super::{Listing, PassReport, ProcessSource, ProcessTable};
 use crate::broker::{Broker, BrokerSettings, Caller, ReserveOutcome, ReserveRequest};
 use crate::config::Config;
 use crate::gpu::GpuProcess;
