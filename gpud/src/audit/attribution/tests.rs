@@ -3,7 +3,7 @@
 use std::collections::{BTreeSet, HashMap};
 
 use super::*;
-use crate::audit::findings;
+use crate::audit::findings::findings;
 use crate::audit::testing::*;
 use crate::config::AuditConfig;
 use crate::model::EventKind;
