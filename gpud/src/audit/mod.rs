@@ -2,8 +2,9 @@
 //! was reserved, and the differences become events, metrics, enforcement and input to
 //! placement.
 //!
-//! Depends on `broker`, `gpu`, `holder`, `config`. A pass first gathers its input, then runs
-//! three stages, each its own function:
+//! Depends on `broker`, `gpu`, `holder`, `isolation::cgroup`, `config`, `metrics`. A pass
+//! first gathers its input, then runs three stages, each its own function in a file of its
+//! own:
 //! - listing: ask NVML for the processes on every GPU (a GPU whose query fails keeps its
 //!   previous findings; NVML reporting it lost, or `failures_before_unhealthy` failures in a
 //!   row, make it unhealthy — one bad GPU never stops the others from being checked). A GPU
@@ -17,11 +18,13 @@
 //!    allowed), else to one whose holder's cgroup it shares when that cgroup is the holder's
 //!    own (a container's), not a shared one like gpud's or `/`. From that, the memory used
 //!    per unit and per reservation, and the memory no reservation accounts for on each unit;
-//! 2. findings: `unreserved` (no reservation), `wrong_gpu` (a reservation's process on a GPU
-//!    it does not hold), `over_limit` (a reservation's processes on one GPU use more than it
-//!    reserved there, beyond the tolerance; exclusive reservations own the whole GPU). The
-//!    auditor remembers the open ones between passes, so a finding is recorded once when it
-//!    starts and once when it ends;
+//! 2. findings (`findings`, pure): `unreserved` (no reservation), `wrong_gpu` (a
+//!    reservation's process on a GPU it does not hold), `over_limit` (a reservation's
+//!    processes on one GPU use more than it reserved there, beyond the tolerance; exclusive
+//!    reservations own the whole GPU), `unlimited` (under `[isolation] require`, a process
+//!    outside the cgroup the driver limits for its reservation). The auditor remembers the
+//!    open ones between passes, so a finding is recorded once when it starts and once when
+//!    it ends;
 //! 3. enforcement: under `terminate`, a new finding's processes get SIGTERM, and SIGKILL
 //!    after the grace period if the same process (pid and start time) still runs — never
 //!    gpud itself, never root's processes unless `terminate_root`. The start event says the
@@ -31,6 +34,17 @@
 //! for a commit) and hands everything it found to the broker as one command
 //! ([`Broker::apply_audit`]): health, the unaccounted memory (so placement does not promise
 //! it again) and the events. NVML latency never blocks the API.
+//!
+//! | file | what |
+//! |---|---|
+//! | `mod.rs` | the [`Auditor`] and its pass: listing and GPU health, opening and closing findings, one command to the broker; [`run`] |
+//! | `procfs.rs` | reading `/proc`: [`ProcessTable`], [`ProcFs`], [`cgroup_key`], and the facts attribution needs, read once per process in a pass |
+//! | `attribution.rs` | stage 1, pure: whose each process is; the memory in use, per reservation and unaccounted |
+//! | `findings.rs` | stage 2, pure: the findings an attribution shows, each with the processes to signal |
+//! | `enforcement.rs` | stage 3: SIGTERM, SIGKILL after the grace period, the processes spared |
+//! | `xid.rs` | critical Xid errors: a GPU out of service until gpud restarts |
+//! | `testing.rs` | the unit tests' stand-ins for NVML and `/proc`, a test broker, one-line reservations and processes |
+//! | `tests.rs`, `*/tests.rs` | whole passes; each part's tests beside it |
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
@@ -51,7 +65,6 @@ mod xid;
 use attribution::{Attributed, Target, attribute};
 use enforcement::PendingKill;
 use findings::{FindingKey, Findings, findings};
-
 use procfs::read_facts;
 pub use procfs::{ProcFs, ProcessTable, cgroup_key};
 
@@ -425,6 +438,7 @@ impl<S: ProcessSource, T: ProcessTable> Auditor<S, T> {
     }
 }
 
+/// Logs `e` once the broker has stored it: an end at info, anything else at warn.
 fn log_event(e: &Event) {
     let reservation = e.reservation_id.as_deref().unwrap_or("-");
     match e.phase {
