@@ -4,14 +4,17 @@
 //!
 //! Owner, parent and start time come from [`process_info`], the reader `holder` pins
 //! holders with; a limited cgroup's name as `/proc/PID/cgroup` writes it from
-//! [`Hierarchy`](crate::isolation::cgroup::Hierarchy), which knows where the hierarchy is
-//! mounted.
+//! [`Hierarchy::relative`], which knows where the hierarchy is mounted. A process's cgroup
+//! is read here, not with `Hierarchy::cgroup_of`: attribution compares any hierarchy's
+//! path (v2, else v1's memory or systemd one, see [`cgroup_key`]) and takes an unreadable
+//! one as unknown, where isolation needs the v2 path or an error that says why.
 
 use std::collections::{HashMap, HashSet};
 
 use super::attribution::{Facts, ProcessFacts};
 use crate::gpu::GpuProcess;
 use crate::holder::process_info;
+use crate::isolation::cgroup::Hierarchy;
 use crate::model::AuditedReservation;
 
 /// Where process facts come from (`/proc`; a stand-in in unit tests).
@@ -78,14 +81,11 @@ impl ProcessTable for ProcFs {
     }
 
     fn key_of_cgroup(&self, full: &str) -> Option<String> {
-        static MOUNT: std::sync::OnceLock<Option<crate::isolation::cgroup::Hierarchy>> =
-            std::sync::OnceLock::new();
-        let mount = MOUNT
-            .get_or_init(crate::isolation::cgroup::Hierarchy::detect)
+        static HIERARCHY: std::sync::OnceLock<Option<Hierarchy>> = std::sync::OnceLock::new();
+        HIERARCHY
+            .get_or_init(Hierarchy::detect)
             .as_ref()?
-            .mount();
-        let relative = std::path::Path::new(full).strip_prefix(mount).ok()?;
-        Some(format!("/{}", relative.display()))
+            .relative(std::path::Path::new(full))
     }
 
     fn reservation_env(&self, pid: u32) -> Result<Option<String>, String> {

@@ -123,6 +123,13 @@ impl Hierarchy {
         path
     }
 
+    /// The kernel's form of a full path under the mount (`/` for the root), as
+    /// `/proc/PID/cgroup` names it; `None` outside the mount.
+    pub fn relative(&self, full: &Path) -> Option<String> {
+        let rest = full.strip_prefix(&self.mount).ok()?;
+        Some(format!("/{}", rest.display()))
+    }
+
     /// A cgroup named in a request, in either form, as the full path of an existing cgroup
     /// directory: refuses `..`, paths outside the mount and directories that are not
     /// cgroups.
@@ -368,6 +375,16 @@ mod tests {
             Path::new("/sys/fs/cgroup/unified/system.slice/a.scope")
         );
         assert_eq!(h.full_path("/"), Path::new("/sys/fs/cgroup/unified"));
+        assert_eq!(
+            h.relative(Path::new("/sys/fs/cgroup/unified/x/y"))
+                .as_deref(),
+            Some("/x/y")
+        );
+        assert_eq!(
+            h.relative(Path::new("/sys/fs/cgroup/unified")).as_deref(),
+            Some("/")
+        );
+        assert_eq!(h.relative(Path::new("/elsewhere")), None);
         assert!(is_within(Path::new("/c/a/b"), Path::new("/c/a")));
         assert!(is_within(Path::new("/c/a"), Path::new("/c/a")));
         assert!(!is_within(Path::new("/c/ab"), Path::new("/c/a")));
