@@ -1,4 +1,5 @@
-//! Generates the kubelet gRPC code (device plugin v1beta1, pod-resources v1) from the
+//! Generates the kubelet gRPC code (device plugin v1beta1, pod-resources v1, DRA plugin v1,
+//! plugin registration) from the
 //! vendored protos in `proto/`, with the `protoc` that the `protoc-bin-vendored` crate
 //! ships: no network, no system package, the same compiler on every machine.
 
@@ -15,13 +16,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let protos = [
         root.join("deviceplugin/v1beta1/api.proto"),
         root.join("podresources/v1/api.proto"),
+        root.join("dra/v1/api.proto"),
+        root.join("pluginregistration/v1/api.proto"),
     ];
     for proto in &protos {
         println!("cargo:rerun-if-changed={}", proto.display());
     }
     println!("cargo:rerun-if-env-changed=PROTOC");
-    // Both sides of both services: gpud serves DevicePlugin and calls Registration and
-    // PodResourcesLister; the integration tests' fake kubelet does the opposite.
+    // Both sides of every service: gpud serves DevicePlugin, DRAPlugin and the plugin
+    // Registration, and calls the device plugin's Registration and PodResourcesLister; the
+    // integration tests' fake kubelet does the opposite.
     tonic_prost_build::configure()
         .build_server(true)
         .build_client(true)

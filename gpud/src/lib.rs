@@ -17,6 +17,7 @@ pub mod broker;
 pub mod cdi;
 pub mod clock;
 pub mod config;
+pub mod dra;
 pub mod gpu;
 pub mod holder;
 pub mod isolation;

@@ -1,0 +1,101 @@
+//! Pure: the DRA names of gpud's units, the reservation id of a claim, and the exact request
+//! a claim's allocation makes of the ledger. No I/O.
+
+use std::collections::BTreeMap;
+
+use super::{ClaimAllocation, DRIVER};
+use crate::broker::ExactRequest;
+use crate::model::Unit;
+
+/// Unit `unit`'s device name in this node's pool: `gpu-<index>` for a whole GPU,
+/// `gpu-<index>-mig-<n>` for its MIG instance `n` (DNS labels, as DRA device names must be).
+pub fn device_name(unit: &Unit) -> String {
+    match unit.mig_index {
+        Some(m) => format!("gpu-{}-mig-{m}", unit.gpu_index),
+        None => format!("gpu-{}", unit.gpu_index),
+    }
+}
+
+/// The id of the reservation made for the claim with `uid`.
+pub fn reservation_id(uid: &str) -> String {
+    format!("dra-{uid}")
+}
+
+/// The exact request for `allocation`'s devices of this driver in `pool`, on `units`: each
+/// device's consumed memory, or the whole device when it was allocated without a share.
+/// Why not, as the claim's error, when the claim has none of this driver's devices, names
+/// one this node does not have, or mixes shares and whole devices.
+pub fn exact_request(
+    allocation: &ClaimAllocation,
+    pool: &str,
+    units: &[Unit],
+) -> Result<ExactRequest, String> {
+    let claim = &allocation.claim;
+    let ours: Vec<_> = allocation
+        .devices
+        .iter()
+        .filter(|d| d.driver == DRIVER)
+        .collect();
+    if ours.is_empty() {
+        return Err(format!(
+            "claim {}/{} has no device of {DRIVER} allocated",
+            claim.namespace, claim.name
+        ));
+    }
+    // Bytes per unit: two shares of one device in one claim add up.
+    let mut bytes: BTreeMap<usize, u64> = BTreeMap::new();
+    let mut whole = 0;
+    for d in &ours {
+        if d.pool != pool {
+            return Err(format!(
+                "device {} of claim {}/{} is in pool {:?}, not this node's ({pool:?})",
+                d.device, claim.namespace, claim.name, d.pool
+            ));
+        }
+        let position = units
+            .iter()
+            .position(|u| device_name(u) == d.device)
+            .ok_or_else(|| {
+                format!(
+                    "claim {}/{} names device {}, which this node does not have (a GPU lost \
+                     since the scheduler allocated it?)",
+                    claim.namespace, claim.name, d.device
+                )
+            })?;
+        match d.memory {
+            Some(m) => {
+                let slot = bytes.entry(position).or_default();
+                *slot = slot.saturating_add(m);
+            }
+            None => {
+                whole += 1;
+                bytes.insert(position, units[position].memory_total_bytes);
+            }
+        }
+    }
+    if whole > 0 && whole != ours.len() {
+        return Err(format!(
+            "claim {}/{} mixes whole devices and shares of devices; gpud reserves a claim as \
+             one or the other: make two claims",
+            claim.namespace, claim.name
+        ));
+    }
+    Ok(ExactRequest {
+        ids: vec![reservation_id(&claim.uid)],
+        units: bytes
+            .into_iter()
+            .map(|(p, b)| (units[p].uuid.clone(), b))
+            .collect(),
+        exclusive: whole > 0,
+        labels: BTreeMap::from([
+            (
+                "dra.claim".to_owned(),
+                format!("{}/{}", claim.namespace, claim.name),
+            ),
+            ("dra.claim-uid".to_owned(), claim.uid.clone()),
+        ]),
+    })
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,92 @@
+//! Kubernetes DRA: gpud as a Dynamic Resource Allocation driver (`gpu.gpud.io`), so that a
+//! ResourceClaim for "4Gi on one GPU" becomes an exact, enforced gpud reservation of those
+//! bytes on the GPU the scheduler allocated.
+//!
+//! Depends on `broker` (exact reservations, releases), `cdi` (device names), `model` and
+//! the kubelet protos (`kubelet::proto`).
+//!
+//! # Pieces
+//!
+//! - [`claims`] (pure): a unit's DRA device name, the reservation id of a claim, and the
+//!   exact request that a claim's allocation asks of the ledger.
+//! - [`plugin`]: the kubelet's `DRAPlugin` gRPC service (`NodePrepareResources`,
+//!   `NodeUnprepareResources`) over the broker, reading each claim's allocation from a
+//!   [`Claims`] source (the API server).
+//! - [`registration`]: the plugin registration socket the kubelet's plugin watcher finds,
+//!   and the DRA endpoint it then calls.
+//!
+//! # Decisions
+//!
+//! - **One reservation per claim**, id `dra-<claim uid>`, made with the kubelet's exact
+//!   requests (no placement: the scheduler chose the devices; the capacity check still
+//!   refuses anything gpud already promised elsewhere, as a clear claim error). One
+//!   reservation, so that one environment (`CUDA_VISIBLE_DEVICES` naming every GPU of the
+//!   claim) reaches the container through one CDI device.
+//! - **What is enforced** is the allocation's `consumedCapacity` `memory` on each shared
+//!   device; a device allocated without it is reserved whole (exclusive). A claim that mixes
+//!   both is refused: make two claims.
+//! - **Idempotent**: a Prepare for a claim whose reservation is active answers the same
+//!   devices again; an Unprepare of a claim with none active succeeds. The reservation
+//!   table is the driver's checkpoint: a restart loses nothing.
+//! - **CDI is required**: the claim's container gets its environment and its memory limit
+//!   through the reservation's CDI device (`gpud.io/reservation=dra-<uid>`), named on the
+//!   claim's first device only (a CDI name is listed once per claim).
+
+pub mod claims;
+pub mod plugin;
+pub mod registration;
+
+/// The driver's name: the DeviceClass selects it, the ResourceSlices carry it.
+pub const DRIVER: &str = "gpu.gpud.io";
+
+/// The DRA plugin API versions gpud serves, as `GetInfo` lists them.
+pub const SUPPORTED_VERSIONS: [&str; 1] = ["v1.DRAPlugin"];
+
+/// The claim a kubelet call names.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct ClaimRef {
+    /// Its namespace.
+    pub namespace: String,
+    /// Its name.
+    pub name: String,
+    /// Its UID (a claim deleted and made again has a new one).
+    pub uid: String,
+}
+
+/// One device of this driver allocated to a claim, as the claim's status says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AllocatedDevice {
+    /// The claim's request it serves.
+    pub request: String,
+    /// The driver that allocated it (devices of other drivers are theirs to prepare).
+    pub driver: String,
+    /// Its pool (this node's).
+    pub pool: String,
+    /// Its name in the pool.
+    pub device: String,
+    /// The share of a device several claims use (consumable capacity).
+    pub share_id: Option<String>,
+    /// `consumedCapacity["memory"]` in bytes: what the claim may use there. `None`: the
+    /// whole device.
+    pub memory: Option<u64>,
+}
+
+/// A claim and what the scheduler allocated to it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClaimAllocation {
+    /// The claim.
+    pub claim: ClaimRef,
+    /// Its allocated devices, of every driver; empty: not allocated.
+    pub devices: Vec<AllocatedDevice>,
+}
+
+/// Where claims are read from: the API server (or a stand-in in tests).
+#[tonic::async_trait]
+pub trait Claims: Send + Sync + std::fmt::Debug {
+    /// Claim `claim`'s allocation; `Ok(None)` when no such claim exists (deleted, or made
+    /// again with another UID).
+    async fn get(&self, claim: &ClaimRef) -> Result<Option<ClaimAllocation>, String>;
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,200 @@
+//! The kubelet's `DRAPlugin` service: prepare a claim by making its exact reservation,
+//! unprepare it by ending that reservation. Every claim asked for gets an entry in the
+//! answer, its error there when it failed; the call itself fails only when its request is
+//! malformed.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use tonic::{Request, Response, Status};
+
+use super::claims::{exact_request, reservation_id};
+use super::{ClaimAllocation, ClaimRef, Claims, DRIVER};
+use crate::broker::{AllocateRequest, Broker, Caller};
+use crate::kubelet::proto::dra_v1::dra_plugin_server::DraPlugin;
+use crate::kubelet::proto::dra_v1::{
+    Claim, Device, NodePrepareResourceResponse, NodePrepareResourcesRequest,
+    NodePrepareResourcesResponse, NodeUnprepareResourceResponse, NodeUnprepareResourcesRequest,
+    NodeUnprepareResourcesResponse,
+};
+
+/// The DRA plugin of one node.
+#[derive(Debug, Clone)]
+pub struct Plugin {
+    broker: Arc<Broker>,
+    claims: Arc<dyn Claims>,
+    /// This node's pool: the node's name.
+    pool: String,
+    /// Who owns the reservations made for claims: gpud itself.
+    caller: Caller,
+}
+
+impl Plugin {
+    /// The plugin of the node whose pool is `pool`, reading claims from `claims`.
+    pub fn new(broker: Arc<Broker>, claims: Arc<dyn Claims>, pool: String) -> Plugin {
+        Plugin {
+            broker,
+            claims,
+            pool,
+            caller: Caller {
+                uid: 0,
+                gid: 0,
+                pid: None,
+            },
+        }
+    }
+
+    /// Prepares `claim`: its reservation (made now, or already), and the devices to answer.
+    async fn prepare(&self, claim: &ClaimRef) -> Result<Vec<Device>, String> {
+        if !self.broker.settings().config.cdi.enabled {
+            return Err(format!(
+                "gpud's DRA driver needs [cdi] enabled = true: a claim's container gets its \
+                 environment and its memory limit through the reservation's CDI device \
+                 (claim {}/{})",
+                claim.namespace, claim.name
+            ));
+        }
+        let allocation = self
+            .claims
+            .get(claim)
+            .await
+            .map_err(|e| {
+                format!(
+                    "cannot read ResourceClaim {}/{}: {e}",
+                    claim.namespace, claim.name
+                )
+            })?
+            .ok_or_else(|| {
+                format!(
+                    "ResourceClaim {}/{} with UID {} does not exist (deleted, or made again)",
+                    claim.namespace, claim.name, claim.uid
+                )
+            })?;
+        let id = reservation_id(&claim.uid);
+        let snapshot = self.broker.snapshot();
+        let request = exact_request(&allocation, &self.pool, &snapshot.units)?;
+        if snapshot.reservation(&id).is_none() {
+            let request = AllocateRequest {
+                end: Vec::new(),
+                containers: vec![request],
+            };
+            let made = self.broker.allocate(self.caller, request).await;
+            // A Prepare of the same claim that ran meanwhile made it: the same answer.
+            if let Err(e) = made
+                && self.broker.snapshot().reservation(&id).is_none()
+            {
+                return Err(format!(
+                    "gpud could not reserve what the scheduler allocated to claim {}/{}: {e}",
+                    claim.namespace, claim.name
+                ));
+            }
+            tracing::info!(reservation = %id, claim = %format!("{}/{}", claim.namespace, claim.name), "claim prepared");
+        }
+        Ok(answer(&allocation, &id))
+    }
+
+    /// Unprepares `claim`: ends its reservation, if it is active.
+    async fn unprepare(&self, claim: &ClaimRef) -> Result<(), String> {
+        let id = reservation_id(&claim.uid);
+        if self.broker.snapshot().reservation(&id).is_none() {
+            return Ok(());
+        }
+        let reason = format!("claim {}/{} unprepared", claim.namespace, claim.name);
+        self.broker
+            .end(id, reason)
+            .await
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    }
+}
+
+/// The devices to answer for `allocation`, whose reservation is `id`: every device of this
+/// driver, the reservation's CDI device named on the first.
+fn answer(allocation: &ClaimAllocation, id: &str) -> Vec<Device> {
+    allocation
+        .devices
+        .iter()
+        .filter(|d| d.driver == DRIVER)
+        .enumerate()
+        .map(|(i, d)| Device {
+            request_names: vec![d.request.clone()],
+            pool_name: d.pool.clone(),
+            device_name: d.device.clone(),
+            cdi_device_ids: if i == 0 {
+                vec![crate::cdi::device_name(id)]
+            } else {
+                Vec::new()
+            },
+        })
+        .collect()
+}
+
+/// The claim a kubelet request names, or why it is malformed.
+fn claim_ref(c: Claim) -> Result<ClaimRef, Status> {
+    if c.uid.is_empty() || c.name.is_empty() || c.namespace.is_empty() {
+        return Err(Status::invalid_argument(format!(
+            "a claim needs its namespace, name and UID; got {:?}/{:?} UID {:?}",
+            c.namespace, c.name, c.uid
+        )));
+    }
+    Ok(ClaimRef {
+        namespace: c.namespace,
+        name: c.name,
+        uid: c.uid,
+    })
+}
+
+#[tonic::async_trait]
+impl DraPlugin for Plugin {
+    async fn node_prepare_resources(
+        &self,
+        request: Request<NodePrepareResourcesRequest>,
+    ) -> Result<Response<NodePrepareResourcesResponse>, Status> {
+        let claims: Vec<ClaimRef> = request
+            .into_inner()
+            .claims
+            .into_iter()
+            .map(claim_ref)
+            .collect::<Result<_, _>>()?;
+        let mut answers = HashMap::new();
+        for claim in claims {
+            let answer = match self.prepare(&claim).await {
+                Ok(devices) => NodePrepareResourceResponse {
+                    devices,
+                    error: String::new(),
+                },
+                Err(error) => {
+                    tracing::warn!(claim = %format!("{}/{}", claim.namespace, claim.name), %error, "claim not prepared");
+                    NodePrepareResourceResponse {
+                        devices: Vec::new(),
+                        error,
+                    }
+                }
+            };
+            answers.insert(claim.uid, answer);
+        }
+        Ok(Response::new(NodePrepareResourcesResponse {
+            claims: answers,
+        }))
+    }
+
+    async fn node_unprepare_resources(
+        &self,
+        request: Request<NodeUnprepareResourcesRequest>,
+    ) -> Result<Response<NodeUnprepareResourcesResponse>, Status> {
+        let claims: Vec<ClaimRef> = request
+            .into_inner()
+            .claims
+            .into_iter()
+            .map(claim_ref)
+            .collect::<Result<_, _>>()?;
+        let mut answers = HashMap::new();
+        for claim in claims {
+            let error = self.unprepare(&claim).await.err().unwrap_or_default();
+            answers.insert(claim.uid, NodeUnprepareResourceResponse { error });
+        }
+        Ok(Response::new(NodeUnprepareResourcesResponse {
+            claims: answers,
+        }))
+    }
+}
