@@ -12,6 +12,10 @@
 //! - [`plugin`]: the kubelet's `DRAPlugin` gRPC service (`NodePrepareResources`,
 //!   `NodeUnprepareResources`) over the broker, reading each claim's allocation from a
 //!   [`Claims`] source (the API server).
+//! - [`kube`]: ResourceClaims read from the API server (kube-rs); [`quantity`]: Kubernetes
+//!   quantities as bytes.
+//! - [`slices`]: the node's ResourceSlice: a device per GPU and per MIG instance, with the
+//!   attributes a claim selects on and each GPU's memory as consumable capacity.
 //! - [`registration`]: the plugin registration socket the kubelet's plugin watcher finds,
 //!   and the DRA endpoint it then calls.
 //!
@@ -33,8 +37,11 @@
 //!   claim's first device only (a CDI name is listed once per claim).
 
 pub mod claims;
+pub mod kube;
 pub mod plugin;
+pub mod quantity;
 pub mod registration;
+pub mod slices;
 
 /// The driver's name: the DeviceClass selects it, the ResourceSlices carry it.
 pub const DRIVER: &str = "gpu.gpud.io";

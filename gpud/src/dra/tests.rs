@@ -303,3 +303,252 @@ async fn a_claim_without_its_uid_is_a_malformed_call() {
         .unwrap_err();
     assert_eq!(e.code(), tonic::Code::InvalidArgument);
 }
+
+/// A stand-in API server on loopback: serves the ResourceClaims it was given and keeps the
+/// ResourceSlices written to it, recording each write (method and path), as kube-rs talks
+/// to a real one.
+mod apiserver {
+    use std::collections::HashMap;
+    use std::convert::Infallible;
+    use std::sync::{Arc, Mutex};
+
+    use http_body_util::{BodyExt, Full};
+    use hyper::body::{Bytes, Incoming};
+    use hyper::{Method, Request, Response, StatusCode};
+    use serde_json::{Value, json};
+
+    /// What the server holds, and the writes it saw.
+    #[derive(Debug, Default)]
+    pub struct State {
+        /// ResourceClaims by `namespace/name`.
+        pub claims: HashMap<String, Value>,
+        /// ResourceSlices by name.
+        pub slices: HashMap<String, Value>,
+        /// `(method, path)` of every write.
+        pub writes: Vec<(String, String)>,
+    }
+
+    fn reply(status: StatusCode, body: &Value) -> Response<Full<Bytes>> {
+        let mut r = Response::new(Full::new(Bytes::from(body.to_string())));
+        *r.status_mut() = status;
+        r.headers_mut()
+            .insert("content-type", "application/json".parse().unwrap());
+        r
+    }
+
+    fn status(code: u16, reason: &str) -> Value {
+        json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+               "message": reason, "reason": reason, "code": code})
+    }
+
+    async fn handle(state: Arc<Mutex<State>>, req: Request<Incoming>) -> Response<Full<Bytes>> {
+        let (method, path) = (req.method().clone(), req.uri().path().to_owned());
+        let bytes = req
+            .into_body()
+            .collect()
+            .await
+            .map(|b| b.to_bytes())
+            .unwrap_or_default();
+        let body: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+        let mut st = state.lock().unwrap();
+        let parts: Vec<&str> = path.trim_start_matches('/').split('/').collect();
+        match (&method, parts.as_slice()) {
+            (
+                &Method::GET,
+                [
+                    "apis",
+                    "resource.k8s.io",
+                    "v1",
+                    "namespaces",
+                    ns,
+                    "resourceclaims",
+                    name,
+                ],
+            ) => match st.claims.get(&format!("{ns}/{name}")) {
+                Some(c) => reply(StatusCode::OK, c),
+                None => reply(StatusCode::NOT_FOUND, &status(404, "NotFound")),
+            },
+            (&Method::GET, ["apis", "resource.k8s.io", "v1", "resourceslices", name]) => {
+                match st.slices.get(*name) {
+                    Some(s) => reply(StatusCode::OK, s),
+                    None => reply(StatusCode::NOT_FOUND, &status(404, "NotFound")),
+                }
+            }
+            (&Method::POST, ["apis", "resource.k8s.io", "v1", "resourceslices"]) => {
+                let name = body["metadata"]["name"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_owned();
+                if st.slices.contains_key(&name) {
+                    return reply(StatusCode::CONFLICT, &status(409, "AlreadyExists"));
+                }
+                let mut stored = body;
+                stored["metadata"]["resourceVersion"] = json!("1");
+                st.writes.push((method.to_string(), path));
+                st.slices.insert(name, stored.clone());
+                reply(StatusCode::CREATED, &stored)
+            }
+            (&Method::PUT, ["apis", "resource.k8s.io", "v1", "resourceslices", name]) => {
+                let Some(current) = st.slices.get(*name) else {
+                    return reply(StatusCode::NOT_FOUND, &status(404, "NotFound"));
+                };
+                let version = current["metadata"]["resourceVersion"].clone();
+                if body["metadata"]["resourceVersion"] != version {
+                    return reply(StatusCode::CONFLICT, &status(409, "Conflict"));
+                }
+                let next: u64 = version.as_str().unwrap_or("0").parse().unwrap_or(0) + 1;
+                let mut stored = body;
+                stored["metadata"]["resourceVersion"] = json!(next.to_string());
+                let name = (*name).to_owned();
+                st.writes.push((method.to_string(), path));
+                st.slices.insert(name, stored.clone());
+                reply(StatusCode::OK, &stored)
+            }
+            _ => reply(StatusCode::NOT_FOUND, &status(404, "NotFound")),
+        }
+    }
+
+    /// Serves `state` on a loopback port; returns its URL.
+    pub async fn start(state: Arc<Mutex<State>>) -> String {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move {
+            loop {
+                let Ok((stream, _)) = listener.accept().await else {
+                    return;
+                };
+                let state = state.clone();
+                tokio::spawn(async move {
+                    let service = hyper::service::service_fn(move |req| {
+                        let state = state.clone();
+                        async move { Ok::<_, Infallible>(handle(state, req).await) }
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                        .await;
+                });
+            }
+        });
+        url
+    }
+}
+
+/// A kube-rs client of the stand-in API server at `url`.
+fn client(url: &str) -> ::kube::Client {
+    let config = ::kube::Config::new(url.parse().unwrap());
+    ::kube::Client::try_from(config).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claims_are_read_from_the_api_server_and_prepared() {
+    let state = Arc::new(Mutex::new(apiserver::State::default()));
+    let url = apiserver::start(state.clone()).await;
+    state.lock().unwrap().claims.insert(
+        "ml/serve".to_owned(),
+        serde_json::json!({
+            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+            "metadata": {"name": "serve", "namespace": "ml", "uid": "uid-1"},
+            "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+                "deviceClassName": "gpu.gpud.io",
+                "capacity": {"requests": {"memory": "4Gi"}}}}]}},
+            "status": {"allocation": {"devices": {"results": [
+                {"request": "gpu", "driver": DRIVER, "pool": POOL, "device": "gpu-0",
+                 "shareID": "share-1", "consumedCapacity": {"memory": "4Gi"}}]}}}
+        }),
+    );
+    let claims = super::kube::KubeClaims::new(client(&url));
+    let found = claims
+        .get(&claim_ref("serve", "uid-1"))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(found.devices[0].memory, Some(4 * GIB));
+    // Another UID under that name, or no such claim: none.
+    assert_eq!(
+        claims.get(&claim_ref("serve", "uid-2")).await.unwrap(),
+        None
+    );
+    assert_eq!(claims.get(&claim_ref("gone", "uid-3")).await.unwrap(), None);
+
+    let dir = tempfile::tempdir().unwrap();
+    let b = broker(dir.path(), true);
+    let sockets = Sockets::under(&dir.path().join("kubelet"));
+    let plugin = Plugin::new(b.clone(), Arc::new(claims), POOL.to_owned());
+    let served = sockets.clone();
+    let (_stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(async move {
+        serve(&served, plugin, async move {
+            let _ = stopped.await;
+        })
+        .await
+        .unwrap();
+    });
+    let answer = prepare(&sockets, vec![wire("serve", "uid-1")]).await;
+    assert_eq!(answer.claims["uid-1"].error, "");
+    let r = b.snapshot().reservation("dra-uid-1").cloned().unwrap();
+    assert_eq!(
+        (r.units[0].gpu_index, r.units[0].memory_bytes),
+        (0, 4 * GIB)
+    );
+}
+
+fn claim_ref(name: &str, uid: &str) -> ClaimRef {
+    ClaimRef {
+        namespace: "ml".to_owned(),
+        name: name.to_owned(),
+        uid: uid.to_owned(),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_node_s_slice_is_made_then_replaced_with_a_newer_generation() {
+    let state = Arc::new(Mutex::new(apiserver::State::default()));
+    let url = apiserver::start(state.clone()).await;
+    let inventory = GpuInventory::test_machine(2, 16);
+    let units = inventory.units();
+    assert_eq!(
+        super::slices::current_generation(client(&url), POOL)
+            .await
+            .unwrap(),
+        None
+    );
+    for generation in [1, 2] {
+        let slice = super::slices::slice(POOL, &inventory.gpus, &units, None, generation);
+        let stored = super::slices::publish(client(&url), slice).await.unwrap();
+        assert_eq!(stored.spec.pool.generation, generation);
+    }
+    assert_eq!(
+        super::slices::current_generation(client(&url), POOL)
+            .await
+            .unwrap(),
+        Some(2)
+    );
+    let st = state.lock().unwrap();
+    let writes: Vec<(&str, &str)> = st
+        .writes
+        .iter()
+        .map(|(m, p)| (m.as_str(), p.as_str()))
+        .collect();
+    assert_eq!(
+        writes,
+        [
+            ("POST", "/apis/resource.k8s.io/v1/resourceslices"),
+            (
+                "PUT",
+                "/apis/resource.k8s.io/v1/resourceslices/node-1-gpu.gpud.io"
+            ),
+        ]
+    );
+    let stored = &st.slices["node-1-gpu.gpud.io"];
+    assert_eq!(stored["apiVersion"], "resource.k8s.io/v1");
+    assert_eq!(stored["kind"], "ResourceSlice");
+    assert_eq!(stored["spec"]["devices"][1]["name"], "gpu-1");
+    assert_eq!(
+        stored["spec"]["devices"][1]["allowMultipleAllocations"],
+        true
+    );
+    assert_eq!(
+        stored["spec"]["devices"][1]["capacity"]["memory"]["value"],
+        "16Gi"
+    );
+}

@@ -1,0 +1,231 @@
+//! The node's ResourceSlice (`resource.k8s.io/v1`): one pool named after the node, a device
+//! per healthy GPU and MIG instance, with attributes a claim can select and align on, and
+//! each whole GPU's memory as consumable capacity (KEP-5075) in steps placement can honour.
+//! [`slice`] is pure; [`publish`] writes it through kube-rs.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::resource::v1::{
+    CapacityRequestPolicy, CapacityRequestPolicyRange, Device, DeviceAttribute, DeviceCapacity,
+    ResourcePool, ResourceSlice, ResourceSliceSpec,
+};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::Api;
+use kube::api::PostParams;
+
+use super::claims::device_name;
+use super::{DRIVER, quantity};
+use crate::model::{Gpu, Unit};
+
+/// The step a claim's memory is rounded up to, and the least it may ask: 1 MiB.
+pub const MEMORY_STEP: u64 = 1 << 20;
+
+/// The name of `node`'s slice.
+pub fn slice_name(node: &str) -> String {
+    format!("{node}-{DRIVER}")
+}
+
+fn string(value: impl Into<String>) -> DeviceAttribute {
+    DeviceAttribute {
+        string: Some(value.into()),
+        ..DeviceAttribute::default()
+    }
+}
+
+fn int(value: u32) -> DeviceAttribute {
+    DeviceAttribute {
+        int: Some(i64::from(value)),
+        ..DeviceAttribute::default()
+    }
+}
+
+fn boolean(value: bool) -> DeviceAttribute {
+    DeviceAttribute {
+        bool: Some(value),
+        ..DeviceAttribute::default()
+    }
+}
+
+/// Unit `unit` of GPU `gpu` as a DRA device. A whole GPU is shared by any number of
+/// claims, each consuming part of its `memory` (1 MiB steps, at least 1 MiB; a claim that
+/// names no amount gets all of it); a MIG instance is allocated whole.
+fn device(gpu: &Gpu, unit: &Unit, driver_version: Option<&str>) -> Device {
+    let mut attributes = BTreeMap::from([
+        ("uuid".to_owned(), string(&unit.uuid)),
+        ("index".to_owned(), int(unit.gpu_index)),
+        ("productName".to_owned(), string(&gpu.name)),
+        ("mig".to_owned(), boolean(unit.mig_index.is_some())),
+        (
+            "memoryEnforced".to_owned(),
+            boolean(gpu.isolation.mode == gpud_schema::IsolationMode::Driver),
+        ),
+    ]);
+    if let Some(version) = driver_version {
+        attributes.insert("driverVersion".to_owned(), string(version));
+    }
+    if let Some(node) = gpu.numa_node {
+        attributes.insert("numaNode".to_owned(), int(node));
+    }
+    if !gpu.pci_bus_id.is_empty() {
+        attributes.insert("pciBusID".to_owned(), string(&gpu.pci_bus_id));
+    }
+    let total = unit.memory_total_bytes;
+    let shared = unit.mig_index.is_none() && total >= MEMORY_STEP;
+    let most = total - total % MEMORY_STEP;
+    let memory = DeviceCapacity {
+        value: Quantity(quantity::format(total)),
+        request_policy: shared.then(|| CapacityRequestPolicy {
+            default: Some(Quantity(quantity::format(most))),
+            valid_range: Some(CapacityRequestPolicyRange {
+                min: Quantity(quantity::format(MEMORY_STEP)),
+                max: Some(Quantity(quantity::format(most))),
+                step: Some(Quantity(quantity::format(MEMORY_STEP))),
+            }),
+            valid_values: None,
+        }),
+    };
+    Device {
+        name: device_name(unit),
+        attributes: Some(attributes),
+        capacity: Some(BTreeMap::from([("memory".to_owned(), memory)])),
+        allow_multiple_allocations: shared.then_some(true),
+        ..Device::default()
+    }
+}
+
+/// `node`'s slice at pool `generation`: a device per unit of a healthy GPU.
+pub fn slice(
+    node: &str,
+    gpus: &[Gpu],
+    units: &[Unit],
+    driver_version: Option<&str>,
+    generation: i64,
+) -> ResourceSlice {
+    let devices = units
+        .iter()
+        .filter_map(|unit| {
+            let gpu = gpus.iter().find(|g| g.index == unit.gpu_index)?;
+            gpu.healthy.then(|| device(gpu, unit, driver_version))
+        })
+        .collect();
+    ResourceSlice {
+        metadata: ObjectMeta {
+            name: Some(slice_name(node)),
+            ..ObjectMeta::default()
+        },
+        spec: ResourceSliceSpec {
+            driver: DRIVER.to_owned(),
+            node_name: Some(node.to_owned()),
+            pool: ResourcePool {
+                name: node.to_owned(),
+                generation,
+                resource_slice_count: 1,
+            },
+            devices: Some(devices),
+            ..ResourceSliceSpec::default()
+        },
+    }
+}
+
+/// Writes `slice` to the API server: made, or put in place of the one there (whose
+/// generation it must exceed). Returns the slice as stored.
+pub async fn publish(
+    client: kube::Client,
+    slice: ResourceSlice,
+) -> Result<ResourceSlice, kube::Error> {
+    let api: Api<ResourceSlice> = Api::all(client);
+    let name = slice.metadata.name.clone().unwrap_or_default();
+    match api.get_opt(&name).await? {
+        Some(current) => {
+            let mut slice = slice;
+            slice.metadata.resource_version = current.metadata.resource_version;
+            api.replace(&name, &PostParams::default(), &slice).await
+        }
+        None => api.create(&PostParams::default(), &slice).await,
+    }
+}
+
+/// The generation of `node`'s slice on the API server, if it has one: a restarted gpud
+/// publishes the next.
+pub async fn current_generation(
+    client: kube::Client,
+    node: &str,
+) -> Result<Option<i64>, kube::Error> {
+    let api: Api<ResourceSlice> = Api::all(client);
+    Ok(api
+        .get_opt(&slice_name(node))
+        .await?
+        .map(|s| s.spec.pool.generation))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{GpuInventory, MigInstance};
+
+    const GIB: u64 = 1 << 30;
+
+    #[test]
+    fn each_healthy_gpu_is_a_shared_device_with_its_memory_as_consumable_capacity() {
+        let mut inventory = GpuInventory::test_machine(2, 16);
+        inventory.gpus[1].healthy = false;
+        let units = inventory.units();
+        let s = slice("node-1", &inventory.gpus, &units, Some("615.01"), 3);
+        assert_eq!(s.metadata.name.as_deref(), Some("node-1-gpu.gpud.io"));
+        assert_eq!(s.spec.driver, "gpu.gpud.io");
+        assert_eq!(s.spec.node_name.as_deref(), Some("node-1"));
+        assert_eq!(
+            (s.spec.pool.name.as_str(), s.spec.pool.generation),
+            ("node-1", 3)
+        );
+        let devices = s.spec.devices.unwrap();
+        assert_eq!(devices.len(), 1, "the unhealthy GPU is not offered");
+        let d = &devices[0];
+        assert_eq!(d.name, "gpu-0");
+        assert_eq!(d.allow_multiple_allocations, Some(true));
+        let attributes = d.attributes.as_ref().unwrap();
+        assert_eq!(attributes["uuid"].string.as_deref(), Some("GPU-0"));
+        assert_eq!(attributes["index"].int, Some(0));
+        assert_eq!(
+            attributes["driverVersion"].string.as_deref(),
+            Some("615.01")
+        );
+        let memory = &d.capacity.as_ref().unwrap()["memory"];
+        assert_eq!(memory.value.0, "16Gi");
+        let policy = memory.request_policy.as_ref().unwrap();
+        assert_eq!(policy.default.as_ref().unwrap().0, "16Gi");
+        let range = policy.valid_range.as_ref().unwrap();
+        assert_eq!(range.min.0, "1Mi");
+        assert_eq!(range.step.as_ref().unwrap().0, "1Mi");
+        assert_eq!(range.max.as_ref().unwrap().0, "16Gi");
+        assert_eq!(
+            quantity::parse(&range.max.as_ref().unwrap().0),
+            Some(16 * GIB)
+        );
+    }
+
+    #[test]
+    fn a_mig_instance_is_allocated_whole_and_the_max_is_a_whole_step() {
+        let mut inventory = GpuInventory::test_machine(1, 16);
+        inventory.gpus[0].mig_enabled = true;
+        inventory.gpus[0].mig_instances = vec![MigInstance {
+            uuid: "MIG-a".to_owned(),
+            parent_index: 0,
+            mig_index: 0,
+            gpu_instance_id: 1,
+            compute_instance_id: 0,
+            name: "1g.10gb".to_owned(),
+            memory_total_bytes: 9 * GIB + 123,
+        }];
+        let units = inventory.units();
+        let s = slice("node-1", &inventory.gpus, &units, None, 1);
+        let d = &s.spec.devices.unwrap()[0];
+        assert_eq!(d.name, "gpu-0-mig-0");
+        assert_eq!(d.allow_multiple_allocations, None);
+        assert_eq!(d.attributes.as_ref().unwrap()["mig"].bool, Some(true));
+        let memory = &d.capacity.as_ref().unwrap()["memory"];
+        assert!(memory.request_policy.is_none());
+        assert_eq!(quantity::parse(&memory.value.0), Some(9 * GIB + 123));
+    }
+}
