@@ -72,6 +72,8 @@ pub struct Config {
     pub quotas: Vec<Quota>,
     /// Kubelet device plugin (off unless enabled).
     pub kubelet: KubeletConfig,
+    /// The Kubernetes DRA driver.
+    pub dra: DraConfig,
     /// How long ended reservations and audit events are kept.
     pub history: HistoryConfig,
     /// How fast one user may change state.
@@ -98,6 +100,7 @@ impl Default for Config {
             metrics: MetricsConfig::default(),
             quotas: Vec::new(),
             kubelet: KubeletConfig::default(),
+            dra: DraConfig::default(),
             history: HistoryConfig::default(),
             limits: LimitsConfig::default(),
             isolation: IsolationConfig::default(),
@@ -449,6 +452,42 @@ impl KubeletConfig {
     }
 }
 
+/// The Kubernetes DRA driver (`gpud::dra`, driver `gpu.gpud.io`): gpud publishes this
+/// node's GPUs as a ResourceSlice and prepares the ResourceClaims the scheduler allocated
+/// on them as exact reservations. Needs `[cdi] enabled`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DraConfig {
+    /// Publish the slice and serve the kubelet's DRA plugin API.
+    pub enabled: bool,
+    /// This node's name, as the cluster knows it: the pool and the slice are named after
+    /// it; default: the `NODE_NAME` environment variable (the DaemonSet sets it from
+    /// `spec.nodeName`), else the host name.
+    pub node_name: Option<String>,
+    /// The kubelet's directory: the registration socket goes in `plugins_registry/`, the
+    /// DRA endpoint in `plugins/gpu.gpud.io/`.
+    pub kubelet_dir: PathBuf,
+    /// A kubeconfig for the API server; default: the in-cluster service account, else
+    /// `KUBECONFIG` or `~/.kube/config`.
+    pub kubeconfig: Option<PathBuf>,
+    /// How often the slice is compared with the machine (health, MIG) and the claims of
+    /// gpud's DRA reservations are checked (a claim deleted is released).
+    #[serde(deserialize_with = "duration")]
+    pub resync_interval: Duration,
+}
+
+impl Default for DraConfig {
+    fn default() -> DraConfig {
+        DraConfig {
+            enabled: false,
+            node_name: None,
+            kubelet_dir: PathBuf::from("/var/lib/kubelet"),
+            kubeconfig: None,
+            resync_interval: Duration::from_secs(10),
+        }
+    }
+}
+
 /// CDI (`gpud::cdi`): a spec per active reservation in the container runtimes' spec
 /// directory, so that `--device gpud.io/reservation=<id>` (and pods, through `Allocate`)
 /// get its environment and a hook that puts its memory limits on the container's cgroup.
@@ -562,6 +601,16 @@ impl Config {
                 "kubelet.gpuctl_dir must be an absolute path, not {}",
                 dir.display()
             ));
+        }
+        if self.dra.enabled && !self.cdi.enabled {
+            return Err(
+                "dra.enabled needs cdi.enabled: a claim's container gets its environment and \
+                 its memory limit through the reservation's CDI device"
+                    .to_owned(),
+            );
+        }
+        if self.dra.resync_interval < Duration::from_millis(100) {
+            return Err("dra.resync_interval must be at least 100ms".to_owned());
         }
         // CDI wants a hook's path absolute; a relative spec directory would follow gpud's
         // working directory, which no runtime reads.

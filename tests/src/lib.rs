@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
+pub mod apiserver;
 pub mod containers;
 pub mod isolation;
 pub mod manifests;

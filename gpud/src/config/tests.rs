@@ -301,3 +301,15 @@ fn a_quota_names_exactly_one_subject() {
     );
     assert!(Config::parse("[[quotas]]\nuid = 1\ngid = 1\n").is_err());
 }
+
+#[test]
+fn the_dra_driver_needs_cdi_and_a_sane_resync() {
+    let e = Config::parse("[dra]\nenabled = true\n").unwrap_err();
+    assert!(e.contains("dra.enabled needs cdi.enabled"), "{e}");
+    let on = Config::parse("[cdi]\nenabled = true\n[dra]\nenabled = true\nnode_name = \"n1\"\n")
+        .unwrap();
+    assert_eq!(on.dra.node_name.as_deref(), Some("n1"));
+    assert_eq!(on.dra.kubelet_dir, std::path::Path::new("/var/lib/kubelet"));
+    let e = Config::parse("[dra]\nresync_interval = \"10ms\"\n").unwrap_err();
+    assert!(e.contains("dra.resync_interval"), "{e}");
+}

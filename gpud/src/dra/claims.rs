@@ -89,10 +89,10 @@ pub fn exact_request(
         exclusive: whole > 0,
         labels: BTreeMap::from([
             (
-                "dra.claim".to_owned(),
+                super::driver::CLAIM_LABEL.to_owned(),
                 format!("{}/{}", claim.namespace, claim.name),
             ),
-            ("dra.claim-uid".to_owned(), claim.uid.clone()),
+            (super::driver::CLAIM_UID_LABEL.to_owned(), claim.uid.clone()),
         ]),
     })
 }

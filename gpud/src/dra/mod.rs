@@ -16,6 +16,8 @@
 //!   quantities as bytes.
 //! - [`slices`]: the node's ResourceSlice: a device per GPU and per MIG instance, with the
 //!   attributes a claim selects on and each GPU's memory as consumable capacity.
+//! - [`driver`]: the driver in `gpud run`: the sockets, the slice kept in step with the
+//!   machine, and the release of reservations whose claim is gone.
 //! - [`registration`]: the plugin registration socket the kubelet's plugin watcher finds,
 //!   and the DRA endpoint it then calls.
 //!
@@ -37,6 +39,7 @@
 //!   claim's first device only (a CDI name is listed once per claim).
 
 pub mod claims;
+pub mod driver;
 pub mod kube;
 pub mod plugin;
 pub mod quantity;

@@ -61,6 +61,12 @@ fn device(gpu: &Gpu, unit: &Unit, driver_version: Option<&str>) -> Device {
             boolean(gpu.isolation.mode == gpud_schema::IsolationMode::Driver),
         ),
     ]);
+    if let Some(profile) = unit
+        .mig_index
+        .and_then(|m| gpu.mig_instances.iter().find(|i| i.mig_index == m))
+    {
+        attributes.insert("migProfile".to_owned(), string(&profile.name));
+    }
     if let Some(version) = driver_version {
         attributes.insert("driverVersion".to_owned(), string(version));
     }
@@ -224,6 +230,12 @@ mod tests {
         assert_eq!(d.name, "gpu-0-mig-0");
         assert_eq!(d.allow_multiple_allocations, None);
         assert_eq!(d.attributes.as_ref().unwrap()["mig"].bool, Some(true));
+        assert_eq!(
+            d.attributes.as_ref().unwrap()["migProfile"]
+                .string
+                .as_deref(),
+            Some("1g.10gb")
+        );
         let memory = &d.capacity.as_ref().unwrap()["memory"];
         assert!(memory.request_policy.is_none());
         assert_eq!(quantity::parse(&memory.value.0), Some(9 * GIB + 123));

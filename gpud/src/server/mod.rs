@@ -288,6 +288,9 @@ async fn serve(config: Config, config_path: Option<PathBuf>) -> Result<(), Serve
     if config.kubelet.enabled {
         tokio::spawn(crate::kubelet::run(broker.clone(), config.clone()));
     }
+    if config.dra.enabled {
+        tokio::spawn(crate::dra::driver::run(broker.clone(), config.clone()));
+    }
 
     // State is loaded and the socket accepts: tell systemd (a no-op without NOTIFY_SOCKET).
     if let Err(e) = sd_notify::notify(&[sd_notify::NotifyState::Ready]) {

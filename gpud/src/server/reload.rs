@@ -66,6 +66,7 @@ pub fn plan_reload(running: &Config, at_start: &Config, file: &Config) -> Reload
     restart_only!(server);
     restart_only!(metrics);
     restart_only!(kubelet);
+    restart_only!(dra);
     restart_only!(isolation);
     restart_only!(cdi);
     rest.quotas = at_start.quotas.clone();

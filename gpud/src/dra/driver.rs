@@ -1,0 +1,167 @@
+//! The driver's life in `gpud run` (`[dra] enabled`): serve the kubelet's sockets, publish
+//! the node's ResourceSlice and keep it following the machine, and release the
+//! reservations whose claim is gone — including claims deleted or deallocated while gpud
+//! was down, at the first pass after start.
+
+use std::sync::Arc;
+
+use super::kube::KubeClaims;
+use super::plugin::Plugin;
+use super::registration::{Sockets, serve};
+use super::{ClaimRef, Claims, DRIVER, slices};
+use crate::broker::Broker;
+use crate::config::{Config, DraConfig};
+
+/// The label of a DRA reservation that names its claim (`namespace/name`).
+pub const CLAIM_LABEL: &str = "dra.claim";
+/// The label of a DRA reservation that holds its claim's UID.
+pub const CLAIM_UID_LABEL: &str = "dra.claim-uid";
+
+/// This node's name: configured, else `NODE_NAME`, else the host name.
+pub fn node_name(config: &DraConfig) -> String {
+    config
+        .node_name
+        .clone()
+        .or_else(|| std::env::var("NODE_NAME").ok().filter(|n| !n.is_empty()))
+        .or_else(|| {
+            std::fs::read_to_string("/proc/sys/kernel/hostname")
+                .ok()
+                .map(|h| h.trim().to_owned())
+                .filter(|h| !h.is_empty())
+        })
+        .unwrap_or_else(|| "localhost".to_owned())
+}
+
+/// A client of the API server: the configured kubeconfig, else in-cluster, else
+/// `KUBECONFIG` or `~/.kube/config`.
+pub async fn client(config: &DraConfig) -> Result<kube::Client, String> {
+    let kube_config = match &config.kubeconfig {
+        Some(path) => {
+            let file = kube::config::Kubeconfig::read_from(path)
+                .map_err(|e| format!("cannot read the kubeconfig {}: {e}", path.display()))?;
+            kube::Config::from_custom_kubeconfig(file, &Default::default())
+                .await
+                .map_err(|e| format!("the kubeconfig {}: {e}", path.display()))?
+        }
+        None => kube::Config::infer()
+            .await
+            .map_err(|e| format!("no in-cluster config and no kubeconfig: {e}"))?,
+    };
+    kube::Client::try_from(kube_config).map_err(|e| e.to_string())
+}
+
+/// Runs the driver until gpud stops; an API server that cannot be reached is logged and
+/// tried again at the next pass.
+pub async fn run(broker: Arc<Broker>, config: Config) {
+    let dra = config.dra.clone();
+    let node = node_name(&dra);
+    let client = match client(&dra).await {
+        Ok(client) => client,
+        Err(e) => {
+            tracing::error!(error = %e, "the DRA driver cannot reach the API server; not started");
+            return;
+        }
+    };
+    let claims = Arc::new(KubeClaims::new(client.clone()));
+    let plugin = Plugin::new(broker.clone(), claims.clone(), node.clone());
+    let sockets = Sockets::under(&dra.kubelet_dir);
+    tokio::spawn(async move {
+        if let Err(e) = serve(&sockets, plugin, std::future::pending()).await {
+            tracing::error!(error = %e, socket = %sockets.registration.display(), "the DRA driver's sockets failed");
+        }
+    });
+    tracing::info!(driver = DRIVER, %node, "DRA driver serving");
+    let mut published: Option<(i64, Vec<k8s_openapi::api::resource::v1::Device>)> = None;
+    loop {
+        published = resync_slice(&broker, &client, &node, published).await;
+        release_gone(&broker, claims.as_ref()).await;
+        tokio::time::sleep(dra.resync_interval).await;
+    }
+}
+
+/// Publishes the node's slice when it differs from the last one published, or when the
+/// API server no longer has it (the kubelet deletes a driver's slices when it starts, and
+/// when the driver was gone a while). Returns what is published now.
+async fn resync_slice(
+    broker: &Broker,
+    client: &kube::Client,
+    node: &str,
+    published: Option<(i64, Vec<k8s_openapi::api::resource::v1::Device>)>,
+) -> Option<(i64, Vec<k8s_openapi::api::resource::v1::Device>)> {
+    let on_server = match slices::current_generation(client.clone(), node).await {
+        Ok(generation) => generation,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot read this node's ResourceSlice; trying again");
+            return published;
+        }
+    };
+    let snapshot = broker.snapshot();
+    let generation = on_server
+        .unwrap_or(0)
+        .max(published.as_ref().map_or(0, |p| p.0))
+        + 1;
+    let slice = slices::slice(
+        node,
+        &snapshot.gpus,
+        &snapshot.units,
+        snapshot.driver_version.as_deref(),
+        generation,
+    );
+    let devices = slice.spec.devices.clone().unwrap_or_default();
+    if let Some((at, last)) = &published
+        && on_server == Some(*at)
+        && *last == devices
+    {
+        return published;
+    }
+    match slices::publish(client.clone(), slice).await {
+        Ok(_) => {
+            tracing::info!(%node, generation, devices = devices.len(), "ResourceSlice published");
+            Some((generation, devices))
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot publish this node's ResourceSlice; trying again");
+            published
+        }
+    }
+}
+
+/// Ends the DRA reservations whose claim is gone, or no longer allocated any device of
+/// this driver. A claim that cannot be read (the API server is down) keeps its reservation.
+async fn release_gone(broker: &Broker, claims: &dyn Claims) {
+    let held: Vec<(String, ClaimRef)> = broker
+        .snapshot()
+        .reservations
+        .iter()
+        .filter_map(|r| {
+            let (namespace, name) = r.labels.get(CLAIM_LABEL)?.split_once('/')?;
+            let uid = r.labels.get(CLAIM_UID_LABEL)?;
+            Some((
+                r.id.clone(),
+                ClaimRef {
+                    namespace: namespace.to_owned(),
+                    name: name.to_owned(),
+                    uid: uid.clone(),
+                },
+            ))
+        })
+        .collect();
+    for (id, claim) in held {
+        let gone = match claims.get(&claim).await {
+            Ok(None) => true,
+            Ok(Some(a)) => !a.devices.iter().any(|d| d.driver == DRIVER),
+            Err(e) => {
+                tracing::debug!(error = %e, reservation = %id, "cannot read its claim; kept");
+                false
+            }
+        };
+        if gone {
+            let reason = format!(
+                "its ResourceClaim {}/{} is gone or no longer allocated",
+                claim.namespace, claim.name
+            );
+            tracing::info!(reservation = %id, %reason, "released");
+            let _ = broker.end(id, reason).await;
+        }
+    }
+}
