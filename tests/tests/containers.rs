@@ -18,9 +18,11 @@ use std::sync::{Mutex, MutexGuard, OnceLock};
 
 use serde_json::{Value, json};
 
+use gpud_tests::apiserver::ApiServer;
 use gpud_tests::containers::{
     IMAGE, RUN, SPEC_DIR, make_image, podman_as, run_container, shell_quoted, text,
 };
+use gpud_tests::dra::{self, Kubelet};
 use gpud_tests::isolation::{Isolated, limits_left, limits_on, prerequisites, python, r615};
 use gpud_tests::{Daemon, GIB, PATIENCE, curl_as, missing_prerequisite, wait_for};
 
@@ -532,4 +534,40 @@ fn a_rootless_container_without_a_cgroup_of_its_own_is_refused_unless_advisory_a
             assert_eq!(reservation(d, id)["isolation"]["mode"], "advisory");
         }
     }
+}
+
+#[test]
+fn a_prepared_dra_claim_s_cdi_device_limits_its_container_to_the_claim_s_share() {
+    let Some(setup) = setup() else { return };
+    let api = ApiServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let iso = gpud(&setup, "ctr-dra", &dra::config(&api, dir.path()), true);
+    let d = &iso.d;
+    api.claim("ml", "serve", "uid-ctr", dra::share("gpu-0", "3Gi"));
+    let kubelet = Kubelet::new(dir.path());
+    let answer = kubelet.prepare(vec![dra::claim("serve", "uid-ctr")]);
+    let entry = &answer.claims["uid-ctr"];
+    assert_eq!(entry.error, "");
+    let cdi = entry.devices[0].cdi_device_ids[0].clone();
+    assert_eq!(cdi, device("dra-uid-ctr"));
+    let gpu = reservation(d, "dra-uid-ctr")["gpus"][0]["uuid"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    // The runtime starts the claim's container with the device the kubelet was answered.
+    let container = Running::start(None, &["--device", &cdi]);
+    let env = container.environment();
+    assert!(env.contains("GPUD_RESERVATION_ID=dra-uid-ctr\n"), "{env}");
+    let cgroup = container.cgroup(&setup.mount);
+    assert_eq!(
+        limits_on(&setup.python, d, &gpu, &cgroup),
+        Some((3 * GIB, 3 * GIB))
+    );
+    // Unprepared: the reservation ends and its limit is reset.
+    assert_eq!(
+        kubelet.unprepare(vec![dra::claim("serve", "uid-ctr")]),
+        [""]
+    );
+    assert_eq!(limits_on(&setup.python, d, &gpu, &cgroup), None);
+    assert!(!spec("dra-uid-ctr").exists());
 }

@@ -9,103 +9,21 @@
 
 use std::path::Path;
 
-use gpud::kubelet::connect_unix;
-use gpud::kubelet::proto::dra_v1::dra_plugin_client::DraPluginClient;
-use gpud::kubelet::proto::dra_v1::{
-    Claim, NodePrepareResourcesRequest, NodePrepareResourcesResponse, NodeUnprepareResourcesRequest,
-};
-use gpud::kubelet::proto::pluginregistration::InfoRequest;
-use gpud::kubelet::proto::pluginregistration::registration_client::RegistrationClient;
 use gpud_tests::apiserver::ApiServer;
+use gpud_tests::dra::{Kubelet, claim, config, share};
 use gpud_tests::{Daemon, GIB, PATIENCE, wait_for};
-use serde_json::{Value, json};
+use serde_json::json;
 
 const SLICE: &str = "node-1-gpu.gpud.io";
 
 /// gpud with the DRA driver on, its kubelet directory, CDI specs and kubeconfig in `dir`.
 fn start(api: &ApiServer, dir: &Path) -> Daemon {
-    api.kubeconfig(&dir.join("kubeconfig"));
     let config = format!(
-        "[cdi]\nenabled = true\nspec_dir = \"{d}/cdi\"\n\
-         [dra]\nenabled = true\nnode_name = \"node-1\"\nkubelet_dir = \"{d}/kubelet\"\n\
-         kubeconfig = \"{d}/kubeconfig\"\nresync_interval = \"200ms\"\n",
-        d = dir.display()
+        "[cdi]\nenabled = true\nspec_dir = \"{}/cdi\"\n{}",
+        dir.display(),
+        config(api, dir)
     );
     Daemon::start("t4-pair", &config)
-}
-
-fn share(device: &str, memory: &str) -> Value {
-    json!([{"request": "gpu", "driver": "gpu.gpud.io", "pool": "node-1", "device": device,
-            "shareID": "9b1d5a8e-1c1f-4a7e-8f1e-2d6c3b4a5e6f",
-            "consumedCapacity": {"memory": memory}}])
-}
-
-fn claim(name: &str, uid: &str) -> Claim {
-    Claim {
-        namespace: "ml".to_owned(),
-        name: name.to_owned(),
-        uid: uid.to_owned(),
-    }
-}
-
-/// The fake kubelet: a runtime for its gRPC calls.
-struct Kubelet {
-    runtime: tokio::runtime::Runtime,
-    dir: std::path::PathBuf,
-}
-
-impl Kubelet {
-    fn new(dir: &Path) -> Kubelet {
-        Kubelet {
-            runtime: tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap(),
-            dir: dir.join("kubelet"),
-        }
-    }
-
-    /// What the plugin watcher does: `GetInfo` on the registration socket, once served.
-    fn get_info(&self) -> gpud::kubelet::proto::pluginregistration::PluginInfo {
-        let socket = self.dir.join("plugins_registry/gpu.gpud.io-reg.sock");
-        wait_for(PATIENCE, || socket.exists().then_some(())).expect("registration socket");
-        self.runtime.block_on(async {
-            let channel = connect_unix(&socket).await.unwrap();
-            RegistrationClient::new(channel)
-                .get_info(InfoRequest {})
-                .await
-                .unwrap()
-                .into_inner()
-        })
-    }
-
-    fn prepare(&self, claims: Vec<Claim>) -> NodePrepareResourcesResponse {
-        let endpoint = self.get_info().endpoint;
-        self.runtime.block_on(async {
-            let channel = connect_unix(Path::new(&endpoint)).await.unwrap();
-            DraPluginClient::new(channel)
-                .node_prepare_resources(NodePrepareResourcesRequest { claims })
-                .await
-                .unwrap()
-                .into_inner()
-        })
-    }
-
-    fn unprepare(&self, claims: Vec<Claim>) -> Vec<String> {
-        let endpoint = self.get_info().endpoint;
-        self.runtime.block_on(async {
-            let channel = connect_unix(Path::new(&endpoint)).await.unwrap();
-            DraPluginClient::new(channel)
-                .node_unprepare_resources(NodeUnprepareResourcesRequest { claims })
-                .await
-                .unwrap()
-                .into_inner()
-                .claims
-                .into_values()
-                .map(|r| r.error)
-                .collect()
-        })
-    }
 }
 
 #[test]
