@@ -224,3 +224,48 @@ fn the_shipped_device_class_and_claims_parse_and_ask_for_what_gpud_publishes() {
         ]
     );
 }
+
+#[test]
+fn the_shipped_rbac_allows_what_gpud_asks_of_the_api_server() {
+    use k8s_openapi::api::rbac::v1::ClusterRole;
+    use serde::Deserialize;
+
+    let text =
+        std::fs::read_to_string(gpud_tests::repo_root().join("systemd/kubernetes/dra/rbac.yaml"))
+            .unwrap();
+    let role = serde_yaml::Deserializer::from_str(&text)
+        .map(serde_yaml::Value::deserialize)
+        .map(Result::unwrap)
+        .find(|doc| doc["kind"] == "ClusterRole")
+        .unwrap();
+    let role: ClusterRole = serde_yaml::from_value(role).unwrap();
+    let allowed = |resource: &str, verb: &str| {
+        role.rules.iter().flatten().any(|rule| {
+            rule.api_groups
+                .iter()
+                .flatten()
+                .any(|g| g == "resource.k8s.io")
+                && rule.resources.iter().flatten().any(|r| r == resource)
+                && rule.verbs.iter().any(|v| v == verb)
+        })
+    };
+    // What gpud did in a run: read claims, read, create and replace its slice.
+    let api = ApiServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let _d = start(&api, dir.path());
+    wait_for(PATIENCE, || api.slice(SLICE)).expect("the slice was never published");
+    api.delete_slice(SLICE);
+    wait_for(PATIENCE, || api.slice(SLICE)).expect("the slice was not republished");
+    let writes = api.state.lock().unwrap().writes.clone();
+    assert!(!writes.is_empty());
+    for (method, path) in writes {
+        let verb = match method.as_str() {
+            "POST" => "create",
+            "PUT" => "update",
+            other => panic!("gpud wrote with {other} {path}"),
+        };
+        assert!(allowed("resourceslices", verb), "{verb} {path}");
+    }
+    assert!(allowed("resourceslices", "get"));
+    assert!(allowed("resourceclaims", "get"));
+}
