@@ -1,4 +1,4 @@
-//! Generates the kubelet gRPC code (device plugin v1beta1, pod-resources v1, DRA plugin v1,
+//! Generates the kubelet gRPC code (device plugin v1beta1, pod-resources v1, DRA plugin v1 and v1beta1,
 //! plugin registration) from the
 //! vendored protos in `proto/`, with the `protoc` that the `protoc-bin-vendored` crate
 //! ships: no network, no system package, the same compiler on every machine.
@@ -17,6 +17,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         root.join("deviceplugin/v1beta1/api.proto"),
         root.join("podresources/v1/api.proto"),
         root.join("dra/v1/api.proto"),
+        root.join("dra/v1beta1/api.proto"),
         root.join("pluginregistration/v1/api.proto"),
     ];
     for proto in &protos {

@@ -71,7 +71,10 @@ fn the_node_s_gpus_are_published_as_a_slice_that_follows_the_api_server() {
     let info = Kubelet::new(dir.path()).get_info();
     assert_eq!(info.r#type, "DRAPlugin");
     assert_eq!(info.name, "gpu.gpud.io");
-    assert_eq!(info.supported_versions, ["v1.DRAPlugin"]);
+    assert_eq!(
+        info.supported_versions,
+        ["v1.DRAPlugin", "v1beta1.DRAPlugin"]
+    );
 }
 
 #[test]

@@ -50,7 +50,7 @@ pub mod slices;
 pub const DRIVER: &str = "gpu.gpud.io";
 
 /// The DRA plugin API versions gpud serves, as `GetInfo` lists them.
-pub const SUPPORTED_VERSIONS: [&str; 1] = ["v1.DRAPlugin"];
+pub const SUPPORTED_VERSIONS: [&str; 2] = ["v1.DRAPlugin", "v1beta1.DRAPlugin"];
 
 /// The claim a kubelet call names.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]

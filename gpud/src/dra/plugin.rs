@@ -198,3 +198,34 @@ impl DraPlugin for Plugin {
         }))
     }
 }
+
+/// A message of one API version as the same message of another: v1 and v1beta1 share their
+/// messages field for field, so the bytes of one are the other.
+fn same<A: prost::Message, B: prost::Message + Default>(a: &A) -> Result<B, Status> {
+    B::decode(a.encode_to_vec().as_slice())
+        .map_err(|e| Status::internal(format!("v1 and v1beta1 messages differ: {e}")))
+}
+
+/// The v1beta1 service: the v1 one, its messages carried across.
+#[tonic::async_trait]
+impl crate::kubelet::proto::dra_v1beta1::dra_plugin_server::DraPlugin for Plugin {
+    async fn node_prepare_resources(
+        &self,
+        request: Request<crate::kubelet::proto::dra_v1beta1::NodePrepareResourcesRequest>,
+    ) -> Result<Response<crate::kubelet::proto::dra_v1beta1::NodePrepareResourcesResponse>, Status>
+    {
+        let request = Request::new(same(request.get_ref())?);
+        let answer = DraPlugin::node_prepare_resources(self, request).await?;
+        Ok(Response::new(same(answer.get_ref())?))
+    }
+
+    async fn node_unprepare_resources(
+        &self,
+        request: Request<crate::kubelet::proto::dra_v1beta1::NodeUnprepareResourcesRequest>,
+    ) -> Result<Response<crate::kubelet::proto::dra_v1beta1::NodeUnprepareResourcesResponse>, Status>
+    {
+        let request = Request::new(same(request.get_ref())?);
+        let answer = DraPlugin::node_unprepare_resources(self, request).await?;
+        Ok(Response::new(same(answer.get_ref())?))
+    }
+}

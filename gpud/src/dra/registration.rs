@@ -99,7 +99,10 @@ pub async fn serve(
         let _ = rx.wait_for(|stop| *stop).await;
     };
     let dra = tonic::transport::Server::builder()
-        .add_service(DraPluginServer::new(plugin))
+        .add_service(DraPluginServer::new(plugin.clone()))
+        .add_service(
+            crate::kubelet::proto::dra_v1beta1::dra_plugin_server::DraPluginServer::new(plugin),
+        )
         .serve_with_incoming_shutdown(UnixListenerStream::new(endpoint), wait(stopped.clone()));
     let registrar = Registrar {
         endpoint: sockets.endpoint.clone(),

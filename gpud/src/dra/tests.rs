@@ -152,7 +152,10 @@ async fn the_plugin_watcher_finds_the_driver_and_its_endpoint() {
     assert_eq!(info.r#type, "DRAPlugin");
     assert_eq!(info.name, "gpu.gpud.io");
     assert_eq!(info.endpoint, sockets.endpoint.display().to_string());
-    assert_eq!(info.supported_versions, ["v1.DRAPlugin"]);
+    assert_eq!(
+        info.supported_versions,
+        ["v1.DRAPlugin", "v1beta1.DRAPlugin"]
+    );
     assert!(
         sockets
             .registration
@@ -302,4 +305,48 @@ async fn a_claim_without_its_uid_is_a_malformed_call() {
         .await
         .unwrap_err();
     assert_eq!(e.code(), tonic::Code::InvalidArgument);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kubelet_speaking_v1beta1_gets_the_same_answers() {
+    use crate::kubelet::proto::dra_v1beta1 as beta;
+
+    let dir = tempfile::tempdir().unwrap();
+    let b = broker(dir.path(), true);
+    let api = Arc::new(ApiServer::default());
+    let (sockets, _stop) = start(dir.path(), b.clone(), api.clone());
+    let claim = api.allocate("serve", "uid-1", "gpu-0", Some(2 * GIB));
+    let mut client = beta::dra_plugin_client::DraPluginClient::new(dial(&sockets.endpoint).await);
+    let beta_claim = beta::Claim {
+        namespace: claim.namespace.clone(),
+        name: claim.name.clone(),
+        uid: claim.uid.clone(),
+    };
+    let answer = client
+        .node_prepare_resources(beta::NodePrepareResourcesRequest {
+            claims: vec![beta_claim.clone()],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let entry = &answer.claims["uid-1"];
+    assert_eq!(entry.error, "");
+    assert_eq!(entry.devices[0].device_name, "gpu-0");
+    assert_eq!(
+        entry.devices[0].cdi_device_ids,
+        ["gpud.io/reservation=dra-uid-1"]
+    );
+    // The same claim through v1: the same devices, one reservation.
+    let v1 = prepare(&sockets, vec![claim]).await;
+    assert_eq!(v1.claims["uid-1"].devices[0].device_name, "gpu-0");
+    assert_eq!(b.snapshot().reservations.len(), 1);
+    let unprepared = client
+        .node_unprepare_resources(beta::NodeUnprepareResourcesRequest {
+            claims: vec![beta_claim],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(unprepared.claims["uid-1"].error, "");
+    assert!(b.snapshot().reservations.is_empty());
 }

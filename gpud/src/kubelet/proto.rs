@@ -61,6 +61,24 @@ pub mod dra_v1 {
     tonic::include_proto!("k8s.io.kubelet.pkg.apis.dra.v1");
 }
 
+/// DRA plugin API v1beta1: the same messages as v1, in the package older kubelets call.
+#[allow(
+    missing_docs,
+    missing_debug_implementations,
+    clippy::all,
+    clippy::pedantic,
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::cast_possible_truncation,
+    clippy::cast_sign_loss,
+    clippy::cast_possible_wrap,
+    clippy::cast_lossless
+)]
+pub mod dra_v1beta1 {
+    tonic::include_proto!("k8s.io.kubelet.pkg.apis.dra.v1beta1");
+}
+
 /// Plugin registration: `Registration` (served by a plugin, asked by the kubelet's plugin
 /// watcher).
 #[allow(
