@@ -129,6 +129,16 @@ fn reply(status: StatusCode, body: &Value) -> Response<Full<Bytes>> {
     r
 }
 
+/// A list of `items`, as a list call answers.
+fn list<'a>(kind: &str, items: impl Iterator<Item = &'a Value>) -> Response<Full<Bytes>> {
+    let items: Vec<&Value> = items.collect();
+    reply(
+        StatusCode::OK,
+        &json!({"apiVersion": "resource.k8s.io/v1", "kind": kind,
+                "metadata": {"resourceVersion": "1"}, "items": items}),
+    )
+}
+
 fn status(code: u16, reason: &str) -> Value {
     json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
            "message": reason, "reason": reason, "code": code})
@@ -166,6 +176,12 @@ async fn handle(state: Arc<Mutex<State>>, req: Request<Incoming>) -> Response<Fu
                 Some(s) => reply(StatusCode::OK, s),
                 None => reply(StatusCode::NOT_FOUND, &status(404, "NotFound")),
             }
+        }
+        (&Method::GET, ["apis", "resource.k8s.io", "v1", "resourceslices"]) => {
+            list("ResourceSliceList", st.slices.values())
+        }
+        (&Method::GET, ["apis", "resource.k8s.io", "v1", "resourceclaims"]) => {
+            list("ResourceClaimList", st.claims.values())
         }
         (&Method::POST, ["apis", "resource.k8s.io", "v1", "resourceslices"]) => {
             let name = body["metadata"]["name"]

@@ -79,6 +79,11 @@ pub fn gpud_bin() -> PathBuf {
     built("gpud")
 }
 
+/// The `kubectl gpud` plugin.
+pub fn kubectl_gpud_bin() -> PathBuf {
+    built("kubectl-gpud")
+}
+
 /// The gpuctl binary.
 pub fn gpuctl_bin() -> PathBuf {
     built("gpuctl")

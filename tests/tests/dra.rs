@@ -272,3 +272,41 @@ fn the_shipped_rbac_allows_what_gpud_asks_of_the_api_server() {
     assert!(allowed("resourceslices", "get"));
     assert!(allowed("resourceclaims", "get"));
 }
+
+#[test]
+fn kubectl_gpud_shows_each_gpu_s_claims_and_what_is_left() {
+    let api = ApiServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let _d = start(&api, dir.path());
+    wait_for(PATIENCE, || api.slice(SLICE)).expect("the slice was never published");
+    api.claim("ml", "serve", "uid-1", share("gpu-1", "4Gi"));
+    api.claim("ml", "train", "uid-2", share("gpu-1", "2Gi"));
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new(gpud_tests::kubectl_gpud_bin())
+            .arg("--kubeconfig")
+            .arg(dir.path().join("kubeconfig"))
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let view: serde_json::Value = serde_json::from_str(&run(&["-o", "json"])).unwrap();
+    assert_eq!(view.as_array().unwrap().len(), 2);
+    let gpu1 = &view[1];
+    assert_eq!(gpu1["node"], "node-1");
+    assert_eq!(gpu1["device"], "gpu-1");
+    assert_eq!(gpu1["consumed"], 6 * GIB);
+    assert_eq!(gpu1["free"], gpu1["capacity"].as_u64().unwrap() - 6 * GIB);
+    assert_eq!(
+        gpu1["claims"],
+        json!([["ml/serve", 4 * GIB], ["ml/train", 2 * GIB]])
+    );
+    let table = run(&[]);
+    assert!(table.contains("ml/serve: 4 GiB"), "{table}");
+    assert!(table.starts_with("NODE"), "{table}");
+}

@@ -18,6 +18,7 @@
 //!   attributes a claim selects on and each GPU's memory as consumable capacity.
 //! - [`driver`]: the driver in `gpud run`: the sockets, the slice kept in step with the
 //!   machine, and the release of reservations whose claim is gone.
+//! - [`view`] (pure): the cluster-wide view `kubectl gpud` prints.
 //! - [`registration`]: the plugin registration socket the kubelet's plugin watcher finds,
 //!   and the DRA endpoint it then calls.
 //!
@@ -45,6 +46,7 @@ pub mod plugin;
 pub mod quantity;
 pub mod registration;
 pub mod slices;
+pub mod view;
 
 /// The driver's name: the DeviceClass selects it, the ResourceSlices carry it.
 pub const DRIVER: &str = "gpu.gpud.io";
