@@ -144,18 +144,18 @@ fn claim_ref(c: Claim) -> Result<ClaimRef, Status> {
     })
 }
 
+/// The claims a kubelet request names, or why one is malformed.
+fn claim_refs(claims: Vec<Claim>) -> Result<Vec<ClaimRef>, Status> {
+    claims.into_iter().map(claim_ref).collect()
+}
+
 #[tonic::async_trait]
 impl DraPlugin for Plugin {
     async fn node_prepare_resources(
         &self,
         request: Request<NodePrepareResourcesRequest>,
     ) -> Result<Response<NodePrepareResourcesResponse>, Status> {
-        let claims: Vec<ClaimRef> = request
-            .into_inner()
-            .claims
-            .into_iter()
-            .map(claim_ref)
-            .collect::<Result<_, _>>()?;
+        let claims = claim_refs(request.into_inner().claims)?;
         let mut answers = HashMap::new();
         for claim in claims {
             let answer = match self.prepare(&claim).await {
@@ -182,12 +182,7 @@ impl DraPlugin for Plugin {
         &self,
         request: Request<NodeUnprepareResourcesRequest>,
     ) -> Result<Response<NodeUnprepareResourcesResponse>, Status> {
-        let claims: Vec<ClaimRef> = request
-            .into_inner()
-            .claims
-            .into_iter()
-            .map(claim_ref)
-            .collect::<Result<_, _>>()?;
+        let claims = claim_refs(request.into_inner().claims)?;
         let mut answers = HashMap::new();
         for claim in claims {
             let error = self.unprepare(&claim).await.err().unwrap_or_default();

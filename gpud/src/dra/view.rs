@@ -31,7 +31,7 @@ pub struct DeviceView {
 }
 
 /// Every device of `slices` (this driver's), with what `claims` consume of it, by node then
-/// device name.
+/// device name, each device's claims by name.
 pub fn view(slices: &[ResourceSlice], claims: &[ResourceClaim]) -> Vec<DeviceView> {
     let mut devices: BTreeMap<(String, String), DeviceView> = BTreeMap::new();
     for slice in slices.iter().filter(|s| s.spec.driver == DRIVER) {
@@ -90,7 +90,12 @@ pub fn view(slices: &[ResourceSlice], claims: &[ResourceClaim]) -> Vec<DeviceVie
             device.claims.push((who.clone(), bytes));
         }
     }
-    devices.into_values().collect()
+    let mut devices: Vec<DeviceView> = devices.into_values().collect();
+    // The API server lists claims in no promised order.
+    for d in &mut devices {
+        d.claims.sort();
+    }
+    devices
 }
 
 /// `view` as a table for people: a line per device, its claims after it.
@@ -148,8 +153,8 @@ mod tests {
             1,
         )];
         let claims = [
-            claim("a", "gpu-0", "4Gi"),
             claim("b", "gpu-0", "2Gi"),
+            claim("a", "gpu-0", "4Gi"),
             claim("c", "gpu-9", "2Gi"),
         ];
         let v = view(&slices, &claims);
