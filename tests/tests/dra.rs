@@ -148,6 +148,17 @@ fn a_claim_over_what_gpud_promised_elsewhere_is_refused_never_overcommitted() {
         r#"{"memory": "14GiB", "devices": ["0"], "ttl_seconds": 600}"#,
     );
     assert_eq!(local.status, 201, "{}", local.body);
+    // The scheduler is told: GPU 0 offers only what is left of it.
+    let total = d.get("/v1/gpus").body["gpus"][0]["memory_total_bytes"]
+        .as_u64()
+        .unwrap();
+    let left = gpud::dra::quantity::format(total - 14 * GIB);
+    wait_for(PATIENCE, || {
+        api.slice(SLICE)
+            .filter(|s| s["spec"]["devices"][0]["capacity"]["memory"]["value"] == left.as_str())
+    })
+    .expect("the slice still offers the memory a local user holds");
+    // A claim the scheduler allocated before it knew: refused, never overcommitted.
     api.claim("ml", "big", "uid-1", share("gpu-0", "4Gi"));
     let answer = Kubelet::new(dir.path()).prepare(vec![claim("big", "uid-1")]);
     let error = &answer.claims["uid-1"].error;

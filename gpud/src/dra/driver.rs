@@ -79,8 +79,8 @@ pub async fn run(broker: Arc<Broker>, config: Config) {
     }
 }
 
-/// Publishes the node's slice when it differs from the last one published, or when the
-/// API server no longer has it (the kubelet deletes a driver's slices when it starts, and
+/// Publishes the node's slice (less what gpud holds outside DRA) when it differs from the
+/// last one published, or when the API server no longer has it (the kubelet deletes a driver's slices when it starts, and
 /// when the driver was gone a while). Returns what is published now.
 async fn resync_slice(
     broker: &Broker,
@@ -100,11 +100,13 @@ async fn resync_slice(
         .unwrap_or(0)
         .max(published.as_ref().map_or(0, |p| p.0))
         + 1;
+    let held = slices::held_outside_dra(snapshot.reservations.iter().map(|r| &**r));
     let slice = slices::slice(
         node,
         &snapshot.gpus,
         &snapshot.units,
         snapshot.driver_version.as_deref(),
+        &held,
         generation,
     );
     let devices = slice.spec.devices.clone().unwrap_or_default();

@@ -2,8 +2,15 @@
 //! per healthy GPU and MIG instance, with attributes a claim can select and align on, and
 //! each whole GPU's memory as consumable capacity (KEP-5075) in steps placement can honour.
 //! [`slice`] is pure; [`publish`] writes it through kube-rs.
+//!
+//! **One ledger.** What gpud holds outside DRA (local reservations through the socket,
+//! the device plugin's) is taken off the published capacity ([`held_outside_dra`]), and a
+//! unit held whole outside DRA is not offered: the scheduler places claims only in memory
+//! gpud can still give them. A local reservation made after the scheduler decided, before
+//! the slice followed, makes that claim's prepare fail with the reason; memory is never
+//! promised twice.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
 use k8s_openapi::api::resource::v1::{
     CapacityRequestPolicy, CapacityRequestPolicyRange, Device, DeviceAttribute, DeviceCapacity,
@@ -16,7 +23,7 @@ use kube::api::PostParams;
 
 use super::claims::device_name;
 use super::{DRIVER, quantity};
-use crate::model::{Gpu, Unit};
+use crate::model::{Gpu, Reservation, Unit};
 
 /// The step a claim's memory is rounded up to, and the least it may ask: 1 MiB.
 pub const MEMORY_STEP: u64 = 1 << 20;
@@ -47,10 +54,38 @@ fn boolean(value: bool) -> DeviceAttribute {
     }
 }
 
-/// Unit `unit` of GPU `gpu` as a DRA device. A whole GPU is shared by any number of
-/// claims, each consuming part of its `memory` (1 MiB steps, at least 1 MiB; a claim that
-/// names no amount gets all of it); a MIG instance is allocated whole.
-fn device(gpu: &Gpu, unit: &Unit, driver_version: Option<&str>) -> Device {
+/// Per unit (by UUID), the memory reservations other than DRA claims' hold there;
+/// `u64::MAX` where one holds the unit whole.
+pub fn held_outside_dra<'a>(
+    reservations: impl IntoIterator<Item = &'a Reservation>,
+) -> HashMap<String, u64> {
+    let mut held: HashMap<String, u64> = HashMap::new();
+    for r in reservations {
+        if r.id.starts_with("dra-") {
+            continue;
+        }
+        for u in &r.units {
+            let slot = held.entry(u.uuid.clone()).or_default();
+            *slot = if r.exclusive {
+                u64::MAX
+            } else {
+                slot.saturating_add(u.memory_bytes)
+            };
+        }
+    }
+    held
+}
+
+/// Unit `unit` of GPU `gpu` as a DRA device, `held` bytes of it taken by reservations
+/// outside DRA; `None` when nothing of it is left to offer. A whole GPU is shared by any
+/// number of claims, each consuming part of its `memory` (1 MiB steps, at least 1 MiB; a
+/// claim that names no amount gets all that is offered); a MIG instance is allocated whole.
+fn device(gpu: &Gpu, unit: &Unit, driver_version: Option<&str>, held: u64) -> Option<Device> {
+    let total = unit.memory_total_bytes.saturating_sub(held);
+    let whole = unit.mig_index.is_some();
+    if total == 0 || (whole && held > 0) || (!whole && total < MEMORY_STEP) {
+        return None;
+    }
     let mut attributes = BTreeMap::from([
         ("uuid".to_owned(), string(&unit.uuid)),
         ("index".to_owned(), int(unit.gpu_index)),
@@ -76,8 +111,7 @@ fn device(gpu: &Gpu, unit: &Unit, driver_version: Option<&str>) -> Device {
     if !gpu.pci_bus_id.is_empty() {
         attributes.insert("pciBusID".to_owned(), string(&gpu.pci_bus_id));
     }
-    let total = unit.memory_total_bytes;
-    let shared = unit.mig_index.is_none() && total >= MEMORY_STEP;
+    let shared = !whole;
     let most = total - total % MEMORY_STEP;
     let memory = DeviceCapacity {
         value: Quantity(quantity::format(total)),
@@ -91,28 +125,33 @@ fn device(gpu: &Gpu, unit: &Unit, driver_version: Option<&str>) -> Device {
             valid_values: None,
         }),
     };
-    Device {
+    Some(Device {
         name: device_name(unit),
         attributes: Some(attributes),
         capacity: Some(BTreeMap::from([("memory".to_owned(), memory)])),
         allow_multiple_allocations: shared.then_some(true),
         ..Device::default()
-    }
+    })
 }
 
-/// `node`'s slice at pool `generation`: a device per unit of a healthy GPU.
+/// `node`'s slice at pool `generation`: a device per unit of a healthy GPU, less what
+/// `held` (by unit UUID) says is held outside DRA.
 pub fn slice(
     node: &str,
     gpus: &[Gpu],
     units: &[Unit],
     driver_version: Option<&str>,
+    held: &HashMap<String, u64>,
     generation: i64,
 ) -> ResourceSlice {
     let devices = units
         .iter()
         .filter_map(|unit| {
             let gpu = gpus.iter().find(|g| g.index == unit.gpu_index)?;
-            gpu.healthy.then(|| device(gpu, unit, driver_version))
+            let held = held.get(&unit.uuid).copied().unwrap_or(0);
+            gpu.healthy
+                .then(|| device(gpu, unit, driver_version, held))
+                .flatten()
         })
         .collect();
     ResourceSlice {
@@ -168,7 +207,7 @@ pub async fn current_generation(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::{GpuInventory, MigInstance};
+    use crate::model::{GpuInventory, MigInstance, Reservation};
 
     const GIB: u64 = 1 << 30;
 
@@ -177,7 +216,14 @@ mod tests {
         let mut inventory = GpuInventory::test_machine(2, 16);
         inventory.gpus[1].healthy = false;
         let units = inventory.units();
-        let s = slice("node-1", &inventory.gpus, &units, Some("615.01"), 3);
+        let s = slice(
+            "node-1",
+            &inventory.gpus,
+            &units,
+            Some("615.01"),
+            &HashMap::new(),
+            3,
+        );
         assert_eq!(s.metadata.name.as_deref(), Some("node-1-gpu.gpud.io"));
         assert_eq!(s.spec.driver, "gpu.gpud.io");
         assert_eq!(s.spec.node_name.as_deref(), Some("node-1"));
@@ -212,6 +258,36 @@ mod tests {
     }
 
     #[test]
+    fn what_gpud_holds_outside_dra_is_not_offered_to_the_scheduler() {
+        let inventory = GpuInventory::test_machine(3, 16);
+        let units = inventory.units();
+        let local = Reservation::for_test("0193a", 1000, &[("GPU-0", 6 * GIB)]);
+        let mut whole = Reservation::for_test("k8s-1", 0, &[("GPU-1", 16 * GIB)]);
+        whole.exclusive = true;
+        let claim = Reservation::for_test("dra-uid", 0, &[("GPU-2", 4 * GIB)]);
+        let held = held_outside_dra([&local, &whole, &claim]);
+        assert_eq!(
+            held.get("GPU-2"),
+            None,
+            "a claim's own memory stays published"
+        );
+        let s = slice("node-1", &inventory.gpus, &units, None, &held, 1);
+        let devices = s.spec.devices.unwrap();
+        let names: Vec<&str> = devices.iter().map(|d| d.name.as_str()).collect();
+        assert_eq!(names, ["gpu-0", "gpu-2"], "GPU 1 is held whole");
+        let memory = &devices[0].capacity.as_ref().unwrap()["memory"];
+        assert_eq!(memory.value.0, "10Gi");
+        let range = memory
+            .request_policy
+            .as_ref()
+            .unwrap()
+            .valid_range
+            .as_ref()
+            .unwrap();
+        assert_eq!(range.max.as_ref().unwrap().0, "10Gi");
+    }
+
+    #[test]
     fn a_mig_instance_is_allocated_whole_and_the_max_is_a_whole_step() {
         let mut inventory = GpuInventory::test_machine(1, 16);
         inventory.gpus[0].mig_enabled = true;
@@ -225,7 +301,7 @@ mod tests {
             memory_total_bytes: 9 * GIB + 123,
         }];
         let units = inventory.units();
-        let s = slice("node-1", &inventory.gpus, &units, None, 1);
+        let s = slice("node-1", &inventory.gpus, &units, None, &HashMap::new(), 1);
         let d = &s.spec.devices.unwrap()[0];
         assert_eq!(d.name, "gpu-0-mig-0");
         assert_eq!(d.allow_multiple_allocations, None);

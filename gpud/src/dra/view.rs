@@ -150,6 +150,7 @@ mod tests {
             &inventory.gpus,
             &inventory.units(),
             None,
+            &Default::default(),
             1,
         )];
         let claims = [
