@@ -1,102 +1,65 @@
 //! The kubelet's gRPC APIs, generated at build time (`gpud/build.rs`) from the protos vendored
 //! in `gpud/proto/`: the device plugin API (`v1beta1`), the pod-resources API (`v1`), the
-//! DRA plugin API (`v1`) and plugin registration.
+//! DRA plugin API (`v1`, `v1beta1`) and plugin registration.
 //!
 //! Public so that the integration tests' fake kubelet speaks exactly the same wire types.
 //! prost names: `deviceIDs` → `device_i_ds`, `available_deviceIDs` → `available_device_i_ds`,
 //! `CDIDevice` → `CdiDevice`.
 
-/// Device plugin API v1beta1: `Registration` (served by the kubelet) and `DevicePlugin`
-/// (served by gpud).
-#[allow(
-    missing_docs,
-    missing_debug_implementations,
-    clippy::all,
-    clippy::pedantic,
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    clippy::cast_possible_truncation,
-    clippy::cast_sign_loss,
-    clippy::cast_possible_wrap,
-    clippy::cast_lossless
-)]
-pub mod v1beta1 {
-    tonic::include_proto!("v1beta1");
+/// A module of generated code, with the lints generated code cannot meet allowed.
+macro_rules! generated {
+    ($(#[$doc:meta])* $name:ident, $package:literal) => {
+        $(#[$doc])*
+        #[allow(
+            missing_docs,
+            missing_debug_implementations,
+            clippy::all,
+            clippy::pedantic,
+            clippy::unwrap_used,
+            clippy::expect_used,
+            clippy::panic,
+            clippy::cast_possible_truncation,
+            clippy::cast_sign_loss,
+            clippy::cast_possible_wrap,
+            clippy::cast_lossless
+        )]
+        pub mod $name {
+            tonic::include_proto!($package);
+        }
+    };
 }
 
-/// Pod-resources API v1: `PodResourcesLister` (served by the kubelet).
-#[allow(
-    missing_docs,
-    missing_debug_implementations,
-    clippy::all,
-    clippy::pedantic,
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    clippy::cast_possible_truncation,
-    clippy::cast_sign_loss,
-    clippy::cast_possible_wrap,
-    clippy::cast_lossless
-)]
-pub mod podresources_v1 {
-    tonic::include_proto!("v1");
-}
+generated!(
+    /// Device plugin API v1beta1: `Registration` (served by the kubelet) and `DevicePlugin`
+    /// (served by gpud).
+    v1beta1,
+    "v1beta1"
+);
 
-/// DRA plugin API v1: `DRAPlugin` (served by a DRA driver; gpud's `dra` module).
-#[allow(
-    missing_docs,
-    missing_debug_implementations,
-    clippy::all,
-    clippy::pedantic,
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    clippy::cast_possible_truncation,
-    clippy::cast_sign_loss,
-    clippy::cast_possible_wrap,
-    clippy::cast_lossless
-)]
-pub mod dra_v1 {
-    tonic::include_proto!("k8s.io.kubelet.pkg.apis.dra.v1");
-}
+generated!(
+    /// Pod-resources API v1: `PodResourcesLister` (served by the kubelet).
+    podresources_v1,
+    "v1"
+);
 
-/// DRA plugin API v1beta1: the same messages as v1, in the package older kubelets call.
-#[allow(
-    missing_docs,
-    missing_debug_implementations,
-    clippy::all,
-    clippy::pedantic,
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    clippy::cast_possible_truncation,
-    clippy::cast_sign_loss,
-    clippy::cast_possible_wrap,
-    clippy::cast_lossless
-)]
-pub mod dra_v1beta1 {
-    tonic::include_proto!("k8s.io.kubelet.pkg.apis.dra.v1beta1");
-}
+generated!(
+    /// DRA plugin API v1: `DRAPlugin` (served by a DRA driver; gpud's `dra` module).
+    dra_v1,
+    "k8s.io.kubelet.pkg.apis.dra.v1"
+);
 
-/// Plugin registration: `Registration` (served by a plugin, asked by the kubelet's plugin
-/// watcher).
-#[allow(
-    missing_docs,
-    missing_debug_implementations,
-    clippy::all,
-    clippy::pedantic,
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    clippy::cast_possible_truncation,
-    clippy::cast_sign_loss,
-    clippy::cast_possible_wrap,
-    clippy::cast_lossless
-)]
-pub mod pluginregistration {
-    tonic::include_proto!("pluginregistration");
-}
+generated!(
+    /// DRA plugin API v1beta1: the same messages as v1, in the package older kubelets call.
+    dra_v1beta1,
+    "k8s.io.kubelet.pkg.apis.dra.v1beta1"
+);
+
+generated!(
+    /// Plugin registration: `Registration` (served by a plugin, asked by the kubelet's
+    /// plugin watcher).
+    pluginregistration,
+    "pluginregistration"
+);
 
 /// The device plugin API version gpud speaks, as sent in `RegisterRequest.version`.
 pub const DEVICE_PLUGIN_VERSION: &str = "v1beta1";
