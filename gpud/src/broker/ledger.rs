@@ -240,7 +240,7 @@ impl Ledger {
         let loaded = store.active()?;
         self.active.clear();
         self.limits.clear();
-        self.quotas.recount(&self.settings, []);
+        self.quotas.clear_usage();
         self.leases.clear();
         self.machine.clear_reserved();
         for r in loaded {

@@ -103,15 +103,21 @@ impl QuotaBook {
         }
     }
 
+    /// Forgets what everyone holds (before the reservations are counted again after a
+    /// rollback); the groups looked up are kept, since a rollback changes no membership.
+    pub fn clear_usage(&mut self) {
+        self.by_uid.clear();
+        self.by_gid.clear();
+    }
+
     /// Counts `active` anew, with group memberships looked up again (new settings: quotas,
-    /// or a user's groups, may have changed). An empty `active` clears the book.
+    /// or a user's groups, may have changed).
     pub fn recount<'a>(
         &mut self,
         settings: &BrokerSettings,
         active: impl IntoIterator<Item = &'a Reservation>,
     ) {
-        self.by_uid.clear();
-        self.by_gid.clear();
+        self.clear_usage();
         self.member_of.clear();
         for r in active {
             self.add(settings, r);
