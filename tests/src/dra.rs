@@ -51,6 +51,7 @@ pub struct Kubelet {
 }
 
 impl Kubelet {
+    /// The kubelet of the kubelet directory `<dir>/kubelet`.
     pub fn new(dir: &Path) -> Kubelet {
         Kubelet {
             runtime: tokio::runtime::Builder::new_current_thread()
@@ -75,31 +76,35 @@ impl Kubelet {
         })
     }
 
-    pub fn prepare(&self, claims: Vec<Claim>) -> NodePrepareResourcesResponse {
+    /// A client of the DRA endpoint `GetInfo` names, as the kubelet dials it.
+    fn plugin(&self) -> DraPluginClient<tonic::transport::Channel> {
         let endpoint = self.get_info().endpoint;
-        self.runtime.block_on(async {
-            let channel = connect_unix(Path::new(&endpoint)).await.unwrap();
-            DraPluginClient::new(channel)
-                .node_prepare_resources(NodePrepareResourcesRequest { claims })
-                .await
-                .unwrap()
-                .into_inner()
-        })
+        let channel = self
+            .runtime
+            .block_on(connect_unix(Path::new(&endpoint)))
+            .unwrap();
+        DraPluginClient::new(channel)
     }
 
+    /// `NodePrepareResources` of `claims`.
+    pub fn prepare(&self, claims: Vec<Claim>) -> NodePrepareResourcesResponse {
+        let mut plugin = self.plugin();
+        self.runtime
+            .block_on(plugin.node_prepare_resources(NodePrepareResourcesRequest { claims }))
+            .unwrap()
+            .into_inner()
+    }
+
+    /// `NodeUnprepareResources` of `claims`: each claim's error (empty: unprepared).
     pub fn unprepare(&self, claims: Vec<Claim>) -> Vec<String> {
-        let endpoint = self.get_info().endpoint;
-        self.runtime.block_on(async {
-            let channel = connect_unix(Path::new(&endpoint)).await.unwrap();
-            DraPluginClient::new(channel)
-                .node_unprepare_resources(NodeUnprepareResourcesRequest { claims })
-                .await
-                .unwrap()
-                .into_inner()
-                .claims
-                .into_values()
-                .map(|r| r.error)
-                .collect()
-        })
+        let mut plugin = self.plugin();
+        self.runtime
+            .block_on(plugin.node_unprepare_resources(NodeUnprepareResourcesRequest { claims }))
+            .unwrap()
+            .into_inner()
+            .claims
+            .into_values()
+            .map(|r| r.error)
+            .collect()
     }
 }
