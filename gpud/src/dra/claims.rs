@@ -3,9 +3,10 @@
 
 use std::collections::BTreeMap;
 
-use super::{ClaimAllocation, DRIVER};
+use super::driver::{CLAIM_LABEL, CLAIM_UID_LABEL};
+use super::{ClaimAllocation, ClaimRef, DRIVER};
 use crate::broker::ExactRequest;
-use crate::model::Unit;
+use crate::model::{Reservation, Unit};
 
 /// Unit `unit`'s device name in this node's pool: `gpu-<index>` for a whole GPU,
 /// `gpu-<index>-mig-<n>` for its MIG instance `n` (DNS labels, as DRA device names must be).
@@ -19,6 +20,19 @@ pub fn device_name(unit: &Unit) -> String {
 /// The id of the reservation made for the claim with `uid`.
 pub fn reservation_id(uid: &str) -> String {
     format!("dra-{uid}")
+}
+
+/// The claim reservation `r` was made for, when it is one: gpud's own (uid 0), with the
+/// claim's labels and the id [`reservation_id`] gives the claim's UID. What a user labels
+/// their own reservation cannot pass for a claim's.
+pub fn claim_of(r: &Reservation) -> Option<ClaimRef> {
+    let (namespace, name) = r.labels.get(CLAIM_LABEL)?.split_once('/')?;
+    let uid = r.labels.get(CLAIM_UID_LABEL)?;
+    (r.owner_uid == 0 && r.id == reservation_id(uid)).then(|| ClaimRef {
+        namespace: namespace.to_owned(),
+        name: name.to_owned(),
+        uid: uid.clone(),
+    })
 }
 
 /// The exact request for `allocation`'s devices of this driver in `pool`, on `units`: each
@@ -89,10 +103,10 @@ pub fn exact_request(
         exclusive: whole > 0,
         labels: BTreeMap::from([
             (
-                super::driver::CLAIM_LABEL.to_owned(),
+                CLAIM_LABEL.to_owned(),
                 format!("{}/{}", claim.namespace, claim.name),
             ),
-            (super::driver::CLAIM_UID_LABEL.to_owned(), claim.uid.clone()),
+            (CLAIM_UID_LABEL.to_owned(), claim.uid.clone()),
         ]),
     })
 }

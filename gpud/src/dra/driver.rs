@@ -5,6 +5,7 @@
 
 use std::sync::Arc;
 
+use super::claims::claim_of;
 use super::kube::KubeClaims;
 use super::plugin::Plugin;
 use super::registration::{Sockets, serve};
@@ -135,18 +136,7 @@ async fn release_gone(broker: &Broker, claims: &dyn Claims) {
         .snapshot()
         .reservations
         .iter()
-        .filter_map(|r| {
-            let (namespace, name) = r.labels.get(CLAIM_LABEL)?.split_once('/')?;
-            let uid = r.labels.get(CLAIM_UID_LABEL)?;
-            Some((
-                r.id.clone(),
-                ClaimRef {
-                    namespace: namespace.to_owned(),
-                    name: name.to_owned(),
-                    uid: uid.clone(),
-                },
-            ))
-        })
+        .filter_map(|r| Some((r.id.clone(), claim_of(r)?)))
         .collect();
     for (id, claim) in held {
         let gone = match claims.get(&claim).await {

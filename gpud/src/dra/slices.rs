@@ -21,7 +21,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::Api;
 use kube::api::PostParams;
 
-use super::claims::device_name;
+use super::claims::{claim_of, device_name};
 use super::{DRIVER, quantity};
 use crate::model::{Gpu, Reservation, Unit};
 
@@ -61,7 +61,7 @@ pub fn held_outside_dra<'a>(
 ) -> HashMap<String, u64> {
     let mut held: HashMap<String, u64> = HashMap::new();
     for r in reservations {
-        if r.id.starts_with("dra-") {
+        if claim_of(r).is_some() {
             continue;
         }
         for u in &r.units {
@@ -264,7 +264,10 @@ mod tests {
         let local = Reservation::for_test("0193a", 1000, &[("GPU-0", 6 * GIB)]);
         let mut whole = Reservation::for_test("k8s-1", 0, &[("GPU-1", 16 * GIB)]);
         whole.exclusive = true;
-        let claim = Reservation::for_test("dra-uid", 0, &[("GPU-2", 4 * GIB)]);
+        let mut claim = Reservation::for_test("dra-uid", 0, &[("GPU-2", 4 * GIB)]);
+        claim.labels = [("dra.claim", "ml/serve"), ("dra.claim-uid", "uid")]
+            .map(|(k, v)| (k.to_owned(), v.to_owned()))
+            .into();
         let held = held_outside_dra([&local, &whole, &claim]);
         assert_eq!(
             held.get("GPU-2"),

@@ -91,3 +91,19 @@ fn what_gpud_cannot_reserve_as_allocated_is_the_claim_s_error() {
         assert!(e.contains("ml/serve"), "{e}");
     }
 }
+
+#[test]
+fn only_gpud_s_own_claim_reservation_is_a_claim_s() {
+    let units = GpuInventory::test_machine(2, 16).units();
+    let request =
+        exact_request(&claim(vec![device("gpu-0", Some(GIB))]), "node-1", &units).unwrap();
+    let mut r = crate::model::Reservation::for_test(&request.ids[0], 0, &[("GPU-0", GIB)]);
+    r.labels = request.labels.clone();
+    assert_eq!(claim_of(&r).map(|c| c.uid), Some("0f1e2d3c".to_owned()));
+    // A user's reservation with the same labels and id is not.
+    r.owner_uid = 1000;
+    assert_eq!(claim_of(&r), None);
+    r.owner_uid = 0;
+    r.id = "mine".to_owned();
+    assert_eq!(claim_of(&r), None);
+}
