@@ -349,6 +349,9 @@ impl Nvml {
             minor_number: None,
             memory_total_bytes: 0,
             numa_node: None,
+            architecture: None,
+            cuda_compute_capability: None,
+            pcie_root: None,
             cpu_affinity: Vec::new(),
             mig_instances: Vec::new(),
             mig_enabled: false,
@@ -378,12 +381,18 @@ impl Nvml {
         gpu.name = device.name().map_err(q("nvmlDeviceGetName"))?;
         gpu.pci_bus_id =
             normalize_bus_id(&device.pci_info().map_err(q("nvmlDeviceGetPciInfo"))?.bus_id);
+        gpu.pcie_root = pcie_root(Path::new(SYSFS_PCI_DEVICES), &gpu.pci_bus_id);
         gpu.memory_total_bytes = device
             .memory_info()
             .map_err(q("nvmlDeviceGetMemoryInfo"))?
             .total;
         gpu.minor_number = device.minor_number().ok();
         gpu.numa_node = device.numa_node_id().ok();
+        gpu.architecture = device.architecture().ok().map(|a| a.to_string());
+        gpu.cuda_compute_capability = device
+            .cuda_compute_capability()
+            .ok()
+            .map(|c| format!("{}.{}", c.major, c.minor));
         gpu.cpu_affinity = device
             .cpu_affinity(CPU_AFFINITY_WORDS)
             .map(|words| cpus_from_mask(&words))
@@ -809,6 +818,24 @@ struct NvLinks {
     to_switch: BTreeMap<String, u32>,
 }
 
+/// Where sysfs lists PCI devices, each a link into the tree under its root complex.
+const SYSFS_PCI_DEVICES: &str = "/sys/bus/pci/devices";
+
+/// The root complex (`pci0000:00`) above the device with NVML bus id `bus_id`
+/// (`00000000:07:00.0`), read from the `devices` directory of sysfs: its entry links to
+/// `../../../devices/pci0000:00/0000:00:01.1/0000:07:00.0`.
+fn pcie_root(devices: &Path, bus_id: &str) -> Option<String> {
+    let (domain, rest) = bus_id.split_once(':')?;
+    let domain = u32::from_str_radix(domain, 16).ok()?;
+    let name = format!("{domain:04x}:{}", rest.to_ascii_lowercase());
+    let target = std::fs::read_link(devices.join(name)).ok()?;
+    target
+        .components()
+        .filter_map(|c| c.as_os_str().to_str())
+        .find(|c| c.starts_with("pci"))
+        .map(str::to_owned)
+}
+
 /// Normalises a PCI bus id to NVML's form: 8-digit upper-case domain (`00000000:07:00.0`).
 /// sysfs and some NVML calls print a 4-digit domain (`0000:07:00.0`).
 pub fn normalize_bus_id(bus_id: &str) -> String {
@@ -869,6 +896,22 @@ mod tests {
         assert_eq!(normalize_bus_id("0000:07:00.0"), "00000000:07:00.0");
         assert_eq!(normalize_bus_id("00000000:8a:00.0"), "00000000:8A:00.0");
         assert_eq!(normalize_bus_id("00000000:07:00.0\0"), "00000000:07:00.0");
+    }
+
+    #[test]
+    fn a_gpu_s_root_complex_is_read_from_its_sysfs_link() {
+        let dir = std::env::temp_dir().join(format!("gpud-pcie-root-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::os::unix::fs::symlink(
+            "../../../devices/pci0000:80/0000:80:01.1/0000:8a:00.0",
+            dir.join("0000:8a:00.0"),
+        )
+        .unwrap();
+        let found = pcie_root(&dir, "00000000:8A:00.0");
+        let missing = pcie_root(&dir, "00000000:07:00.0");
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(found.as_deref(), Some("pci0000:80"));
+        assert_eq!(missing, None, "no sysfs entry (a fake GPU): no root");
     }
 
     #[test]

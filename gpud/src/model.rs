@@ -181,6 +181,15 @@ pub struct Gpu {
     pub memory_total_bytes: u64,
     /// NUMA node closest to the GPU, when known.
     pub numa_node: Option<u32>,
+    /// Architecture as NVML names it (`Ampere`, `Hopper`, ...), when reported.
+    #[serde(default)]
+    pub architecture: Option<String>,
+    /// CUDA compute capability (`"8.0"`), when reported.
+    #[serde(default)]
+    pub cuda_compute_capability: Option<String>,
+    /// The PCIe root complex the GPU hangs off (`pci0000:00`), from sysfs, when found.
+    #[serde(default)]
+    pub pcie_root: Option<String>,
     /// CPUs closest to the GPU (ideal affinity), ascending.
     pub cpu_affinity: Vec<u32>,
     /// MIG instances when the GPU is in MIG mode; empty otherwise.
@@ -241,6 +250,9 @@ impl GpuInventory {
                 minor_number: Some(index),
                 memory_total_bytes: gib << 30,
                 numa_node: Some(index / 2),
+                architecture: None,
+                cuda_compute_capability: None,
+                pcie_root: None,
                 cpu_affinity: vec![],
                 mig_instances: vec![],
                 mig_enabled: false,

@@ -261,6 +261,18 @@ def test_fixture_reads_back_exactly(machine_factory, fixture_path):
 
         if "numa_node" in g:
             assert pynvml.nvmlDeviceGetNumaNodeId(h) == g["numa_node"]
+        if "architecture" in g:
+            code = getattr(pynvml, "NVML_DEVICE_ARCH_" + g["architecture"].upper())
+            assert pynvml.nvmlDeviceGetArchitecture(h) == code
+        else:
+            with pytest.raises(pynvml.NVMLError_NotSupported):
+                pynvml.nvmlDeviceGetArchitecture(h)
+        if "cuda_compute_capability" in g:
+            major, minor = map(int, g["cuda_compute_capability"].split("."))
+            assert pynvml.nvmlDeviceGetCudaComputeCapability(h) == (major, minor)
+        else:
+            with pytest.raises(pynvml.NVMLError_NotSupported):
+                pynvml.nvmlDeviceGetCudaComputeCapability(h)
         cpus = parse_cpus(g.get("cpus"))
         if cpus is not None:
             words = max(cpus) // 64 + 2

@@ -889,6 +889,27 @@ device_fn! {
 }
 
 device_fn! {
+    /// `nvmlDeviceArchitecture_t`; NOT_SUPPORTED when the fixture gives none.
+    fn nvmlDeviceGetArchitecture(device, arch: *mut c_uint) |m, t| {
+        let code = m.gpus[whole_gpu(t)?].architecture.ok_or(NOT_SUPPORTED)?;
+        // SAFETY: module contract.
+        unsafe { put(arch, code) }
+    }
+}
+
+device_fn! {
+    /// CUDA compute capability; NOT_SUPPORTED when the fixture gives none.
+    fn nvmlDeviceGetCudaComputeCapability(device, major: *mut c_int, minor: *mut c_int) |m, t| {
+        let (ma, mi) = m.gpus[whole_gpu(t)?].cuda_compute_capability.ok_or(NOT_SUPPORTED)?;
+        if major.is_null() || minor.is_null() {
+            return Err(INVALID_ARGUMENT);
+        }
+        // SAFETY: module contract.
+        unsafe { put(major, ma).and_then(|()| put(minor, mi)) }
+    }
+}
+
+device_fn! {
     /// NUMA node; NOT_SUPPORTED when the fixture gives none.
     fn nvmlDeviceGetNumaNodeId(device, node: *mut c_uint) |m, t| {
         let numa = m.gpus[whole_gpu(t)?].numa_node.ok_or(NOT_SUPPORTED)?;

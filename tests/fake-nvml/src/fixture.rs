@@ -131,6 +131,10 @@ struct RawGpu {
     #[serde(default)]
     numa_node: Option<u32>,
     #[serde(default)]
+    architecture: Option<String>,
+    #[serde(default)]
+    cuda_compute_capability: Option<String>,
+    #[serde(default)]
     cpus: Option<RawCpus>,
     #[serde(default = "default_true")]
     persistence_mode: bool,
@@ -407,6 +411,11 @@ pub struct Gpu {
     pub memory_used_extra: u64,
     /// NUMA node, `None` → NOT_SUPPORTED.
     pub numa_node: Option<u32>,
+    /// `nvmlDeviceArchitecture_t` value (`NVML_DEVICE_ARCH_AMPERE` = 7, ...); `None` answers
+    /// NOT_SUPPORTED.
+    pub architecture: Option<u32>,
+    /// CUDA compute capability (major, minor); `None` answers NOT_SUPPORTED.
+    pub cuda_compute_capability: Option<(i32, i32)>,
     /// CPUs close to the GPU, `None` → NOT_SUPPORTED.
     pub cpus: Option<Vec<u32>>,
     /// Persistence mode.
@@ -828,6 +837,32 @@ pub fn find_uuid(gpus: &[Gpu], uuid: &str) -> Option<Target> {
     })
 }
 
+/// Architecture names a fixture may give, with their `nvmlDeviceArchitecture_t` values.
+const ARCHITECTURES: [(&str, u32); 9] = [
+    ("kepler", 2),
+    ("maxwell", 3),
+    ("pascal", 4),
+    ("volta", 5),
+    ("turing", 6),
+    ("ampere", 7),
+    ("ada", 8),
+    ("hopper", 9),
+    ("blackwell", 10),
+];
+
+fn architecture_code(name: &str) -> Option<u32> {
+    ARCHITECTURES
+        .iter()
+        .find(|(n, _)| *n == name)
+        .map(|&(_, code)| code)
+}
+
+/// `"8.0"` → `(8, 0)`.
+fn parse_compute_capability(text: &str) -> Option<(i32, i32)> {
+    let (major, minor) = text.split_once('.')?;
+    Some((major.parse().ok()?, minor.parse().ok()?))
+}
+
 fn build_gpu(index: usize, raw: RawGpu, uuids: &mut HashSet<String>) -> Result<Gpu, FixtureError> {
     let field = format!("gpus[{index}]");
     check_string(&raw.name, &format!("{field}.name"))?;
@@ -858,6 +893,29 @@ fn build_gpu(index: usize, raw: RawGpu, uuids: &mut HashSet<String>) -> Result<G
             FixtureError(format!("{field}.cpus: {text:?} is not like \"0-19,40-59\""))
         })?),
     };
+    let architecture = raw
+        .architecture
+        .as_deref()
+        .map(|name| {
+            architecture_code(name).ok_or_else(|| {
+                FixtureError(format!(
+                    "{field}.architecture: {name:?} is not one of {}",
+                    ARCHITECTURES.map(|(n, _)| n).join(", ")
+                ))
+            })
+        })
+        .transpose()?;
+    let cuda_compute_capability = raw
+        .cuda_compute_capability
+        .as_deref()
+        .map(|text| {
+            parse_compute_capability(text).ok_or_else(|| {
+                FixtureError(format!(
+                    "{field}.cuda_compute_capability: {text:?} is not like \"8.0\""
+                ))
+            })
+        })
+        .transpose()?;
     let compute_mode =
         parse_compute_mode(raw.compute_mode.as_ref(), &format!("{field}.compute_mode"))?;
 
@@ -911,6 +969,8 @@ fn build_gpu(index: usize, raw: RawGpu, uuids: &mut HashSet<String>) -> Result<G
         memory_reserved: raw.memory_reserved_bytes,
         memory_used_extra: raw.memory_used_bytes,
         numa_node: raw.numa_node,
+        architecture,
+        cuda_compute_capability,
         cpus,
         persistence_mode: raw.persistence_mode,
         compute_mode,
