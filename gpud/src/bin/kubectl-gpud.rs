@@ -5,22 +5,10 @@
 use std::process::ExitCode;
 
 use clap::Parser;
+use gpud::dra::view::Cli;
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
 use kube::Api;
 use kube::api::ListParams;
-
-/// GPUs of gpud's DRA driver across the cluster: capacity, consumed by claims (and by
-/// whom), free, and whether the driver enforces it.
-#[derive(Debug, Parser)]
-#[command(name = "kubectl-gpud", version)]
-struct Cli {
-    /// Output format: a table, or JSON.
-    #[arg(short = 'o', long = "output", value_parser = ["table", "json"], default_value = "table")]
-    output: String,
-    /// The kubeconfig to use; default: as kubectl finds it (KUBECONFIG, ~/.kube/config).
-    #[arg(long)]
-    kubeconfig: Option<std::path::PathBuf>,
-}
 
 async fn run(cli: Cli) -> Result<String, String> {
     let dra = gpud::config::DraConfig {

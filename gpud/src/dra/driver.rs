@@ -102,14 +102,7 @@ async fn resync_slice(
         .max(published.as_ref().map_or(0, |p| p.0))
         + 1;
     let held = slices::held_outside_dra(snapshot.reservations.iter().map(|r| &**r));
-    let slice = slices::slice(
-        node,
-        &snapshot.gpus,
-        &snapshot.units,
-        snapshot.driver_version.as_deref(),
-        &held,
-        generation,
-    );
+    let slice = slices::slice(node, slices::Machine::of(&snapshot), &held, generation);
     let devices = slice.spec.devices.clone().unwrap_or_default();
     if let Some((at, last)) = &published
         && on_server == Some(*at)

@@ -23,7 +23,32 @@ use kube::api::PostParams;
 
 use super::claims::{claim_of, device_name};
 use super::{DRIVER, quantity};
-use crate::model::{Gpu, Reservation, Unit};
+use crate::broker::Snapshot;
+use crate::model::{Gpu, Reservation, Topology, Unit};
+
+/// The standard attribute naming the PCIe root complex a device hangs off, which claims
+/// align on across drivers (a GPU and a NIC under one root).
+pub const PCIE_ROOT: &str = "resource.kubernetes.io/pcieRoot";
+
+/// The standard attribute naming a device's NUMA node, likewise.
+pub const NUMA_NODE: &str = "resource.kubernetes.io/numaNode";
+
+/// The attributes gpud publishes under its own domain (`gpu.gpud.io/<name>`), each on the
+/// devices it applies to; a claim's selectors and constraints may name any of them.
+pub const ATTRIBUTES: [&str; 12] = [
+    "uuid",
+    "index",
+    "productName",
+    "mig",
+    "migProfile",
+    "memoryEnforced",
+    "driverVersion",
+    "architecture",
+    "cudaComputeCapability",
+    "numaNode",
+    "nvlinkDomain",
+    "pciBusID",
+];
 
 /// The step a claim's memory is rounded up to, and the least it may ask: 1 MiB.
 pub const MEMORY_STEP: u64 = 1 << 20;
@@ -43,6 +68,13 @@ fn string(value: impl Into<String>) -> DeviceAttribute {
 fn int(value: u32) -> DeviceAttribute {
     DeviceAttribute {
         int: Some(i64::from(value)),
+        ..DeviceAttribute::default()
+    }
+}
+
+fn version(value: String) -> DeviceAttribute {
+    DeviceAttribute {
+        version: Some(value),
         ..DeviceAttribute::default()
     }
 }
@@ -76,11 +108,76 @@ pub fn held_outside_dra<'a>(
     held
 }
 
+/// What a slice is made from: the broker's view of the machine.
+#[derive(Debug, Clone, Copy)]
+pub struct Machine<'a> {
+    /// The GPUs, by index.
+    pub gpus: &'a [Gpu],
+    /// What can be handed out: whole GPUs and MIG instances.
+    pub units: &'a [Unit],
+    /// The links between the GPUs.
+    pub topology: &'a Topology,
+    /// The driver's version, when NVML reports it.
+    pub driver_version: Option<&'a str>,
+}
+
+impl<'a> Machine<'a> {
+    /// The machine as `snapshot` sees it.
+    pub fn of(snapshot: &'a Snapshot) -> Machine<'a> {
+        Machine {
+            gpus: &snapshot.gpus,
+            units: &snapshot.units,
+            topology: &snapshot.topology,
+            driver_version: snapshot.driver_version.as_deref(),
+        }
+    }
+
+    /// Per GPU index, its NVLink domain: the lowest index among the GPUs it reaches over
+    /// NVLink (directly or through others); absent for a GPU with no NVLink.
+    fn nvlink_domains(&self) -> HashMap<u32, u32> {
+        let n = self.topology.size();
+        let linked = |a: usize, b: usize| self.topology.link(a, b).is_some_and(|l| l.nvlinks > 0);
+        let mut domains = HashMap::new();
+        for start in 0..n {
+            let index = u32::try_from(start).unwrap_or(u32::MAX);
+            if domains.contains_key(&index) || !(0..n).any(|b| b != start && linked(start, b)) {
+                continue;
+            }
+            let mut stack = vec![start];
+            while let Some(a) = stack.pop() {
+                let a_index = u32::try_from(a).unwrap_or(u32::MAX);
+                if domains.insert(a_index, index).is_none() {
+                    stack.extend((0..n).filter(|&b| b != a && linked(a, b)));
+                }
+            }
+        }
+        domains
+    }
+}
+
+/// The profile of a MIG instance NVML names `NVIDIA A100-SXM4-80GB MIG 1g.10gb`.
+fn mig_profile(name: &str) -> &str {
+    name.rsplit_once(" MIG ")
+        .map_or(name, |(_, profile)| profile)
+}
+
+/// `8.0` as the semantic version a `version` attribute holds (`8.0.0`).
+fn semantic_version(capability: &str) -> String {
+    format!("{capability}.0")
+}
+
 /// Unit `unit` of GPU `gpu` as a DRA device, `held` bytes of it taken by reservations
-/// outside DRA; `None` when nothing of it is left to offer. A whole GPU is shared by any
-/// number of claims, each consuming part of its `memory` (1 MiB steps, at least 1 MiB; a
-/// claim that names no amount gets all that is offered); a MIG instance is allocated whole.
-fn device(gpu: &Gpu, unit: &Unit, driver_version: Option<&str>, held: u64) -> Option<Device> {
+/// outside DRA, in NVLink domain `nvlink`; `None` when nothing of it is left to offer. A
+/// whole GPU is shared by any number of claims, each consuming part of its `memory` (1 MiB
+/// steps, at least 1 MiB; a claim that names no amount gets all that is offered); a MIG
+/// instance is allocated whole.
+fn device(
+    gpu: &Gpu,
+    unit: &Unit,
+    driver_version: Option<&str>,
+    nvlink: Option<u32>,
+    held: u64,
+) -> Option<Device> {
     let total = unit.memory_total_bytes.saturating_sub(held);
     let whole = unit.mig_index.is_some();
     if total == 0 || (whole && held > 0) || (!whole && total < MEMORY_STEP) {
@@ -96,21 +193,35 @@ fn device(gpu: &Gpu, unit: &Unit, driver_version: Option<&str>, held: u64) -> Op
             boolean(gpu.isolation.mode == gpud_schema::IsolationMode::Driver),
         ),
     ]);
-    if let Some(profile) = unit
-        .mig_index
-        .and_then(|m| gpu.mig_instances.iter().find(|i| i.mig_index == m))
-    {
-        attributes.insert("migProfile".to_owned(), string(&profile.name));
-    }
-    if let Some(version) = driver_version {
-        attributes.insert("driverVersion".to_owned(), string(version));
-    }
-    if let Some(node) = gpu.numa_node {
-        attributes.insert("numaNode".to_owned(), int(node));
-    }
-    if !gpu.pci_bus_id.is_empty() {
-        attributes.insert("pciBusID".to_owned(), string(&gpu.pci_bus_id));
-    }
+    let optional = [
+        (
+            "migProfile",
+            unit.mig_index
+                .and_then(|m| gpu.mig_instances.iter().find(|i| i.mig_index == m))
+                .map(|i| string(mig_profile(&i.name))),
+        ),
+        ("driverVersion", driver_version.map(string)),
+        ("architecture", gpu.architecture.as_deref().map(string)),
+        (
+            "cudaComputeCapability",
+            gpu.cuda_compute_capability
+                .as_deref()
+                .map(|c| version(semantic_version(c))),
+        ),
+        ("numaNode", gpu.numa_node.map(int)),
+        (NUMA_NODE, gpu.numa_node.map(int)),
+        ("nvlinkDomain", nvlink.map(int)),
+        (
+            "pciBusID",
+            (!gpu.pci_bus_id.is_empty()).then(|| string(&gpu.pci_bus_id)),
+        ),
+        (PCIE_ROOT, gpu.pcie_root.as_deref().map(string)),
+    ];
+    attributes.extend(
+        optional
+            .into_iter()
+            .filter_map(|(name, value)| Some((name.to_owned(), value?))),
+    );
     let shared = !whole;
     let most = total - total % MEMORY_STEP;
     let memory = DeviceCapacity {
@@ -134,23 +245,24 @@ fn device(gpu: &Gpu, unit: &Unit, driver_version: Option<&str>, held: u64) -> Op
     })
 }
 
-/// `node`'s slice at pool `generation`: a device per unit of a healthy GPU, less what
-/// `held` (by unit UUID) says is held outside DRA.
+/// `node`'s slice at pool `generation`: a device per unit of a healthy GPU of `machine`,
+/// less what `held` (by unit UUID) says is held outside DRA.
 pub fn slice(
     node: &str,
-    gpus: &[Gpu],
-    units: &[Unit],
-    driver_version: Option<&str>,
+    machine: Machine<'_>,
     held: &HashMap<String, u64>,
     generation: i64,
 ) -> ResourceSlice {
-    let devices = units
+    let domains = machine.nvlink_domains();
+    let devices = machine
+        .units
         .iter()
         .filter_map(|unit| {
-            let gpu = gpus.iter().find(|g| g.index == unit.gpu_index)?;
+            let gpu = machine.gpus.iter().find(|g| g.index == unit.gpu_index)?;
             let held = held.get(&unit.uuid).copied().unwrap_or(0);
+            let nvlink = domains.get(&gpu.index).copied();
             gpu.healthy
-                .then(|| device(gpu, unit, driver_version, held))
+                .then(|| device(gpu, unit, machine.driver_version, nvlink, held))
                 .flatten()
         })
         .collect();
@@ -205,25 +317,32 @@ pub async fn current_generation(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
-    use crate::model::{GpuInventory, MigInstance, Reservation};
+    use crate::model::{GpuInventory, Link, MigInstance, PcieLevel, Reservation};
 
     const GIB: u64 = 1 << 30;
+
+    /// `inventory` as a slice sees it, with no driver version.
+    pub(crate) fn machine<'a>(inventory: &'a GpuInventory, units: &'a [Unit]) -> Machine<'a> {
+        Machine {
+            gpus: &inventory.gpus,
+            units,
+            topology: &inventory.topology,
+            driver_version: None,
+        }
+    }
 
     #[test]
     fn each_healthy_gpu_is_a_shared_device_with_its_memory_as_consumable_capacity() {
         let mut inventory = GpuInventory::test_machine(2, 16);
         inventory.gpus[1].healthy = false;
         let units = inventory.units();
-        let s = slice(
-            "node-1",
-            &inventory.gpus,
-            &units,
-            Some("615.01"),
-            &HashMap::new(),
-            3,
-        );
+        let machine = Machine {
+            driver_version: Some("615.01"),
+            ..machine(&inventory, &units)
+        };
+        let s = slice("node-1", machine, &HashMap::new(), 3);
         assert_eq!(s.metadata.name.as_deref(), Some("node-1-gpu.gpud.io"));
         assert_eq!(s.spec.driver, "gpu.gpud.io");
         assert_eq!(s.spec.node_name.as_deref(), Some("node-1"));
@@ -258,6 +377,54 @@ mod tests {
     }
 
     #[test]
+    fn devices_name_their_architecture_nvlink_domain_and_pcie_root() {
+        let mut inventory = GpuInventory::test_machine(4, 16);
+        let pcie = Link {
+            pcie: PcieLevel::System,
+            nvlinks: 0,
+        };
+        inventory.topology = Topology::uniform(4, pcie);
+        let nvlink = Link { nvlinks: 4, ..pcie };
+        inventory.topology.set_link(1, 2, nvlink);
+        inventory.topology.set_link(2, 3, nvlink);
+        inventory.gpus[0].architecture = Some("Ampere".to_owned());
+        inventory.gpus[0].cuda_compute_capability = Some("8.0".to_owned());
+        inventory.gpus[0].pcie_root = Some("pci0000:00".to_owned());
+        let units = inventory.units();
+        let s = slice("node-1", machine(&inventory, &units), &HashMap::new(), 1);
+        let devices = s.spec.devices.unwrap();
+        let attributes = |i: usize| devices[i].attributes.clone().unwrap();
+        let first = attributes(0);
+        assert_eq!(first["architecture"].string.as_deref(), Some("Ampere"));
+        assert_eq!(
+            first["cudaComputeCapability"].version.as_deref(),
+            Some("8.0.0")
+        );
+        assert_eq!(first[PCIE_ROOT].string.as_deref(), Some("pci0000:00"));
+        assert_eq!(first[NUMA_NODE].int, Some(0));
+        assert!(
+            !first.contains_key("nvlinkDomain"),
+            "GPU 0 has no NVLink: {first:?}"
+        );
+        let domains: Vec<Option<i64>> = (1..4)
+            .map(|i| attributes(i).get("nvlinkDomain").and_then(|a| a.int))
+            .collect();
+        assert_eq!(
+            domains,
+            [Some(1); 3],
+            "1-2-3 are one domain through 2, named after its lowest index"
+        );
+        assert!(!attributes(1).contains_key("architecture"), "not reported");
+        for name in first.keys() {
+            assert!(
+                ATTRIBUTES.contains(&name.as_str())
+                    || [PCIE_ROOT, NUMA_NODE].contains(&name.as_str()),
+                "{name} is published but not listed"
+            );
+        }
+    }
+
+    #[test]
     fn what_gpud_holds_outside_dra_is_not_offered_to_the_scheduler() {
         let inventory = GpuInventory::test_machine(3, 16);
         let units = inventory.units();
@@ -274,7 +441,7 @@ mod tests {
             None,
             "a claim's own memory stays published"
         );
-        let s = slice("node-1", &inventory.gpus, &units, None, &held, 1);
+        let s = slice("node-1", machine(&inventory, &units), &held, 1);
         let devices = s.spec.devices.unwrap();
         let names: Vec<&str> = devices.iter().map(|d| d.name.as_str()).collect();
         assert_eq!(names, ["gpu-0", "gpu-2"], "GPU 1 is held whole");
@@ -300,11 +467,11 @@ mod tests {
             mig_index: 0,
             gpu_instance_id: 1,
             compute_instance_id: 0,
-            name: "1g.10gb".to_owned(),
+            name: "NVIDIA A100-SXM4-80GB MIG 1g.10gb".to_owned(),
             memory_total_bytes: 9 * GIB + 123,
         }];
         let units = inventory.units();
-        let s = slice("node-1", &inventory.gpus, &units, None, &HashMap::new(), 1);
+        let s = slice("node-1", machine(&inventory, &units), &HashMap::new(), 1);
         let d = &s.spec.devices.unwrap()[0];
         assert_eq!(d.name, "gpu-0-mig-0");
         assert_eq!(d.allow_multiple_allocations, None);

@@ -7,6 +7,19 @@ use std::collections::BTreeMap;
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
 use serde::Serialize;
 
+/// GPUs of gpud's DRA driver across the cluster: capacity, consumed by claims (and by
+/// whom), free, and whether the driver enforces it.
+#[derive(Debug, clap::Parser)]
+#[command(name = "kubectl-gpud", version)]
+pub struct Cli {
+    /// Output format: a table, or JSON.
+    #[arg(short = 'o', long = "output", value_parser = ["table", "json"], default_value = "table")]
+    pub output: String,
+    /// The kubeconfig to use; default: as kubectl finds it (KUBECONFIG, ~/.kube/config).
+    #[arg(long)]
+    pub kubeconfig: Option<std::path::PathBuf>,
+}
+
 use super::{DRIVER, quantity};
 
 /// One device of one node, and who holds what of it.
@@ -127,6 +140,7 @@ pub fn table(view: &[DeviceView]) -> String {
 mod tests {
     use super::*;
     use crate::dra::slices::slice;
+    use crate::dra::slices::tests::machine;
     use crate::model::GpuInventory;
 
     const GIB: u64 = 1 << 30;
@@ -145,11 +159,10 @@ mod tests {
     #[test]
     fn each_gpu_shows_its_claims_and_what_is_left() {
         let inventory = GpuInventory::test_machine(2, 16);
+        let units = inventory.units();
         let slices = [slice(
             "node-1",
-            &inventory.gpus,
-            &inventory.units(),
-            None,
+            machine(&inventory, &units),
             &Default::default(),
             1,
         )];
