@@ -112,7 +112,7 @@ fn run(mut cli: Cli) -> anyhow::Result<()> {
         }
         // Packaging needs neither the config nor a GPU.
         Command::PackageFiles { dir } => {
-            let written = manual::write_package_files(Cli::command(), MAN_SECTION, &dir)?;
+            let written = package_files(&dir)?;
             let list: String = written
                 .iter()
                 .map(|p| format!("{}\n", p.display()))
@@ -120,6 +120,18 @@ fn run(mut cli: Cli) -> anyhow::Result<()> {
             print_to_stdout(&list)
         }
     }
+}
+
+/// Writes the man pages and completion scripts of gpud and of `kubectl-gpud` (a user's
+/// command: section 1) under `dir`, at their installed paths; returns the paths written.
+fn package_files(dir: &std::path::Path) -> Result<Vec<std::path::PathBuf>, manual::WriteError> {
+    let mut written = manual::write_package_files(Cli::command(), MAN_SECTION, dir)?;
+    written.extend(manual::write_package_files(
+        gpud::dra::view::Cli::command(),
+        "1",
+        dir,
+    )?);
+    Ok(written)
 }
 
 /// The config file (`--config`, else the default path, which may be missing) with the
@@ -224,7 +236,7 @@ mod tests {
     #[test]
     fn package_files_are_a_page_per_command_and_three_completions() {
         let dir = tempfile::tempdir().unwrap();
-        let written = manual::write_package_files(Cli::command(), MAN_SECTION, dir.path()).unwrap();
+        let written = package_files(dir.path()).unwrap();
         let mut found: Vec<String> = written
             .iter()
             .map(|p| p.strip_prefix(dir.path()).unwrap().display().to_string())
@@ -234,13 +246,20 @@ mod tests {
             found,
             [
                 "usr/share/bash-completion/completions/gpud",
+                "usr/share/bash-completion/completions/kubectl-gpud",
                 "usr/share/fish/vendor_completions.d/gpud.fish",
+                "usr/share/fish/vendor_completions.d/kubectl-gpud.fish",
+                "usr/share/man/man1/kubectl-gpud.1",
                 "usr/share/man/man8/gpud-probe.8",
                 "usr/share/man/man8/gpud-run.8",
                 "usr/share/man/man8/gpud.8",
                 "usr/share/zsh/vendor-completions/_gpud",
+                "usr/share/zsh/vendor-completions/_kubectl-gpud",
             ]
         );
+        let plugin =
+            std::fs::read_to_string(dir.path().join("usr/share/man/man1/kubectl-gpud.1")).unwrap();
+        assert!(plugin.contains("\\-\\-kubeconfig"), "{plugin}");
         let page = std::fs::read_to_string(dir.path().join("usr/share/man/man8/gpud.8")).unwrap();
         assert!(page.contains(".TH gpud 8 "), "{page}");
         assert!(page.contains("\\-\\-state\\-dir"), "{page}");
