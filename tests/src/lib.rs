@@ -16,6 +16,7 @@ use serde_json::Value;
 
 pub mod apiserver;
 pub mod containers;
+pub mod deployment;
 pub mod dra;
 pub mod isolation;
 pub mod manifests;

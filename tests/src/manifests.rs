@@ -1,14 +1,15 @@
 //! The shipped Kubernetes artifacts read as data: what the DaemonSet in
-//! `systemd/kubernetes/daemonset.yaml` runs (command line, environment, host directories,
-//! the ConfigMap's files) and what the image of `systemd/kubernetes/Containerfile` contains
-//! (ENTRYPOINT, CMD, installed files).
+//! `systemd/kubernetes/daemonset.yaml` (or the DRA driver's, `dra/daemonset.yaml`) runs
+//! (command line, environment, host directories, the ConfigMap's files) and what the image
+//! of `systemd/kubernetes/Containerfile` contains (ENTRYPOINT, CMD, installed files).
 //!
-//! `tests/tests/manifests.rs` checks both against gpud's config and each other;
+//! [`crate::deployment`] checks both against gpud's config and each other;
 //! `src/bin/daemonset-run.rs` prints [`ContainerRun`]s as JSON for running gpud outside
 //! Kubernetes with the same arguments and mounts. Anything in a container spec that would
-//! change how the process runs and that this module does not translate (`valueFrom`,
-//! `subPath`, `workingDir`, volume kinds other than `hostPath` and `configMap`, …) is an
-//! error naming the field, so that the translation is never silently incomplete.
+//! change how the process runs and that this module does not translate (`valueFrom` other
+//! than the node's name, which is this host's, `subPath`, `workingDir`, volume kinds other
+//! than `hostPath` and `configMap`, …) is an error naming the field, so that the
+//! translation is never silently incomplete.
 
 use std::path::Path;
 
@@ -17,12 +18,17 @@ use serde_yaml::Value;
 
 /// The DaemonSet file, relative to the repository root.
 pub const DAEMONSET: &str = "systemd/kubernetes/daemonset.yaml";
+/// The DRA driver's DaemonSet file, relative to the repository root.
+pub const DRA_DAEMONSET: &str = "systemd/kubernetes/dra/daemonset.yaml";
 /// The image definition, relative to the repository root.
 pub const CONTAINERFILE: &str = "systemd/kubernetes/Containerfile";
 
 /// Every YAML document of a manifest file.
 #[derive(Debug, Clone)]
 pub struct Manifest {
+    /// The file it was read from, relative to the repository root when under it; empty
+    /// for text parsed directly.
+    pub source: String,
     /// The documents, in file order.
     pub docs: Vec<Value>,
 }
@@ -32,7 +38,15 @@ impl Manifest {
     pub fn load(path: &Path) -> Result<Manifest, String> {
         let text = std::fs::read_to_string(path)
             .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-        Manifest::parse(&text).map_err(|e| format!("{}: {e}", path.display()))
+        let mut manifest =
+            Manifest::parse(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+        let root = crate::repo_root();
+        manifest.source = path
+            .strip_prefix(&root)
+            .unwrap_or(path)
+            .display()
+            .to_string();
+        Ok(manifest)
     }
 
     /// Parses YAML text of one or more documents.
@@ -40,7 +54,10 @@ impl Manifest {
         let docs = serde_yaml::Deserializer::from_str(text)
             .map(|doc| serde::Deserialize::deserialize(doc).map_err(|e| e.to_string()))
             .collect::<Result<Vec<Value>, String>>()?;
-        Ok(Manifest { docs })
+        Ok(Manifest {
+            source: String::new(),
+            docs,
+        })
     }
 
     /// The one document of `kind` (and, when given, `name`).
@@ -89,7 +106,7 @@ impl Manifest {
             ));
         }
         Ok(PodRun {
-            source: DAEMONSET.to_owned(),
+            source: self.source.clone(),
             host_pid: pod["hostPID"].as_bool().unwrap_or(false),
             init_containers: containers("initContainers")?,
             container: main.remove(0),
@@ -117,14 +134,21 @@ impl Manifest {
         let mut env = Vec::new();
         for e in c["env"].as_sequence().into_iter().flatten() {
             let var = string(&e["name"], "env[].name").map_err(at)?;
-            if !e["valueFrom"].is_null() {
-                return Err(at(format!(
-                    "env {var}: valueFrom has no value outside Kubernetes"
-                )));
-            }
-            let value = match &e["value"] {
-                Value::Null => String::new(),
-                v => string(v, "env[].value").map_err(at)?,
+            let value = match (&e["value"], &e["valueFrom"]) {
+                (Value::Null, Value::Null) => String::new(),
+                (v, Value::Null) => string(v, "env[].value").map_err(at)?,
+                // Outside Kubernetes the node is this host.
+                (Value::Null, from)
+                    if from["fieldRef"]["fieldPath"].as_str() == Some("spec.nodeName") =>
+                {
+                    host_name().map_err(at)?
+                }
+                _ => {
+                    return Err(at(format!(
+                        "env {var}: valueFrom other than spec.nodeName has no value outside \
+                         Kubernetes"
+                    )));
+                }
             };
             env.push(EnvVar { name: var, value });
         }
@@ -260,6 +284,13 @@ pub struct File {
     pub content: String,
     /// Mounted read-only.
     pub read_only: bool,
+}
+
+/// This host's name, which a `spec.nodeName` reference means outside Kubernetes.
+fn host_name() -> Result<String, String> {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|name| name.trim().to_owned())
+        .map_err(|e| format!("cannot read the host name: {e}"))
 }
 
 fn string(v: &Value, what: &str) -> Result<String, String> {

@@ -11,97 +11,13 @@
 
 use std::path::{Path, PathBuf};
 
-use gpud::config::Config;
 use gpud::kubelet::devices::Resource;
-use gpud_tests::manifests::{CONTAINERFILE, ContainerRun, DAEMONSET, Image, Manifest};
+use gpud_tests::deployment::{Deployment, Findings, bind_at, probes};
+use gpud_tests::manifests::{CONTAINERFILE, DAEMONSET, DRA_DAEMONSET, Manifest};
 use gpud_tests::{Daemon, repo_root};
-use serde_yaml::Value;
-
-/// Files in the base image (Debian bookworm-slim) that the manifest runs.
-const BASE_IMAGE_FILES: [&str; 1] = ["/bin/sh"];
 
 fn read(path: &str) -> String {
     std::fs::read_to_string(repo_root().join(path)).unwrap()
-}
-
-/// The config the DaemonSet's ConfigMap holds, parsed by gpud's own loader.
-fn config_of(manifest: &Manifest) -> Result<(Config, String), String> {
-    let text = manifest.find("ConfigMap", Some("gpud-config"))?["data"]["gpud.toml"]
-        .as_str()
-        .ok_or("the ConfigMap has no gpud.toml")?
-        .to_owned();
-    let config = Config::parse(&text).map_err(|e| format!("gpud.toml: {e}"))?;
-    Ok((config, text))
-}
-
-/// An exec probe's command, or `None` when the container has no such probe.
-fn probe(container: &Value, which: &str) -> Option<Vec<String>> {
-    let command = container[which]["exec"]["command"].as_sequence()?;
-    Some(
-        command
-            .iter()
-            .map(|s| s.as_str().unwrap_or_default().to_owned())
-            .collect(),
-    )
-}
-
-/// The probes' gpuctl commands (argv), with the readiness probe's `sh -c` script split into
-/// its gpuctl command and its `test -S` check.
-struct Probes {
-    gpuctl: Vec<Vec<String>>,
-    ready_socket: Option<String>,
-}
-
-fn probes(container: &Value) -> Result<Probes, String> {
-    let mut gpuctl = Vec::new();
-    for which in ["startupProbe", "livenessProbe"] {
-        gpuctl.push(probe(container, which).ok_or(format!("no exec {which}"))?);
-    }
-    let ready = probe(container, "readinessProbe").ok_or("no exec readinessProbe")?;
-    let [sh, dash_c, script] = <[String; 3]>::try_from(ready.clone())
-        .map_err(|_| format!("readinessProbe is not /bin/sh -c SCRIPT: {ready:?}"))?;
-    if sh != "/bin/sh" || dash_c != "-c" {
-        return Err(format!(
-            "readinessProbe is not /bin/sh -c SCRIPT: {ready:?}"
-        ));
-    }
-    let mut ready_socket = None;
-    for part in script.split(" && ") {
-        let words: Vec<String> = part
-            .split_whitespace()
-            .filter(|w| *w != ">/dev/null")
-            .map(str::to_owned)
-            .collect();
-        match words.first().map(String::as_str) {
-            Some("test") if words.len() == 3 && words[1] == "-S" => {
-                ready_socket = Some(words[2].clone());
-            }
-            Some(_) => gpuctl.push(words),
-            None => return Err(format!("readinessProbe: empty command in {script:?}")),
-        }
-    }
-    Ok(Probes {
-        gpuctl,
-        ready_socket,
-    })
-}
-
-/// The one bind of `container` at `path`.
-fn bind_at<'a>(
-    container: &'a ContainerRun,
-    path: &Path,
-) -> Result<&'a gpud_tests::manifests::Bind, String> {
-    container
-        .binds
-        .iter()
-        .find(|b| Path::new(&b.path) == path)
-        .ok_or_else(|| {
-            format!(
-                "container {} mounts nothing at {}",
-                container.name,
-                path.display()
-            )
-        })
 }
 
 /// The command line (command, then args) of the README's Kubernetes pod example, which
@@ -127,150 +43,49 @@ fn readme_pod_argv(readme: &str) -> Result<Vec<String>, String> {
 
 /// Every way the manifest, the Containerfile and gpud disagree (empty: they agree).
 fn problems(manifest_text: &str, containerfile_text: &str, readme: &str) -> Vec<String> {
-    let mut found = Vec::new();
-    let mut check = |ok: bool, what: String| {
-        if !ok {
-            found.push(what);
-        }
-    };
-    let manifest = match Manifest::parse(manifest_text) {
-        Ok(m) => m,
+    let d = match Deployment::parse(manifest_text, containerfile_text, "gpud-config") {
+        Ok(d) => d,
         Err(e) => return vec![e],
     };
-    let image = match Image::parse(containerfile_text) {
-        Ok(i) => i,
-        Err(e) => return vec![e],
-    };
-    let (config, config_text) = match config_of(&manifest) {
-        Ok(c) => c,
-        Err(e) => return vec![e],
-    };
-    let run = match manifest.daemonset_run() {
-        Ok(r) => r,
-        Err(e) => return vec![e],
-    };
-    let pod = manifest.daemonset_pod().unwrap();
-    let gpud = &run.container;
-
-    check(
-        config.kubelet.enabled,
-        "[kubelet] enabled is not true".into(),
-    );
-    check(
-        run.host_pid,
-        "hostPID is not true: NVML pids and peer credentials need the host's pids".into(),
-    );
-    check(gpud.privileged, "gpud's container is not privileged".into());
+    let config = &d.config;
+    let mut found = Findings::default();
+    found.check(config.kubelet.enabled, "[kubelet] enabled is not true");
     // Pods run as any uid: the socket must let every one of them connect.
-    check(
+    found.check(
         config.socket_mode & 0o006 == 0o006,
         format!(
             "socket_mode {:o} does not let other uids connect",
             config.socket_mode
         ),
     );
-
-    // The image: Debian bookworm, and the DaemonSet runs exactly its ENTRYPOINT and CMD.
-    check(
-        image.base.starts_with("docker.io/library/debian:bookworm"),
-        format!("the image's base is {}, not Debian bookworm", image.base),
+    let plugin_socket = config.kubelet.device_plugin_dir.join(
+        Resource::Memory {
+            unit_bytes: config.kubelet.mem_unit,
+        }
+        .socket_name(),
     );
-    let gpud_spec = &pod["containers"][0];
-    let strings = |v: &Value| -> Vec<String> {
-        v.as_sequence()
-            .into_iter()
-            .flatten()
-            .filter_map(|s| s.as_str().map(str::to_owned))
-            .collect()
-    };
-    check(
-        strings(&gpud_spec["command"]) == image.entrypoint,
-        format!(
-            "command {:?} is not the image's ENTRYPOINT {:?}",
-            strings(&gpud_spec["command"]),
-            image.entrypoint
-        ),
-    );
-    check(
-        strings(&gpud_spec["args"]) == image.cmd,
-        format!(
-            "args {:?} are not the image's CMD {:?}",
-            strings(&gpud_spec["args"]),
-            image.cmd
-        ),
-    );
-    let tag = format!("gpud:{}", env!("CARGO_PKG_VERSION"));
-    for c in run.init_containers.iter().chain([gpud]) {
-        // A registry in front is the deployer's choice; the name and version are not.
-        check(
-            c.image == tag || c.image.ends_with(&format!("/{tag}")),
-            format!("container {} runs {}, not {tag}", c.name, c.image),
-        );
-        let program = &c.argv[0];
-        check(
-            image.installed.contains(program) || BASE_IMAGE_FILES.contains(&program.as_str()),
-            format!(
-                "container {} runs {program}, which the image does not have",
-                c.name
-            ),
-        );
-    }
-
-    // The config file gpud is told to read is the ConfigMap's gpud.toml.
-    let config_path = gpud
-        .argv
-        .windows(2)
-        .find(|w| w[0] == "--config")
-        .map(|w| w[1].clone());
-    check(
-        config_path.as_ref().is_some_and(|path| {
-            gpud.files
-                .iter()
-                .any(|f| f.path == *path && f.content == config_text)
-        }),
-        format!("--config {config_path:?} is not the ConfigMap's gpud.toml"),
-    );
+    d.common_problems(&plugin_socket, &mut found);
 
     // Every directory the config names is a hostPath mounted at that same path.
     let socket_dir = config.socket.parent().unwrap().to_owned();
-    let pod_resources_dir = config
-        .kubelet
-        .pod_resources_socket
-        .parent()
-        .unwrap()
-        .to_owned();
-    let kubelet_socket_dir = config.kubelet.kubelet_socket().parent().unwrap().to_owned();
-    for dir in [
-        &config.kubelet.device_plugin_dir,
-        &kubelet_socket_dir,
-        &pod_resources_dir,
-        &socket_dir,
-        &config.state_dir,
-    ] {
-        match bind_at(gpud, dir) {
-            Ok(b) => check(
-                Path::new(&b.host_path) == dir,
-                format!(
-                    "{} is mounted from the host's {}",
-                    dir.display(),
-                    b.host_path
-                ),
-            ),
-            Err(e) => check(false, e),
-        }
-    }
-    for dir in [
-        &config.kubelet.device_plugin_dir,
-        &socket_dir,
-        &config.state_dir,
-    ] {
-        if let Ok(b) = bind_at(gpud, dir) {
-            check(
-                !b.read_only,
-                format!("gpud writes to {}, mounted read-only", b.path),
-            );
-        }
-    }
+    let pod_resources_dir = config.kubelet.pod_resources_socket.parent().unwrap();
+    let kubelet_socket = config.kubelet.kubelet_socket();
+    let kubelet_socket_dir = kubelet_socket.parent().unwrap();
+    d.host_dir_problems(
+        &[
+            &config.kubelet.device_plugin_dir,
+            kubelet_socket_dir,
+            pod_resources_dir,
+            &socket_dir,
+            &config.state_dir,
+        ],
+        &[
+            &config.kubelet.device_plugin_dir,
+            &socket_dir,
+            &config.state_dir,
+        ],
+        &mut found,
+    );
 
     // What Allocate mounts into pods is what the DaemonSet puts on the host: the socket
     // directory, and the directory the init container fills with gpuctl.
@@ -279,8 +94,8 @@ fn problems(manifest_text: &str, containerfile_text: &str, readme: &str) -> Vec<
         .socket_host_dir
         .clone()
         .unwrap_or_else(|| socket_dir.clone());
-    if let Ok(b) = bind_at(gpud, &socket_dir) {
-        check(
+    if let Ok(b) = bind_at(&d.run.container, &socket_dir) {
+        found.check(
             Path::new(&b.host_path) == socket_host_dir,
             format!(
                 "Allocate mounts the host's {} as the socket directory, the DaemonSet {}",
@@ -290,9 +105,9 @@ fn problems(manifest_text: &str, containerfile_text: &str, readme: &str) -> Vec<
         );
     }
     match &config.kubelet.gpuctl_dir {
-        None => check(false, "[kubelet] gpuctl_dir is not set".into()),
+        None => found.check(false, "[kubelet] gpuctl_dir is not set"),
         Some(dir) => {
-            check(
+            found.check(
                 !dir.starts_with(&socket_dir),
                 format!(
                     "gpuctl_dir {} is inside the socket directory",
@@ -300,103 +115,18 @@ fn problems(manifest_text: &str, containerfile_text: &str, readme: &str) -> Vec<
                 ),
             );
             let target = dir.join("gpuctl");
-            let installer = run.init_containers.iter().find(|c| {
-                c.binds.iter().any(|b| {
-                    Path::new(&b.path) == dir && Path::new(&b.host_path) == dir && !b.read_only
-                })
-            });
-            match installer {
-                None => check(
-                    false,
-                    format!(
-                        "no init container mounts the host's {} writable",
-                        dir.display()
-                    ),
-                ),
-                Some(c) => {
-                    let script = c.argv.join(" ");
-                    check(
-                        image.installed.iter().any(|f| {
-                            f.ends_with("/gpuctl") && script.contains(&format!("cp {f} "))
-                        }),
-                        format!("init container {} does not copy the image's gpuctl", c.name),
-                    );
-                    check(
-                        script.ends_with(&format!(" {}", target.display())),
-                        format!(
-                            "init container {} does not install {}: {script}",
-                            c.name,
-                            target.display()
-                        ),
-                    );
-                }
-            }
+            d.installer_problems(&target, &mut found);
             let runs_gpuctl = readme_pod_argv(readme).is_ok_and(|argv| {
                 argv.iter()
                     .any(|a| a.split_whitespace().next().map(Path::new) == Some(target.as_path()))
             });
-            check(
+            found.check(
                 runs_gpuctl,
                 format!("the README's pod example does not run {}", target.display()),
             );
         }
     }
-
-    // Probes: the image's gpuctl, on the config's socket; readiness also wants the device
-    // plugin's socket in the kubelet's directory.
-    match probes(gpud_spec) {
-        Err(e) => check(false, e),
-        Ok(p) => {
-            for argv in &p.gpuctl {
-                check(
-                    argv[0].ends_with("/gpuctl") && image.installed.contains(&argv[0]),
-                    format!("probe {argv:?} does not run the image's gpuctl"),
-                );
-                let socket = argv.windows(2).find(|w| w[0] == "--socket").map(|w| &w[1]);
-                check(
-                    socket.is_some_and(|s| Path::new(s) == config.socket),
-                    format!(
-                        "probe {argv:?} does not name the socket {}",
-                        config.socket.display()
-                    ),
-                );
-            }
-            let plugin_socket = config.kubelet.device_plugin_dir.join(
-                Resource::Memory {
-                    unit_bytes: config.kubelet.mem_unit,
-                }
-                .socket_name(),
-            );
-            check(
-                p.ready_socket.as_deref().map(Path::new) == Some(plugin_socket.as_path()),
-                format!(
-                    "readinessProbe checks {:?}, not the plugin socket {}",
-                    p.ready_socket,
-                    plugin_socket.display()
-                ),
-            );
-        }
-    }
-
-    // Requests and limits on every container.
-    let all_containers = pod["initContainers"]
-        .as_sequence()
-        .into_iter()
-        .flatten()
-        .chain(pod["containers"].as_sequence().into_iter().flatten());
-    for c in all_containers {
-        let r = &c["resources"];
-        check(
-            !r["requests"]["cpu"].is_null()
-                && !r["requests"]["memory"].is_null()
-                && !r["limits"]["memory"].is_null(),
-            format!(
-                "container {:?} lacks cpu/memory requests or a memory limit",
-                c["name"]
-            ),
-        );
-    }
-    found
+    found.0
 }
 
 #[test]
@@ -581,10 +311,19 @@ fn every_drift_is_caught() {
 /// built here, the socket by a test gpud's), succeed: the subcommands and flags exist.
 #[test]
 fn the_probe_commands_succeed_against_gpud() {
-    let manifest = Manifest::parse(&read(DAEMONSET)).unwrap();
-    let (config, _) = config_of(&manifest).unwrap();
-    let p = probes(&manifest.daemonset_pod().unwrap()["containers"][0]).unwrap();
     let d = Daemon::start("t4-pair", "");
+    for (file, config_map) in [
+        (DAEMONSET, "gpud-config"),
+        (DRA_DAEMONSET, "gpud-dra-config"),
+    ] {
+        let deployment = Deployment::parse(&read(file), &read(CONTAINERFILE), config_map).unwrap();
+        probe_commands_succeed(&deployment, &d);
+    }
+}
+
+fn probe_commands_succeed(deployment: &Deployment, d: &Daemon) {
+    let config = &deployment.config;
+    let p = probes(&deployment.pod()["containers"][0]).unwrap();
     for argv in p.gpuctl {
         let args: Vec<PathBuf> = argv[1..]
             .iter()
@@ -620,17 +359,18 @@ fn daemonset_run_prints_the_containers_command_env_and_mounts() {
         "{} is missing: run `cargo build --workspace`",
         bin.display()
     );
-    let out = std::process::Command::new(bin).output().unwrap();
+    let out = std::process::Command::new(&bin).output().unwrap();
     assert!(
         out.status.success(),
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
     let printed: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    let run = Manifest::parse(&read(DAEMONSET))
+    let run = Manifest::load(&repo_root().join(DAEMONSET))
         .unwrap()
         .daemonset_run()
         .unwrap();
+    assert_eq!(run.source, DAEMONSET);
     assert_eq!(printed, serde_json::to_value(&run).unwrap());
     let gpud = &printed["container"];
     assert_eq!(
@@ -646,6 +386,27 @@ fn daemonset_run_prints_the_containers_command_env_and_mounts() {
             .any(|b| b["host_path"] == "/run/gpud" && b["path"] == "/run/gpud"),
         "{gpud}"
     );
+    // The DRA driver's DaemonSet: its node name, outside Kubernetes, is this host's.
+    let out = std::process::Command::new(&bin)
+        .arg(repo_root().join(DRA_DAEMONSET))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let dra: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(dra["source"], DRA_DAEMONSET);
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap();
+    assert!(
+        dra["container"]["env"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|e| e["name"] == "NODE_NAME" && e["value"] == host.trim()),
+        "{dra}"
+    );
     // A construct it cannot translate is refused, not skipped.
     let dir = tempfile::tempdir().unwrap();
     let edited = dir.path().join("ds.yaml");
@@ -653,7 +414,7 @@ fn daemonset_run_prints_the_containers_command_env_and_mounts() {
         &edited,
         read(DAEMONSET).replacen(
             "value: info",
-            "valueFrom: {fieldRef: {fieldPath: spec.nodeName}}",
+            "valueFrom: {fieldRef: {fieldPath: metadata.namespace}}",
             1,
         ),
     )
