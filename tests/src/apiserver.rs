@@ -23,6 +23,8 @@ pub struct State {
     pub slices: HashMap<String, Value>,
     /// `(method, path)` of every write.
     pub writes: Vec<(String, String)>,
+    /// The body of every write, as the client sent it.
+    pub bodies: Vec<Value>,
 }
 
 /// The running server.
@@ -191,6 +193,7 @@ async fn handle(state: Arc<Mutex<State>>, req: Request<Incoming>) -> Response<Fu
             if st.slices.contains_key(&name) {
                 return reply(StatusCode::CONFLICT, &status(409, "AlreadyExists"));
             }
+            st.bodies.push(body.clone());
             let mut stored = body;
             stored["metadata"]["resourceVersion"] = json!("1");
             st.writes.push((method.to_string(), path));
@@ -206,6 +209,7 @@ async fn handle(state: Arc<Mutex<State>>, req: Request<Incoming>) -> Response<Fu
                 return reply(StatusCode::CONFLICT, &status(409, "Conflict"));
             }
             let next: u64 = version.as_str().unwrap_or("0").parse().unwrap_or(0) + 1;
+            st.bodies.push(body.clone());
             let mut stored = body;
             stored["metadata"]["resourceVersion"] = json!(next.to_string());
             let name = (*name).to_owned();

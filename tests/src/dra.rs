@@ -108,3 +108,39 @@ impl Kubelet {
             .collect()
     }
 }
+
+/// Checks `objects` (each with `apiVersion` and `kind`) against the Kubernetes API's
+/// schemas with `tests/kube-schema/validate.mjs` (the validators kubernetes-models
+/// generates from the Kubernetes OpenAPI document). `Ok` with its report when every object
+/// is valid, `Err` with it when one is not. Panics, saying what to install, when Node or
+/// the package is missing: the check never passes by not running.
+pub fn check_against_api_schema(objects: &[Value]) -> Result<String, String> {
+    use std::io::Write;
+    use std::process::{Command, Stdio};
+
+    let dir = crate::repo_root().join("tests/kube-schema");
+    assert!(
+        dir.join("node_modules/kubernetes-models").is_dir(),
+        "the Kubernetes schemas are not installed: run `npm install --prefix {}` (.ci/run does)",
+        dir.display()
+    );
+    let mut child = Command::new("node")
+        .arg(dir.join("validate.mjs"))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot run node (apt-get install nodejs): {e}"));
+    let input = serde_json::to_vec(objects).unwrap();
+    child.stdin.take().unwrap().write_all(&input).unwrap();
+    let out = child.wait_with_output().unwrap();
+    let report = String::from_utf8_lossy(&out.stdout).into_owned();
+    match out.status.code() {
+        Some(0) => Ok(report),
+        Some(1) => Err(report),
+        _ => panic!(
+            "validate.mjs failed: {}{report}",
+            String::from_utf8_lossy(&out.stderr)
+        ),
+    }
+}

@@ -9,8 +9,11 @@
 
 use std::path::Path;
 
+use gpud::dra::registration::Sockets;
 use gpud_tests::apiserver::ApiServer;
+use gpud_tests::deployment::{Deployment, Findings};
 use gpud_tests::dra::{Kubelet, claim, config, share};
+use gpud_tests::manifests::{CONTAINERFILE, DRA_DAEMONSET, Manifest};
 use gpud_tests::{Daemon, GIB, PATIENCE, wait_for};
 use serde_json::json;
 
@@ -42,7 +45,10 @@ fn the_node_s_gpus_are_published_as_a_slice_that_follows_the_api_server() {
     assert_eq!(devices[0]["allowMultipleAllocations"], true);
     let memory = &devices[0]["capacity"]["memory"];
     assert_eq!(memory["requestPolicy"]["validRange"]["step"], "1Mi");
-    assert!(devices[0]["attributes"]["uuid"]["string"].is_string());
+    let attributes = &devices[0]["attributes"];
+    assert!(attributes["uuid"]["string"].is_string());
+    assert_eq!(attributes["architecture"]["string"], "Turing");
+    assert_eq!(attributes["cudaComputeCapability"]["version"], "7.5.0");
     // The kubelet deletes a driver's slices when it starts: gpud publishes it again, with
     // the next generation.
     api.delete_slice(SLICE);
@@ -166,19 +172,6 @@ fn a_claim_over_what_gpud_promised_elsewhere_is_refused_never_overcommitted() {
     assert_eq!(d.active().len(), 1);
 }
 
-/// The attribute names gpud publishes on a device (`gpud::dra::slices`).
-const ATTRIBUTES: [&str; 9] = [
-    "uuid",
-    "index",
-    "productName",
-    "mig",
-    "migProfile",
-    "memoryEnforced",
-    "driverVersion",
-    "numaNode",
-    "pciBusID",
-];
-
 #[test]
 fn the_shipped_device_class_and_claims_parse_and_ask_for_what_gpud_publishes() {
     use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaimTemplate};
@@ -215,7 +208,7 @@ fn the_shipped_device_class_and_claims_parse_and_ask_for_what_gpud_publishes() {
                     .map(|rest| rest.split(|c: char| !c.is_alphanumeric()).next().unwrap());
                 for attribute in named {
                     assert!(
-                        ATTRIBUTES.contains(&attribute),
+                        gpud::dra::slices::ATTRIBUTES.contains(&attribute),
                         "{attribute} in {expression}"
                     );
                 }
@@ -224,18 +217,13 @@ fn the_shipped_device_class_and_claims_parse_and_ask_for_what_gpud_publishes() {
         for constraint in devices.constraints.unwrap_or_default() {
             if let Some(attribute) = constraint.match_attribute {
                 let name = attribute.strip_prefix("gpu.gpud.io/").unwrap();
-                assert!(ATTRIBUTES.contains(&name), "{attribute}");
+                assert!(gpud::dra::slices::ATTRIBUTES.contains(&name), "{attribute}");
             }
         }
     }
     assert_eq!(
         names,
-        [
-            "gpu-4gi",
-            "two-gpus-one-numa-node",
-            "a100-20gi",
-            "mig-1g-10gb"
-        ]
+        ["gpu-4gi", "two-nvlinked-gpus", "a100-20gi", "mig-1g-10gb"]
     );
 }
 
@@ -320,4 +308,263 @@ fn kubectl_gpud_shows_each_gpu_s_claims_and_what_is_left() {
     let table = run(&[]);
     assert!(table.contains("ml/serve: 4 GiB"), "{table}");
     assert!(table.starts_with("NODE"), "{table}");
+}
+
+const RBAC: &str = "systemd/kubernetes/dra/rbac.yaml";
+
+fn read(path: &str) -> String {
+    std::fs::read_to_string(gpud_tests::repo_root().join(path)).unwrap()
+}
+
+/// Every way the DRA DaemonSet, the RBAC manifest, the Containerfile and gpud disagree
+/// (empty: they agree).
+fn dra_daemonset_problems(manifest: &str, rbac: &str, containerfile: &str) -> Vec<String> {
+    let d = match Deployment::parse(manifest, containerfile, "gpud-dra-config") {
+        Ok(d) => d,
+        Err(e) => return vec![e],
+    };
+    let config = &d.config;
+    let mut found = Findings::default();
+    found.check(config.dra.enabled, "[dra] enabled is not true");
+    found.check(
+        config.cdi.enabled,
+        "[cdi] enabled is not true: a claim reaches its container through CDI",
+    );
+    found.check(
+        config.dra.node_name.is_none(),
+        "[dra] node_name is set: every node would publish the same pool",
+    );
+    found.check(
+        config.dra.kubeconfig.is_none(),
+        "[dra] kubeconfig is set: the pod's service account is what rbac.yaml grants",
+    );
+    let sockets = Sockets::under(&config.dra.kubelet_dir);
+    d.common_problems(&sockets.endpoint, &mut found);
+
+    // The kubelet's directories, the CDI specs, gpud's socket (the hook connects to it from
+    // the host) and its state: each the host's own, all written by gpud.
+    let plugins = sockets.endpoint.parent().and_then(Path::parent).unwrap();
+    let registry = sockets.registration.parent().unwrap();
+    let socket_dir = config.socket.parent().unwrap();
+    let dirs = [
+        plugins,
+        registry,
+        &config.cdi.spec_dir,
+        socket_dir,
+        &config.state_dir,
+    ];
+    d.host_dir_problems(&dirs, &dirs, &mut found);
+    // The hook the CDI specs name is a file on the host.
+    d.installer_problems(&config.cdi.hook, &mut found);
+
+    let pod = d.pod();
+    let node_name = pod["containers"][0]["env"]
+        .as_sequence()
+        .into_iter()
+        .flatten()
+        .find(|e| e["name"] == "NODE_NAME");
+    found.check(
+        node_name.is_some_and(|e| e["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"),
+        "NODE_NAME is not set from spec.nodeName",
+    );
+
+    // The pod runs as the service account rbac.yaml makes and binds.
+    let rbac = match Manifest::parse(rbac) {
+        Ok(m) => m,
+        Err(e) => return vec![e],
+    };
+    let account = pod["serviceAccountName"].as_str().unwrap_or_default();
+    let namespace = d
+        .manifest
+        .find("DaemonSet", None)
+        .map(|ds| ds["metadata"]["namespace"].clone())
+        .unwrap_or_default();
+    found.check(
+        rbac.find("ServiceAccount", Some(account))
+            .is_ok_and(|sa| sa["metadata"]["namespace"] == namespace),
+        format!("rbac.yaml makes no service account {account:?} in {namespace:?}"),
+    );
+    found.check(
+        rbac.find("ClusterRoleBinding", None).is_ok_and(|binding| {
+            binding["subjects"]
+                .as_sequence()
+                .into_iter()
+                .flatten()
+                .any(|s| {
+                    s["kind"] == "ServiceAccount"
+                        && s["name"] == account
+                        && s["namespace"] == namespace
+                })
+        }),
+        format!("rbac.yaml binds no rights to the service account {account:?}"),
+    );
+    found.0
+}
+
+#[test]
+fn the_dra_daemonset_its_config_and_rbac_agree_with_gpud() {
+    let found = dra_daemonset_problems(&read(DRA_DAEMONSET), &read(RBAC), &read(CONTAINERFILE));
+    assert!(found.is_empty(), "{}", found.join("\n"));
+}
+
+#[test]
+fn every_drift_of_the_dra_daemonset_is_caught() {
+    let (manifest, rbac, containerfile) = (read(DRA_DAEMONSET), read(RBAC), read(CONTAINERFILE));
+    // (file, text, replacement, what it breaks)
+    let edits = [
+        (
+            "m",
+            "[dra]\n    enabled = true",
+            "[dra]\n    enabled = false",
+            "DRA off",
+        ),
+        (
+            "m",
+            "[cdi]\n    enabled = true",
+            "[cdi]\n    enabled = false",
+            "CDI off",
+        ),
+        (
+            "m",
+            "resync_interval = \"10s\"",
+            "resync_interval = \"10s\"\n    node_name = \"node-1\"",
+            "one node name for all",
+        ),
+        (
+            "m",
+            "hook = \"/var/lib/gpud/bin/gpuctl\"",
+            "hook = \"/usr/bin/gpuctl\"",
+            "hook inside the image",
+        ),
+        (
+            "m",
+            "spec_dir = \"/var/run/cdi\"",
+            "spec_dir = \"/etc/cdi\"",
+            "CDI dir not mounted",
+        ),
+        (
+            "m",
+            "path: /var/lib/kubelet/plugins_registry\n",
+            "path: /var/lib/kubelet/plugins-registry\n",
+            "registry host path",
+        ),
+        (
+            "m",
+            "mountPath: /var/lib/kubelet/plugins\n",
+            "mountPath: /var/lib/kubelet/plugin\n",
+            "plugins mount",
+        ),
+        (
+            "m",
+            "kubelet_dir = \"/var/lib/kubelet\"",
+            "kubelet_dir = \"/var/lib/k8s/kubelet\"",
+            "kubelet dir",
+        ),
+        (
+            "m",
+            "fieldPath: spec.nodeName",
+            "fieldPath: metadata.name",
+            "node name",
+        ),
+        (
+            "m",
+            "plugins/gpu.gpud.io/dra.sock",
+            "plugins/gpu.gpud.io/plugin.sock",
+            "readiness socket",
+        ),
+        (
+            "m",
+            "serviceAccountName: gpud",
+            "serviceAccountName: default",
+            "service account",
+        ),
+        ("m", "hostPID: true", "hostPID: false", "hostPID"),
+        ("m", "image: gpud:0.1.0", "image: gpud:0.0.9", "image tag"),
+        (
+            "r",
+            "  name: gpud\n  namespace: kube-system",
+            "  name: gpud\n  namespace: gpud",
+            "service account namespace",
+        ),
+    ];
+    for (file, from, to, what) in edits {
+        let (mut m, mut r) = (manifest.clone(), rbac.clone());
+        let text = if file == "m" { &mut m } else { &mut r };
+        assert!(
+            text.contains(from),
+            "{what}: {from:?} is not in the file any more"
+        );
+        *text = text.replacen(from, to, 1);
+        assert!(
+            !dra_daemonset_problems(&m, &r, &containerfile).is_empty(),
+            "{what}: replacing {from:?} by {to:?} went unnoticed"
+        );
+    }
+}
+
+/// Every document of a shipped manifest, as JSON.
+fn documents(path: &str) -> Vec<serde_json::Value> {
+    use serde::Deserialize;
+    serde_yaml::Deserializer::from_str(&read(path))
+        .map(|doc| serde_json::Value::deserialize(doc).unwrap())
+        .collect()
+}
+
+#[test]
+fn every_object_gpud_writes_or_ships_fits_the_kubernetes_api_s_schema() {
+    // A MIG instance beside a whole GPU, NVLink, a claim prepared: every attribute and
+    // capacity gpud publishes.
+    let api = ApiServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let config = format!(
+        "[cdi]\nenabled = true\nspec_dir = \"{}/cdi\"\n{}",
+        dir.path().display(),
+        config(&api, dir.path())
+    );
+    let d = Daemon::start("a100-mig", &config);
+    wait_for(PATIENCE, || api.slice(SLICE)).expect("the slice was never published");
+    d.lease("6GiB");
+    wait_for(PATIENCE, || {
+        (api.state.lock().unwrap().bodies.len() >= 2).then_some(())
+    })
+    .expect("the slice did not follow the local reservation");
+    let written = api.state.lock().unwrap().bodies.clone();
+    let devices = written[0]["spec"]["devices"].as_array().unwrap();
+    let attribute = |name: &str| devices.iter().find_map(|d| d["attributes"].get(name));
+    let profiles: Vec<&serde_json::Value> = devices
+        .iter()
+        .filter_map(|d| d["attributes"].get("migProfile"))
+        .map(|a| &a["string"])
+        .collect();
+    assert!(profiles.contains(&&json!("1g.10gb")), "{profiles:?}");
+    assert!(attribute("nvlinkDomain").is_some(), "{devices:?}");
+    assert!(attribute("cudaComputeCapability").is_some(), "{devices:?}");
+
+    let mut objects = written;
+    for file in [
+        DRA_DAEMONSET,
+        gpud_tests::manifests::DAEMONSET,
+        RBAC,
+        "systemd/kubernetes/dra/deviceclass.yaml",
+        "systemd/kubernetes/dra/claims.yaml",
+    ] {
+        objects.extend(documents(file));
+    }
+    let report =
+        gpud_tests::dra::check_against_api_schema(&objects).unwrap_or_else(|r| panic!("{r}"));
+    assert_eq!(report.lines().count(), objects.len(), "{report}");
+
+    // The check can fail: a slice with a capacity that is no quantity, and a device without
+    // its name, are refused.
+    let mut broken = objects[0].clone();
+    broken["spec"]["devices"][0]["capacity"]["memory"]["value"] = json!("16 GiB");
+    let mut nameless = objects[0].clone();
+    nameless["spec"]["devices"][0]
+        .as_object_mut()
+        .unwrap()
+        .remove("name");
+    for object in [broken, nameless] {
+        let refused = gpud_tests::dra::check_against_api_schema(&[object]).unwrap_err();
+        assert!(refused.starts_with("invalid ResourceSlice"), "{refused}");
+    }
 }
