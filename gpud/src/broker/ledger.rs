@@ -48,13 +48,15 @@ mod quota;
 mod rate;
 mod serve;
 
-use active::ActiveSet;
+pub use active::Reservations;
 pub(super) use effects::{Effects, Served};
 pub use exact::{AllocateRequest, ExactRequest};
 use leases::Leases;
 use limits::LimitBook;
 pub(super) use limits::pairs;
 use machine::Machine;
+use place::PlacementMemo;
+pub(super) use plan::PLANNED_AHEAD;
 use plan::{Gate, PastHolds};
 use quota::{Counted, QuotaBook};
 use rate::ChangeRate;
@@ -87,7 +89,7 @@ pub struct Ledger {
     /// The GPUs, their units and what each holds.
     machine: Machine,
     /// The active reservations.
-    active: ActiveSet,
+    active: Reservations,
     /// Which active reservations limit which cgroup.
     limits: LimitBook,
     /// What each uid and group holds, for `[[quotas]]`.
@@ -104,6 +106,8 @@ pub struct Ledger {
     shutting_down: bool,
     /// What must happen once the commands run so far are committed.
     effects: Effects,
+    /// Placements made during a pass over the queue ([`Ledger::remembering`]).
+    memo: Option<PlacementMemo>,
 }
 
 impl std::fmt::Debug for Ledger {
@@ -120,7 +124,7 @@ impl Ledger {
     pub fn new(inventory: &GpuInventory, settings: BrokerSettings) -> Ledger {
         Ledger {
             machine: Machine::new(inventory),
-            active: ActiveSet::default(),
+            active: Reservations::default(),
             limits: LimitBook::default(),
             quotas: QuotaBook::default(),
             leases: Leases::default(),
@@ -128,6 +132,7 @@ impl Ledger {
             queue: WaitQueue::default(),
             holds: PastHolds::default(),
             settings: Arc::new(settings),
+            memo: None,
             shutting_down: false,
             effects: Effects::default(),
         }
@@ -261,7 +266,7 @@ impl Ledger {
             loads: machine.loads().to_vec(),
             used: machine.used().to_vec(),
             processes: machine.processes().clone(),
-            reservations: self.active.published(),
+            reservations: self.active.clone(),
             waiters: Arc::new(self.queue.listing()),
             settings: self.settings.clone(),
             groups_committed: counters.0,
@@ -813,7 +818,8 @@ impl Ledger {
     /// policy may let queued requests through.
     pub fn set_settings(&mut self, txn: &mut Txn<'_>, settings: BrokerSettings, now: Millis) {
         self.settings = Arc::new(settings);
-        self.quotas.recount(&self.settings, self.active.iter());
+        self.quotas
+            .recount(&self.settings, self.active.iter().map(|r| &**r));
         self.serve_waiters(txn, now);
     }
 

@@ -57,7 +57,7 @@ mod queue;
 
 pub use command::{Command, Pending, WaitTicket};
 pub use error::{BrokerError, QuotaExceeded, QuotaLimit, QuotaOwner};
-pub use ledger::{Admitted, AllocateRequest, ExactRequest, Ledger, MAX_TTL_SECONDS};
+pub use ledger::{Admitted, AllocateRequest, ExactRequest, Ledger, MAX_TTL_SECONDS, Reservations};
 
 /// A new random reservation id (the API chooses one for a request whose cgroup is named
 /// after it).
@@ -251,8 +251,9 @@ pub struct Snapshot {
     pub used: Vec<u64>,
     /// The processes on the GPUs, as the last audit pass attributed them.
     pub processes: Arc<Vec<GpuProcessRow>>,
-    /// Active reservations, oldest first.
-    pub reservations: Arc<Vec<Arc<Reservation>>>,
+    /// Active reservations, oldest first; shared with the ledger's own (a persistent map),
+    /// so that publishing costs the same whatever their number.
+    pub reservations: Reservations,
     /// Queued requests, in the order they are tried.
     pub waiters: Arc<Vec<WaitingRequest>>,
     /// The settings in force.
@@ -276,10 +277,7 @@ impl Snapshot {
 
     /// The active reservation `id`, if it is one.
     pub fn reservation(&self, id: &str) -> Option<&Reservation> {
-        self.reservations
-            .iter()
-            .find(|r| r.id == id)
-            .map(AsRef::as_ref)
+        self.reservations.get(id).map(AsRef::as_ref)
     }
 
     /// What the audit needs: GPUs with health, units, and every active reservation's holder

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, mpsc};
 use std::time::Duration;
 
-use super::ledger::{Admitted, Ledger};
+use super::ledger::{Admitted, Ledger, PLANNED_AHEAD};
 use super::*;
 use crate::config::{QueuePolicy, Quota};
 use crate::model::Holder;
@@ -1028,7 +1028,10 @@ fn a_failed_commit_fails_every_command_that_saw_a_change_and_keeps_nothing() {
     }
     let snap = b.snapshot();
     assert_eq!(snap.active(), 1, "memory was reloaded from the database");
-    assert_eq!(snap.reservations[0].expires_at, kept.expires_at);
+    assert_eq!(
+        snap.reservations.iter().next().unwrap().expires_at,
+        kept.expires_at
+    );
     assert_eq!(
         snap.loads[0].reserved_bytes + snap.loads[1].reserved_bytes,
         GIB
@@ -1482,4 +1485,36 @@ fn a_users_past_holds_without_a_lease_are_remembered_across_a_restart() {
     );
     // Without the history it would be `assumed_hold`, an hour: 6_600_000.
     assert_eq!(expected(&mut rules, 3_000_000)[0].1, Some(3_900_000));
+}
+
+#[test]
+fn only_the_first_hundred_waiters_get_a_planned_start_and_the_rest_are_told_why() {
+    let mut rules = Rules::plain(1);
+    rules.reserved(ALICE, lease(MemoryAsk::Exclusive, 600), 0);
+    let root = Caller {
+        uid: 0,
+        gid: 0,
+        pid: None,
+    };
+    let answers: Vec<_> = (0..PLANNED_AHEAD + 2)
+        .map(|_| {
+            let request = waiting(gib(1), 60, Duration::from_secs(3600));
+            queued(&mut rules, root, request, 1_000)
+        })
+        .collect();
+    let listing = expected(&mut rules, 1_000);
+    assert_eq!(listing.len(), answers.len());
+    let (planned, beyond) = listing.split_at(PLANNED_AHEAD);
+    assert!(
+        planned.iter().all(|(_, start, _)| start.is_some()),
+        "{planned:?}"
+    );
+    assert_eq!(planned[0].1, Some(600_000), "when Alice's lease ends");
+    for (_, start, plan) in beyond {
+        assert_eq!(*start, None);
+        assert!(
+            plan.starts_with("no start is planned this far back in the queue"),
+            "{plan}"
+        );
+    }
 }

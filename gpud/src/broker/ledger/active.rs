@@ -1,20 +1,22 @@
-//! The active reservations by id, and the sorted list last published to readers, made
-//! again only after a change. Only the ledger calls it.
+//! The active reservations, in persistent maps: a change makes new versions of the few
+//! tree nodes it touches and shares the rest, so that handing the set to readers (every
+//! snapshot holds one) costs the same with ten reservations as with ten thousand, and a
+//! change costs O(log n), not a rebuilt list. The ledger changes it; readers get clones.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
-use crate::model::Reservation;
+use crate::model::{Millis, Reservation};
 
-/// The active reservations.
-#[derive(Debug, Default)]
-pub(in crate::broker) struct ActiveSet {
-    by_id: HashMap<String, Arc<Reservation>>,
-    /// Every reservation, oldest first, as last published; `None` once one changed.
-    published: Option<Arc<Vec<Arc<Reservation>>>>,
+/// The active reservations: oldest first, and by id.
+#[derive(Debug, Clone, Default)]
+pub struct Reservations {
+    /// By (creation time, id): the order readers list them in.
+    by_age: imbl::OrdMap<(Millis, String), Arc<Reservation>>,
+    /// By id.
+    by_id: imbl::HashMap<String, Arc<Reservation>>,
 }
 
-impl ActiveSet {
+impl Reservations {
     /// Active reservation `id`.
     pub fn get(&self, id: &str) -> Option<&Arc<Reservation>> {
         self.by_id.get(id)
@@ -30,43 +32,36 @@ impl ActiveSet {
         self.by_id.len()
     }
 
-    /// Every active reservation, in no order.
-    pub fn iter(&self) -> impl Iterator<Item = &Reservation> {
-        self.by_id.values().map(|r| &**r)
+    /// Whether none is.
+    pub fn is_empty(&self) -> bool {
+        self.by_id.is_empty()
+    }
+
+    /// Every active reservation, oldest first (ties by id).
+    pub fn iter(&self) -> impl Iterator<Item = &Arc<Reservation>> {
+        self.by_age.values()
     }
 
     /// Puts `r` in place of the active reservation of its id, or adds it.
-    pub fn put(&mut self, r: Reservation) {
-        self.published = None;
-        self.by_id.insert(r.id.clone(), Arc::new(r));
+    pub(in crate::broker) fn put(&mut self, r: Reservation) {
+        let r = Arc::new(r);
+        if let Some(old) = self.by_id.insert(r.id.clone(), r.clone()) {
+            self.by_age.remove(&(old.created_at, old.id.clone()));
+        }
+        self.by_age.insert((r.created_at, r.id.clone()), r);
     }
 
     /// Takes `id` out (it ended).
-    pub fn remove(&mut self, id: &str) -> Option<Arc<Reservation>> {
-        let removed = self.by_id.remove(id);
-        if removed.is_some() {
-            self.published = None;
-        }
-        removed
+    pub(in crate::broker) fn remove(&mut self, id: &str) -> Option<Arc<Reservation>> {
+        let removed = self.by_id.remove(id)?;
+        self.by_age
+            .remove(&(removed.created_at, removed.id.clone()));
+        Some(removed)
     }
 
     /// Forgets every reservation.
-    pub fn clear(&mut self) {
-        self.published = None;
-        self.by_id.clear();
-    }
-
-    /// Every active reservation, oldest first (ties by id): shared with the last call's
-    /// answer while nothing changed.
-    pub fn published(&mut self) -> Arc<Vec<Arc<Reservation>>> {
-        let by_id = &self.by_id;
-        self.published
-            .get_or_insert_with(|| {
-                let mut all: Vec<Arc<Reservation>> = by_id.values().cloned().collect();
-                all.sort_by(|a, b| (a.created_at, &a.id).cmp(&(b.created_at, &b.id)));
-                Arc::new(all)
-            })
-            .clone()
+    pub(in crate::broker) fn clear(&mut self) {
+        *self = Reservations::default();
     }
 }
 
@@ -80,26 +75,46 @@ mod tests {
         r
     }
 
+    fn ids(set: &Reservations) -> Vec<&str> {
+        set.iter().map(|r| r.id.as_str()).collect()
+    }
+
     #[test]
-    fn the_published_list_is_oldest_first_and_made_again_only_after_a_change() {
-        let mut set = ActiveSet::default();
+    fn reservations_are_listed_oldest_first_and_found_by_id() {
+        let mut set = Reservations::default();
         set.put(made_at("b", 2));
         set.put(made_at("a", 2));
         set.put(made_at("c", 1));
-        let first = set.published();
-        let ids: Vec<&str> = first.iter().map(|r| r.id.as_str()).collect();
-        assert_eq!(ids, ["c", "a", "b"]);
-        assert!(Arc::ptr_eq(&first, &set.published()));
-        // Removing what is not there changes nothing.
+        assert_eq!(ids(&set), ["c", "a", "b"]);
+        assert_eq!(set.get("a").map(|r| r.created_at), Some(2));
+        // Put again (renewed): in place, not twice.
+        let mut renewed = made_at("c", 1);
+        renewed.ttl_seconds = Some(60);
+        set.put(renewed);
+        assert_eq!(ids(&set), ["c", "a", "b"]);
+        assert_eq!(set.get("c").and_then(|r| r.ttl_seconds), Some(60));
         assert!(set.remove("nope").is_none());
-        assert!(Arc::ptr_eq(&first, &set.published()));
         assert!(set.remove("a").is_some());
-        let second = set.published();
-        assert!(!Arc::ptr_eq(&first, &second));
-        assert_eq!(second.len(), 2);
+        assert_eq!(ids(&set), ["c", "b"]);
         assert_eq!(set.len(), 2);
+        assert!(!set.contains("a"));
         set.clear();
-        assert!(set.published().is_empty());
-        assert!(!set.contains("b"));
+        assert!(set.is_empty());
+    }
+
+    #[test]
+    fn a_copy_handed_to_readers_does_not_see_later_changes() {
+        let mut set = Reservations::default();
+        for i in 0..100 {
+            set.put(made_at(&format!("r{i:03}"), i));
+        }
+        let published = set.clone();
+        set.remove("r000");
+        set.put(made_at("r100", 100));
+        assert_eq!(published.len(), 100);
+        assert!(published.contains("r000") && !published.contains("r100"));
+        assert_eq!(ids(&published).first(), Some(&"r000"));
+        assert_eq!(set.len(), 100);
+        assert_eq!(ids(&set).first(), Some(&"r001"));
     }
 }

@@ -44,6 +44,10 @@ use crate::config::QueuePolicy;
 use crate::model::{Millis, Reservation, ReservedUnit};
 use crate::placement::UnitLoad;
 
+/// How many waiters, from the first, the listing gives a planned start: the projection
+/// places each of them at every change, so the queue's length must not set its cost.
+pub(in crate::broker) const PLANNED_AHEAD: usize = 100;
+
 /// Moving average weight of the newest hold, in quarters: new = (3·old + hold) / 4.
 const NEWEST_HOLD_QUARTERS: u64 = 1;
 
@@ -259,8 +263,10 @@ impl Ledger {
     }
 
     /// Projects the queue forward from `now` through the expected ends: each waiter whose
-    /// quotas allow it now, in order, from the first; all of them, or only the first.
-    pub(in crate::broker) fn project(&mut self, now: Millis, all: bool) -> Vec<Expected> {
+    /// quotas allow it now, in order, from the first; the first `planned` of them get a
+    /// start, those behind them are told that none is planned that far back (a change then
+    /// costs placements for at most `planned` waiters, however long the queue).
+    pub(in crate::broker) fn project(&mut self, now: Millis, planned: usize) -> Vec<Expected> {
         let Some(first) = self.first_waiter() else {
             return Vec::new();
         };
@@ -268,7 +274,7 @@ impl Ledger {
         let mut heap = BinaryHeap::new();
         // In a fixed order, so that ends at the same moment are told the same way every time.
         // (The published list is in that order.)
-        let active = self.active.published();
+        let active = self.active.clone();
         for r in active.iter() {
             heap.push(Reverse(Ending {
                 at: self.expected_end(r, now),
@@ -295,6 +301,18 @@ impl Ledger {
                     .check_quota_of_request(&caller, &request, Counted::Held)
                     .is_err()
             {
+                continue;
+            }
+            if out.len() >= planned {
+                out.push(Expected {
+                    ticket,
+                    start: Err(format!(
+                        "no start is planned this far back in the queue (only the first \
+                         {planned} waiters get one); it waits behind them"
+                    )),
+                    units: Vec::new(),
+                    before: Vec::new(),
+                });
                 continue;
             }
             let placed = loop {
@@ -362,7 +380,7 @@ impl Ledger {
                     before: Vec::new(),
                 }),
             }
-            if !all {
+            if planned == 1 {
                 break;
             }
         }
@@ -372,7 +390,7 @@ impl Ledger {
     /// What the queue lets a request that is not its first waiter do now.
     pub(in crate::broker) fn gate(&mut self, now: Millis) -> Gate {
         let first = match self.settings.config.wait.policy {
-            QueuePolicy::Planned => self.project(now, false).into_iter().next(),
+            QueuePolicy::Planned => self.project(now, 1).into_iter().next(),
             QueuePolicy::Guard => None,
             QueuePolicy::PackingBound => return Gate::Open,
         };
@@ -422,7 +440,7 @@ impl Ledger {
                 }
                 Gate::Planned {
                     ticket: first.ticket,
-                    request: Box::new(waiter.request.clone()),
+                    request: Box::new((*waiter.request).clone()),
                     start,
                     units,
                     at_start: first.before,
