@@ -105,7 +105,7 @@ pub struct PlacementRequest {
 }
 
 /// What is already taken on one unit.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
 pub struct UnitLoad {
     /// Sum of the memory reserved on this unit by active reservations.
     pub reserved_bytes: u64,

@@ -3,7 +3,8 @@
 //! Order and give-up times live here; trying the queue against free capacity, and the
 //! starvation guard, are the ledger's ([`super::Ledger`]), which owns capacity and quotas.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeSet, VecDeque};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::oneshot;
@@ -16,7 +17,7 @@ use crate::model::{Millis, Reservation};
 pub(super) struct Waiter {
     pub ticket: u64,
     pub caller: Caller,
-    pub request: ReserveRequest,
+    pub request: Arc<ReserveRequest>,
     pub holder: Option<PinnedProcess>,
     pub since: Millis,
     pub gives_up_at: Millis,
@@ -51,10 +52,14 @@ impl Waiter {
     }
 }
 
-/// The queue, oldest first.
+/// The queue, oldest first. Tickets grow in the order requests came, so the queue is
+/// sorted by ticket and a ticket is found by binary search; give-up times are kept sorted
+/// beside it. Nothing here walks the whole queue unless asked for all of it.
 #[derive(Debug, Default)]
 pub(super) struct WaitQueue {
     waiters: VecDeque<Waiter>,
+    /// (gives_up_at, ticket) of every waiter.
+    give_ups: BTreeSet<(Millis, u64)>,
     next_ticket: u64,
 }
 
@@ -100,12 +105,16 @@ impl WaitQueue {
 
     /// The position of `ticket` in the queue.
     pub fn position(&self, ticket: u64) -> Option<usize> {
-        self.waiters.iter().position(|w| w.ticket == ticket)
+        self.waiters
+            .binary_search_by_key(&ticket, |w| w.ticket)
+            .ok()
     }
 
     /// Takes the waiter at `i` out.
     pub fn remove(&mut self, i: usize) -> Option<Waiter> {
-        self.waiters.remove(i)
+        let w = self.waiters.remove(i)?;
+        self.give_ups.remove(&(w.gives_up_at, w.ticket));
+        Some(w)
     }
 
     /// Drops the waiters whose client went away, or whose holder exited (telling them).
@@ -118,7 +127,7 @@ impl WaitQueue {
                 i += 1;
                 continue;
             }
-            if let Some(w) = self.waiters.remove(i)
+            if let Some(w) = self.remove(i)
                 && exited
             {
                 let pid = w.holder.as_ref().map_or(0, |h| h.holder.pid);
@@ -142,16 +151,18 @@ impl WaitQueue {
         self.next_ticket += 1;
         let ticket = self.next_ticket;
         let wait = request.wait.unwrap_or_default();
+        let gives_up_at = now.saturating_add(millis(wait));
+        self.give_ups.insert((gives_up_at, ticket));
         self.waiters.push_back(Waiter {
             ticket,
             caller,
             holder,
             since: now,
-            gives_up_at: now.saturating_add(millis(wait)),
+            gives_up_at,
             why,
             expected: None,
             promised: None,
-            request,
+            request: Arc::new(request),
             reply,
         });
         (ticket, rx)
@@ -159,13 +170,7 @@ impl WaitQueue {
 
     /// Withdraws `ticket`; `false` when it is no longer queued.
     pub fn withdraw(&mut self, ticket: u64) -> bool {
-        match self.waiters.iter().position(|w| w.ticket == ticket) {
-            Some(i) => {
-                self.waiters.remove(i);
-                true
-            }
-            None => false,
-        }
+        self.position(ticket).and_then(|i| self.remove(i)).is_some()
     }
 
     /// How many requests of `uid` wait (those whose client is still there).
@@ -185,27 +190,25 @@ impl WaitQueue {
 
     /// When the next request gives up.
     pub fn next_give_up(&self) -> Option<Millis> {
-        self.waiters.iter().map(|w| w.gives_up_at).min()
+        self.give_ups.first().map(|&(at, _)| at)
     }
 
-    /// Takes out every request that gives up by `now`.
+    /// Takes out every request that gives up by `now`, oldest first.
     pub fn take_timed_out(&mut self, now: Millis) -> Vec<Waiter> {
-        let mut out = Vec::new();
-        let mut i = 0;
-        while i < self.waiters.len() {
-            if self.waiters[i].gives_up_at <= now
-                && let Some(w) = self.waiters.remove(i)
-            {
-                out.push(w);
-                continue;
-            }
-            i += 1;
-        }
-        out
+        let mut due: Vec<u64> = self
+            .give_ups
+            .range(..=(now, u64::MAX))
+            .map(|&(_, ticket)| ticket)
+            .collect();
+        due.sort_unstable();
+        due.into_iter()
+            .filter_map(|ticket| self.position(ticket).and_then(|i| self.remove(i)))
+            .collect()
     }
 
     /// Fails every request with `error`.
     pub fn fail_all(&mut self, error: &BrokerError) {
+        self.give_ups.clear();
         for w in self.waiters.drain(..) {
             let _ = w.reply.send(Err(error.clone()));
         }
@@ -235,5 +238,56 @@ impl WaitQueue {
                 }),
             })
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::MemoryAsk;
+
+    fn push(queue: &mut WaitQueue, now: Millis, wait_ms: u64) -> u64 {
+        let request = ReserveRequest {
+            wait: Some(Duration::from_millis(wait_ms)),
+            ..ReserveRequest::lease(MemoryAsk::Bytes(1), 60)
+        };
+        let caller = Caller {
+            uid: 1000,
+            gid: 1000,
+            pid: None,
+        };
+        queue.push(caller, request, None, now, "full".to_owned()).0
+    }
+
+    fn tickets(queue: &WaitQueue) -> Vec<u64> {
+        queue.iter().map(|w| w.ticket).collect()
+    }
+
+    #[test]
+    fn tickets_are_found_and_give_ups_come_in_time_order_whatever_leaves() {
+        let mut queue = WaitQueue::default();
+        let a = push(&mut queue, 0, 500);
+        let b = push(&mut queue, 0, 100);
+        let c = push(&mut queue, 10, 300);
+        let d = push(&mut queue, 20, 100);
+        assert_eq!(queue.next_give_up(), Some(100));
+        assert_eq!(queue.position(c), Some(2));
+        assert!(queue.withdraw(b));
+        assert!(!queue.withdraw(b), "withdrawn once");
+        assert_eq!(queue.position(c), Some(1));
+        assert_eq!(queue.position(b), None);
+        assert_eq!(queue.next_give_up(), Some(120), "b's give-up went with it");
+        // Due at 310: d (120) and c (310), in queue order; a stays.
+        let out: Vec<u64> = queue.take_timed_out(310).iter().map(|w| w.ticket).collect();
+        assert_eq!(out, [c, d]);
+        assert_eq!(tickets(&queue), [a]);
+        assert_eq!(queue.next_give_up(), Some(500));
+        let e = push(&mut queue, 400, 50);
+        assert_eq!(queue.next_give_up(), Some(450));
+        assert_eq!(queue.remove(0).map(|w| w.ticket), Some(a));
+        assert_eq!(tickets(&queue), [e]);
+        queue.fail_all(&BrokerError::Internal("stopping"));
+        assert!(queue.is_empty());
+        assert_eq!(queue.next_give_up(), None);
     }
 }

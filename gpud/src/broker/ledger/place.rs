@@ -2,11 +2,31 @@
 //! with units held back for a waiter out of reach, then its owner's quotas. Part of the
 //! ledger; it changes nothing.
 
+use std::collections::HashMap;
+
 use super::Ledger;
 use crate::broker::{BrokerError, Caller, ReserveRequest};
 use crate::holder::PinnedProcess;
-use crate::model::{MemoryAsk, Reservation, ReservedUnit, Unit};
+use crate::model::{MemoryAsk, Policy, Reservation, ReservedUnit, Unit};
 use crate::placement::{self, PlacementError, PlacementRequest, PlacementState, UnitLoad};
+
+/// What placement decides a request's units by: its shape, and the loads it is placed on.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct PlaceKey {
+    gpus: u32,
+    memory: MemoryAsk,
+    policy: Option<Policy>,
+    devices: Vec<String>,
+    loads: Vec<UnitLoad>,
+}
+
+/// Placements already made, by what decides them. A pass over the queue asks placement
+/// the same question for every waiter of the same shape, and the loads change only when
+/// one is served: the others get the answer from here. Kept only during such a pass.
+#[derive(Debug, Default)]
+pub(super) struct PlacementMemo {
+    answers: HashMap<PlaceKey, Result<Vec<(usize, u64)>, BrokerError>>,
+}
 
 impl Ledger {
     /// Whether active reservation `r` is what `request` from `caller` would make: same
@@ -104,6 +124,15 @@ impl Ledger {
             .collect()
     }
 
+    /// Runs `pass` (a pass over the queue) with placements remembered: waiters of the same
+    /// shape on the same loads are placed once.
+    pub(super) fn remembering<T>(&mut self, pass: impl FnOnce(&mut Ledger) -> T) -> T {
+        self.memo = Some(PlacementMemo::default());
+        let out = pass(self);
+        self.memo = None;
+        out
+    }
+
     /// The units `request` of `caller` would get now, with their sizes, or why none: placement
     /// (the units `held` back for a waiter out of reach), then quotas. Changes nothing.
     pub(super) fn choose(
@@ -112,6 +141,7 @@ impl Ledger {
         request: &ReserveRequest,
         held: Option<&[bool]>,
     ) -> Result<(Vec<ReservedUnit>, Vec<u64>), BrokerError> {
+        let memo = self.memo.take();
         // Units held back for a waiter are out of reach, as if unhealthy.
         let masked: Vec<UnitLoad>;
         let loads = match held {
@@ -129,9 +159,31 @@ impl Ledger {
             }
             None => self.loads(),
         };
+        let (placed, memo) = match memo {
+            None => (self.place_on(request, loads), None),
+            Some(mut memo) => {
+                let key = PlaceKey {
+                    gpus: request.gpus,
+                    memory: request.memory,
+                    policy: request.policy,
+                    devices: request.devices.clone(),
+                    loads: loads.to_vec(),
+                };
+                let placed = match memo.answers.get(&key) {
+                    Some(answer) => answer.clone(),
+                    None => {
+                        let answer = self.place_on(request, loads);
+                        memo.answers.insert(key, answer.clone());
+                        answer
+                    }
+                };
+                (placed, Some(memo))
+            }
+        };
+        self.memo = memo;
         let mut units: Vec<ReservedUnit> = Vec::new();
         let mut totals = Vec::new();
-        for (p, memory_bytes) in self.place_on(request, loads)? {
+        for (p, memory_bytes) in placed? {
             let unit = &self.units()[p];
             units.push(ReservedUnit {
                 uuid: unit.uuid.clone(),

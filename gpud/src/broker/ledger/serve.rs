@@ -3,6 +3,8 @@
 //! Part of the ledger: it changes the queue and makes reservations through the same rules
 //! as a request.
 
+use std::collections::HashMap;
+
 use super::quota::Counted;
 use super::{Gate, Ledger, Served};
 use crate::broker::queue::Waiter;
@@ -23,6 +25,10 @@ impl Ledger {
     /// Waiters whose client or holder went away are dropped. Those served are told once the
     /// transaction is committed ([`Ledger::take_effects`]).
     pub(super) fn serve_waiters(&mut self, txn: &mut Txn<'_>, now: Millis) {
+        self.remembering(|ledger| ledger.serve_in_order(txn, now));
+    }
+
+    fn serve_in_order(&mut self, txn: &mut Txn<'_>, now: Millis) {
         self.queue.drop_gone();
         if self.settings.config.wait.policy == QueuePolicy::PackingBound {
             // Largest first (all it asks for, on the largest GPU); the sort is stable, so
@@ -116,15 +122,20 @@ impl Ledger {
     /// Says anew why each waiter waits, against the machine as it is at `now` (what
     /// `GET /v1/waiters` and a time-out's message tell). Changes nothing else.
     pub fn refresh_reasons(&mut self, now: Millis) {
-        if self.queue.is_empty() {
-            return;
+        if !self.queue.is_empty() {
+            self.remembering(|ledger| ledger.refresh_reasons_now(now));
         }
+    }
+
+    fn refresh_reasons_now(&mut self, now: Millis) {
         // One projection serves the gate (its first entry) and the listing.
-        let mut expected = match self.settings.config.wait.policy {
-            QueuePolicy::Planned => self.project(now, true),
+        let projected = match self.settings.config.wait.policy {
+            QueuePolicy::Planned => self.project(now, super::plan::PLANNED_AHEAD),
             QueuePolicy::Guard | QueuePolicy::PackingBound => Vec::new(),
         };
-        let gate = self.gate_for(now, expected.first().cloned());
+        let gate = self.gate_for(now, projected.first().cloned());
+        let mut expected: HashMap<u64, _> =
+            projected.into_iter().map(|e| (e.ticket, e.start)).collect();
         let mut behind = false;
         for i in 0..self.queue.len() {
             let w = &self.queue[i];
@@ -145,10 +156,7 @@ impl Ledger {
             behind |= gate.ticket() == Some(ticket);
             let w = &mut self.queue[i];
             w.why = why;
-            w.expected = expected
-                .iter()
-                .position(|e| e.ticket == ticket)
-                .map(|p| expected.swap_remove(p).start);
+            w.expected = expected.remove(&ticket);
         }
     }
 
