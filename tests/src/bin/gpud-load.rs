@@ -22,6 +22,10 @@
 //!   prints the latency ratio of the last level to the first.
 //! - gpud's resident memory (VmRSS; the pid comes from the socket's peer credentials) is
 //!   printed idle and after the background reservations are in place.
+//! - `--queue-scaling 0,2000` measures a release while that many requests wait (each on its
+//!   own connection, for a whole GPU that a lease of 1 MiB per GPU keeps them from), prints
+//!   the release latency ratio, and gpud's memory per waiter beside that of an idle
+//!   keep-alive connection.
 //! - `--spawn-gpud FIXTURE` starts `gpud` from this binary's directory on the fake NVML
 //!   (`libfake_nvml.so` beside it) in a temporary directory, instead of `--socket`.
 //!
@@ -92,6 +96,11 @@ struct Args {
     /// (e.g. `10,10000`). Overrides --background.
     #[arg(long, value_delimiter = ',')]
     scaling: Vec<usize>,
+    /// Measure a release (1 client cycling) while each of these numbers of requests wait
+    /// in the queue, and print the release latency ratio last / first, and gpud's memory
+    /// per waiter beside that of an idle keep-alive connection.
+    #[arg(long, value_delimiter = ',')]
+    queue_scaling: Vec<usize>,
     /// Memory each cycle reserves.
     #[arg(long, default_value = "1MiB")]
     memory: String,
@@ -883,7 +892,139 @@ async fn drive(args: Args) -> anyhow::Result<()> {
     if spawned.is_none() && !background.is_empty() {
         release_all(&socket, background).await?;
     }
+    if !args.queue_scaling.is_empty() {
+        queue_scaling(&socket, gpud_pid, &args).await?;
+    }
     Ok(())
+}
+
+/// The `memory_total_bytes` of each GPU, by index.
+async fn gpu_totals(socket: &Path) -> anyhow::Result<Vec<u64>> {
+    let reply = Client::connect(socket).await?.gpus().await?;
+    let gpus: serde_json::Value = serde_json::from_slice(&reply)?;
+    gpus["gpus"]
+        .as_array()
+        .context("GET /v1/gpus: no gpus")?
+        .iter()
+        .map(|g| {
+            g["memory_total_bytes"]
+                .as_u64()
+                .context("no memory_total_bytes")
+        })
+        .collect()
+}
+
+/// How many requests wait (`GET /v1/waiters`).
+async fn waiting(client: &mut Client) -> anyhow::Result<usize> {
+    let (_, reply) = client
+        .send(Method::GET, "/v1/waiters", Bytes::new())
+        .await?;
+    let listing: serde_json::Value = serde_json::from_slice(&reply)?;
+    Ok(listing["waiters"].as_array().map_or(0, Vec::len))
+}
+
+/// Opens `count` connections that each send `body` to `POST /v1/reservations` and wait for
+/// the answer (which comes when the request is served, or never); returns their tasks.
+async fn start_waiters(
+    socket: &Path,
+    count: usize,
+    body: &Bytes,
+) -> anyhow::Result<Vec<tokio::task::JoinHandle<()>>> {
+    let mut tasks = Vec::with_capacity(count);
+    for _ in 0..count {
+        let mut client = Client::connect(socket).await?;
+        let body = body.clone();
+        tasks.push(tokio::spawn(async move {
+            let _ = client.send(Method::POST, "/v1/reservations", body).await;
+        }));
+    }
+    Ok(tasks)
+}
+
+/// A release while requests wait: a lease of 1 MiB on every GPU keeps out requests for a
+/// whole GPU's memory, `levels` of them wait in turn, and one client reserves and releases
+/// 1 MiB meanwhile (each release tries the queue). Prints each level's latencies, the
+/// release p50 ratio of the last level to the first, and gpud's memory per waiter beside
+/// that of an idle keep-alive connection (what any connection costs, waiting or not).
+async fn queue_scaling(socket: &Path, gpud_pid: Option<u32>, args: &Args) -> anyhow::Result<()> {
+    let totals = gpu_totals(socket).await?;
+    let mut control = Client::connect(socket).await?;
+    let mut blockers = Vec::new();
+    for index in 0..totals.len() {
+        let body = serde_json::json!({"memory": "1MiB", "devices": [index.to_string()],
+                                      "ttl_seconds": 3600, "labels": {"load": "blocker"}});
+        blockers.push(control.reserve(&Bytes::from(body.to_string())).await?);
+    }
+    let most = totals.iter().copied().max().unwrap_or(0);
+    let ask = Bytes::from(
+        serde_json::json!({"memory": most, "wait_seconds": 3600, "labels": {"load": "waiter"}})
+            .to_string(),
+    );
+    let deepest = args.queue_scaling.iter().copied().max().unwrap_or(0);
+
+    // The floor: idle keep-alive connections that each made one request.
+    let (_, before) = rss_kib(socket).await?;
+    let mut idle = Vec::with_capacity(deepest);
+    for _ in 0..deepest {
+        let mut client = Client::connect(socket).await?;
+        client.gpus().await?;
+        idle.push(client);
+    }
+    let (_, with_idle) = rss_kib(socket).await?;
+    drop(idle);
+    let per_connection = with_idle.saturating_sub(before) as f64 / deepest.max(1) as f64;
+    println!(
+        "gpud memory per idle keep-alive connection: {per_connection:.1} KiB ({deepest} connections, +{:.1} MiB)",
+        kib_mib(with_idle.saturating_sub(before))
+    );
+
+    let mut waiters = Vec::new();
+    let mut by_level = Vec::new();
+    for &level in &args.queue_scaling {
+        if level > waiters.len() {
+            waiters.extend(start_waiters(socket, level - waiters.len(), &ask).await?);
+        }
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while waiting(&mut control).await? != level {
+            if Instant::now() > deadline {
+                bail!("{level} requests never all waited");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let (_, rss) = rss_kib(socket).await?;
+        let m = measure(
+            socket,
+            gpud_pid,
+            1,
+            &args.memory,
+            args.warmup,
+            args.duration,
+            args.gpus_every,
+        )
+        .await?;
+        print_measured(&format!("gpud, {level} requests waiting"), 1, &m);
+        println!("{:<34} resident memory {:.1} MiB", "", kib_mib(rss));
+        by_level.push((level, m, rss));
+    }
+    if let (Some(first), Some(last)) = (by_level.first(), by_level.last())
+        && by_level.len() > 1
+    {
+        let ratio = |a: u32, b: u32| f64::from(b) / f64::from(a.max(1));
+        let added = last.0.saturating_sub(first.0).max(1) as f64;
+        println!(
+            "queue {} → {} waiting: release p50 ratio {:.2}, p99 ratio {:.2}, cycle p50 ratio {:.2}; {:.1} KiB per waiter (an idle connection: {per_connection:.1} KiB)",
+            first.0,
+            last.0,
+            ratio(first.1.release.p50, last.1.release.p50),
+            ratio(first.1.release.p99, last.1.release.p99),
+            ratio(first.1.cycle.p50, last.1.cycle.p50),
+            last.2.saturating_sub(first.2) as f64 / added,
+        );
+    }
+    for task in waiters {
+        task.abort();
+    }
+    release_all(socket, blockers).await
 }
 
 fn kib_mib(kib: u64) -> f64 {
