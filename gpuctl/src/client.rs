@@ -129,6 +129,85 @@ impl Client {
         self.call::<(), _>(Method::GET, "/v1/gpus", None).await
     }
 
+    /// `POST /v1/reservations` for a request that does not wait, without a runtime: the
+    /// exec form (`gpuctl reserve -- COMMAND`) sends it and execs, and a tokio runtime and
+    /// hyper would only add to every workload's start (docs/performance.md).
+    pub fn reserve_now(&self, request: &ReservationRequest) -> Result<Reservation, CliError> {
+        self.call_blocking("POST", "/v1/reservations", request)
+    }
+
+    /// One request on a blocking `UnixStream`, `Connection: close`: the body is what
+    /// follows the head (up to its `Content-Length`, else to the end). The head is parsed by
+    /// `httparse`, hyper's own parser. A 2xx body becomes `T`, anything else a [`CliError`].
+    fn call_blocking<B: Serialize, T: DeserializeOwned>(
+        &self,
+        method: &str,
+        path: &str,
+        body: &B,
+    ) -> Result<T, CliError> {
+        use std::io::{Read, Write};
+
+        let body = serde_json::to_vec(body).map_err(|e| self.protocol(format!("encoding: {e}")))?;
+        let mut stream = std::os::unix::net::UnixStream::connect(&self.socket)
+            .map_err(|e| self.unreachable(&e))?;
+        let mut request = format!(
+            "{method} {path} HTTP/1.1\r\nhost: gpud\r\nconnection: close\r\n\
+             content-type: application/json\r\ncontent-length: {}\r\n\r\n",
+            body.len()
+        )
+        .into_bytes();
+        request.extend_from_slice(&body);
+        stream
+            .write_all(&request)
+            .map_err(|e| self.unreachable(&e))?;
+        let mut reply = Vec::with_capacity(4096);
+        stream
+            .read_to_end(&mut reply)
+            .map_err(|e| self.unreachable(&e))?;
+        let mut headers = [httparse::EMPTY_HEADER; 32];
+        let mut head = httparse::Response::new(&mut headers);
+        let start = match head.parse(&reply) {
+            Ok(httparse::Status::Complete(start)) => start,
+            Ok(httparse::Status::Partial) => {
+                return Err(self.unreachable(&std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    "connection closed before message completed",
+                )));
+            }
+            Err(e) => return Err(self.protocol(format!("not an HTTP reply ({e})"))),
+        };
+        let status = head
+            .code
+            .and_then(|code| StatusCode::from_u16(code).ok())
+            .ok_or_else(|| self.protocol("an HTTP reply without a status".to_owned()))?;
+        let length = head
+            .headers
+            .iter()
+            .find(|h| h.name.eq_ignore_ascii_case("content-length"))
+            .and_then(|h| {
+                std::str::from_utf8(h.value)
+                    .ok()?
+                    .trim()
+                    .parse::<usize>()
+                    .ok()
+            });
+        let rest = &reply[start..];
+        let body = match length {
+            Some(n) if n <= rest.len() => &rest[..n],
+            Some(_) => {
+                return Err(self.unreachable(&std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    "connection closed before message completed",
+                )));
+            }
+            None => rest,
+        };
+        decode(status, body).map_err(|detail| match detail {
+            Decoded::Api(e) => e,
+            Decoded::Garbage(detail) => self.protocol(detail),
+        })
+    }
+
     /// One request; a 2xx body becomes `T`, anything else a [`CliError`].
     async fn call<B: Serialize, T: DeserializeOwned>(
         &self,
@@ -283,6 +362,68 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+    }
+
+    /// Serves one connection on a socket in `dir` with `reply`; returns the client and what
+    /// the server read.
+    fn serve_once(dir: &Path, reply: &'static [u8]) -> (Client, std::thread::JoinHandle<Vec<u8>>) {
+        use std::io::{Read, Write};
+        let socket = dir.join("gpud.sock");
+        let listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+        let server = std::thread::spawn(move || {
+            let (mut stream, _) = listener.accept().unwrap();
+            let mut got = vec![0; 4096];
+            let n = stream.read(&mut got).unwrap();
+            got.truncate(n);
+            stream.write_all(reply).unwrap();
+            got
+        });
+        (Client::new(&socket), server)
+    }
+
+    #[test]
+    fn a_blocking_call_sends_one_request_and_reads_the_reply_gpud_closes() {
+        let dir = tempfile::tempdir().unwrap();
+        let (client, server) = serve_once(
+            dir.path(),
+            b"HTTP/1.1 201 Created\r\ncontent-type: application/json\r\ncontent-length: 10\r\nconnection: close\r\n\r\n{\"id\":\"x\"}",
+        );
+        let body = serde_json::json!({"memory": 1024});
+        let got: serde_json::Value = client
+            .call_blocking("POST", "/v1/reservations", &body)
+            .unwrap();
+        assert_eq!(got["id"], "x");
+        let sent = String::from_utf8(server.join().unwrap()).unwrap();
+        assert!(
+            sent.starts_with("POST /v1/reservations HTTP/1.1\r\n"),
+            "{sent}"
+        );
+        assert!(sent.contains("content-length: 15\r\n"), "{sent}");
+        assert!(sent.ends_with("\r\n\r\n{\"memory\":1024}"), "{sent}");
+    }
+
+    #[test]
+    fn a_blocking_call_gives_gpud_s_error_and_notices_a_cut_reply() {
+        let dir = tempfile::tempdir().unwrap();
+        let (client, server) = serve_once(
+            dir.path(),
+            b"HTTP/1.1 409 Conflict\r\ncontent-length: 64\r\n\r\n{\"error\": {\"code\": \"no_capacity\", \"message\": \"no GPU has room\"}}",
+        );
+        let e = client
+            .call_blocking::<_, serde_json::Value>("POST", "/v1/reservations", &())
+            .unwrap_err();
+        server.join().unwrap();
+        assert_eq!(e.code(), Some("no_capacity"), "{e}");
+        let dir = tempfile::tempdir().unwrap();
+        let (client, server) = serve_once(
+            dir.path(),
+            b"HTTP/1.1 201 Created\r\ncontent-length: 100\r\n\r\n{\"id\"",
+        );
+        let e = client
+            .call_blocking::<_, serde_json::Value>("POST", "/v1/reservations", &())
+            .unwrap_err();
+        server.join().unwrap();
+        assert!(matches!(e, CliError::Unreachable { .. }), "{e}");
     }
 
     #[test]

@@ -130,29 +130,34 @@ fn gpuctl() -> ExitCode {
     }
 }
 
-fn run(cli: &Cli) -> Result<ExitCode, CliError> {
-    let socket = cli.socket.as_path();
-    // One or two requests: a current-thread runtime starts in microseconds.
-    let rt = tokio::runtime::Builder::new_current_thread()
+/// One or two requests: a current-thread runtime starts in microseconds.
+fn runtime() -> Result<tokio::runtime::Runtime, CliError> {
+    tokio::runtime::Builder::new_current_thread()
         .enable_io()
         .enable_time()
         .build()
-        .map_err(CliError::Runtime)?;
+        .map_err(CliError::Runtime)
+}
+
+fn run(cli: &Cli) -> Result<ExitCode, CliError> {
+    let socket = cli.socket.as_path();
     // The one read of the wall clock (STYLE.md 8): ages and lease ends in tables.
     #[allow(clippy::disallowed_methods)]
     let now = SystemTime::now();
+    // A runtime for the commands that talk to gpud: `reserve -- COMMAND` without a wait
+    // and the commands that only print need none.
     match &cli.command {
-        Command::Reserve(args) => reserve::run(args, socket, &rt),
-        Command::Release(args) => commands::release(args, socket, &rt),
-        Command::Renew(args) => commands::renew(args, socket, &rt),
-        Command::Ls(args) => commands::list(args, socket, &rt, now),
-        Command::Show(args) => commands::show(args, socket, &rt, now),
-        Command::Gpus(args) => commands::gpus(args, socket, &rt),
-        Command::Events(args) => commands::events(args, socket, &rt, now),
-        Command::Waiters(args) => commands::waiters(args, socket, &rt, now),
-        Command::Ps(args) => commands::processes(args, socket, &rt),
-        Command::CdiHook(args) => cdi::hook(args, socket, &rt),
-        Command::Slurm { hook } => slurm::run(*hook, cli.socket_given(), &rt),
+        Command::Reserve(args) => reserve::run(args, socket, runtime),
+        Command::Release(args) => commands::release(args, socket, &runtime()?),
+        Command::Renew(args) => commands::renew(args, socket, &runtime()?),
+        Command::Ls(args) => commands::list(args, socket, &runtime()?, now),
+        Command::Show(args) => commands::show(args, socket, &runtime()?, now),
+        Command::Gpus(args) => commands::gpus(args, socket, &runtime()?),
+        Command::Events(args) => commands::events(args, socket, &runtime()?, now),
+        Command::Waiters(args) => commands::waiters(args, socket, &runtime()?, now),
+        Command::Ps(args) => commands::processes(args, socket, &runtime()?),
+        Command::CdiHook(args) => cdi::hook(args, socket, &runtime()?),
+        Command::Slurm { hook } => slurm::run(*hook, cli.socket_given(), &runtime()?),
         Command::Completions { shell } => commands::completions(*shell),
         Command::Man { subcommand } => commands::man(subcommand.as_deref()),
         Command::PackageFiles { dir } => commands::package_files(dir),

@@ -170,7 +170,11 @@ pub fn request(args: &ReserveArgs, holder: Holder, wait: Option<Duration>) -> Re
 
 /// Runs `gpuctl reserve`. Returns only on failure or in the print form; the exec form
 /// becomes the command.
-pub fn run(args: &ReserveArgs, socket: &Path, rt: &Runtime) -> Result<ExitCode, CliError> {
+pub fn run(
+    args: &ReserveArgs,
+    socket: &Path,
+    runtime: fn() -> Result<Runtime, CliError>,
+) -> Result<ExitCode, CliError> {
     let holder = match Holder::choose(
         args,
         std::process::id(),
@@ -181,6 +185,18 @@ pub fn run(args: &ReserveArgs, socket: &Path, rt: &Runtime) -> Result<ExitCode, 
         holder => holder,
     };
     let client = Client::new(socket);
+    // The exec form that does not wait sends one request and execs: no runtime, no hyper,
+    // no signal handling (a signal before the exec ends gpuctl, the holder, and gpud
+    // releases what it reserved).
+    if args.wait.is_none()
+        && let [program, rest @ ..] = args.command.as_slice()
+    {
+        let reservation = client.reserve_now(&request(args, holder, None))?;
+        return Err(exec(program, rest, &reservation, socket, || {
+            runtime().map(|rt| rt.block_on(client.release(&reservation.id)))
+        }));
+    }
+    let rt = runtime()?;
     let wait = match args.wait {
         Some(None) => Some(rt.block_on(wait_limit(&client))),
         Some(Some(d)) => Some(d),
@@ -195,20 +211,9 @@ pub fn run(args: &ReserveArgs, socket: &Path, rt: &Runtime) -> Result<ExitCode, 
     let reservation = rt.block_on(reserve_interruptibly(&client, &request, status))?;
 
     if let [program, rest @ ..] = args.command.as_slice() {
-        // Only returns when exec failed: give the reservation back and say why.
-        let source = std::process::Command::new(program)
-            .args(rest)
-            .envs(reservation.env.iter())
-            .env("GPUD_RESERVATION_ID", &reservation.id)
-            .env("GPUD_SOCKET", socket)
-            .exec();
-        // Best effort: gpud releases it anyway when this process (the holder) exits.
-        let _ = rt.block_on(client.release(&reservation.id));
-        return Err(CliError::Exec {
-            program: program.clone(),
-            id: reservation.id,
-            source,
-        });
+        return Err(exec(program, rest, &reservation, socket, || {
+            Ok(rt.block_on(client.release(&reservation.id)))
+        }));
     }
 
     let text = match args.output {
@@ -230,6 +235,30 @@ pub fn run(args: &ReserveArgs, socket: &Path, rt: &Runtime) -> Result<ExitCode, 
         eprintln!("gpuctl: {}", held_note(&reservation, holder));
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Execs `program` with the reservation's environment. Only returns when the exec failed:
+/// then the reservation is given back (`release`, best effort: gpud releases it anyway when
+/// this process, the holder, exits) and the error says why.
+fn exec<R>(
+    program: &String,
+    rest: &[String],
+    reservation: &Reservation,
+    socket: &Path,
+    release: impl FnOnce() -> Result<R, CliError>,
+) -> CliError {
+    let source = std::process::Command::new(program)
+        .args(rest)
+        .envs(reservation.env.iter())
+        .env("GPUD_RESERVATION_ID", &reservation.id)
+        .env("GPUD_SOCKET", socket)
+        .exec();
+    let _ = release();
+    CliError::Exec {
+        program: program.clone(),
+        id: reservation.id.clone(),
+        source,
+    }
 }
 
 fn json(r: &Reservation) -> Result<String, CliError> {

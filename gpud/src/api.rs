@@ -351,9 +351,9 @@ impl Api {
                 exclusive: w.memory == MemoryAsk::Exclusive,
                 waiting_since: rfc3339(w.since),
                 gives_up_at: rfc3339(w.gives_up_at),
-                reason: Some(w.reason.clone()),
+                reason: Some(w.reason.to_string()),
                 expected_start: w.expected_start.map(rfc3339),
-                plan: w.plan.clone(),
+                plan: w.plan.as_deref().map(str::to_owned),
             })
             .collect();
         let max_wait_seconds = Some(snap.settings.config.wait.max_wait_seconds);

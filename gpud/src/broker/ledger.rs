@@ -56,6 +56,7 @@ use limits::LimitBook;
 pub(super) use limits::pairs;
 use machine::Machine;
 use place::PlacementMemo;
+#[cfg(test)]
 pub(super) use plan::PLANNED_AHEAD;
 use plan::{Gate, PastHolds};
 use quota::{Counted, QuotaBook};
@@ -492,7 +493,7 @@ impl Ledger {
                 }
                 // The id is known here only when the caller chose it.
                 tracing::debug!(reservation = request.id.as_deref(), %why, "request queued");
-                let (ticket, rx) = self.queue.push(caller, request, holder, now, why);
+                let (ticket, rx) = self.queue.push(caller, request, holder, now, why.into());
                 Ok(Admitted::Queued { ticket, rx })
             }
             Err(e) => Err(e),

@@ -128,12 +128,12 @@ pub struct WaitingRequest {
     /// When it gives up unless served.
     pub gives_up_at: Millis,
     /// Why it waits, as of the last change.
-    pub reason: String,
+    pub reason: Arc<str>,
     /// When it is expected to start (`planned` policy), as of the last change.
     pub expected_start: Option<Millis>,
     /// What that start waits for ("when uid 1000's lease on GPU 2 ends"), or why no start
     /// can be planned.
-    pub plan: Option<String>,
+    pub plan: Option<Arc<str>>,
 }
 
 /// What `reserve` did: placed at once, or queued the request.

@@ -13,6 +13,9 @@ use super::{BrokerError, Caller, ReserveRequest, WaitingRequest};
 use crate::holder::PinnedProcess;
 use crate::model::{Millis, Reservation};
 
+/// When a waiter is expected to start and what it waits for, or why no start is planned.
+pub(super) type PlannedStart = Result<(Millis, Arc<str>), Arc<str>>;
+
 /// A request waiting for capacity.
 pub(super) struct Waiter {
     pub ticket: u64,
@@ -22,12 +25,10 @@ pub(super) struct Waiter {
     pub since: Millis,
     pub gives_up_at: Millis,
     /// Why it does not fit: when it came, then as of the last change (`refresh_reasons`).
-    pub why: String,
+    pub why: Arc<str>,
     /// When it is expected to start and what it waits for, or why no start can be
     /// planned, as of the last change (`refresh_reasons`; `planned` policy only).
-    pub expected: Option<Result<(Millis, String), String>>,
-    /// The start it was planned for when it first came first in line.
-    pub promised: Option<Millis>,
+    pub expected: Option<PlannedStart>,
     pub reply: oneshot::Sender<Result<Reservation, BrokerError>>,
 }
 
@@ -47,7 +48,7 @@ impl Waiter {
         let waited = Duration::from_millis(self.gives_up_at.saturating_sub(self.since));
         BrokerError::WaitTimeout {
             waited,
-            why: self.why.clone(),
+            why: self.why.to_string(),
         }
     }
 }
@@ -60,6 +61,9 @@ pub(super) struct WaitQueue {
     waiters: VecDeque<Waiter>,
     /// (gives_up_at, ticket) of every waiter.
     give_ups: BTreeSet<(Millis, u64)>,
+    /// The first waiter's ticket and the start it was planned for when it came first in
+    /// line: a promise is the first waiter's alone.
+    promise: Option<(u64, Millis)>,
     next_ticket: u64,
 }
 
@@ -96,11 +100,6 @@ impl WaitQueue {
     /// The waiters, oldest first.
     pub fn iter(&self) -> impl Iterator<Item = &Waiter> {
         self.waiters.iter()
-    }
-
-    /// The waiters, oldest first, to change.
-    pub fn iter_mut(&mut self) -> impl Iterator<Item = &mut Waiter> {
-        self.waiters.iter_mut()
     }
 
     /// The position of `ticket` in the queue.
@@ -145,7 +144,7 @@ impl WaitQueue {
         request: ReserveRequest,
         holder: Option<PinnedProcess>,
         now: Millis,
-        why: String,
+        why: Arc<str>,
     ) -> (u64, oneshot::Receiver<Result<Reservation, BrokerError>>) {
         let (reply, rx) = oneshot::channel();
         self.next_ticket += 1;
@@ -161,11 +160,30 @@ impl WaitQueue {
             gives_up_at,
             why,
             expected: None,
-            promised: None,
             request: Arc::new(request),
             reply,
         });
         (ticket, rx)
+    }
+
+    /// The start `ticket` was promised when it came first in line, promising `start` now if
+    /// it holds no promise yet (one held by another waiter is forgotten: that one is no
+    /// longer first, and gets a new promise when its turn comes back).
+    pub fn promise(&mut self, ticket: u64, start: Millis) -> Millis {
+        match self.promise {
+            Some((t, at)) if t == ticket => at,
+            _ => {
+                self.promise = Some((ticket, start));
+                start
+            }
+        }
+    }
+
+    /// Forgets a promise held by a waiter other than `ticket` (no longer first).
+    pub fn keep_promise_of(&mut self, ticket: u64) {
+        if self.promise.is_some_and(|(t, _)| t != ticket) {
+            self.promise = None;
+        }
     }
 
     /// Withdraws `ticket`; `false` when it is no longer queued.
@@ -256,7 +274,7 @@ mod tests {
             gid: 1000,
             pid: None,
         };
-        queue.push(caller, request, None, now, "full".to_owned()).0
+        queue.push(caller, request, None, now, "full".into()).0
     }
 
     fn tickets(queue: &WaitQueue) -> Vec<u64> {

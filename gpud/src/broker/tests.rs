@@ -1167,7 +1167,7 @@ fn expected(rules: &mut Rules, now: Millis) -> Vec<(u32, Option<Millis>, String)
             (
                 w.caller.uid,
                 w.expected_start,
-                w.plan.clone().unwrap_or_default(),
+                w.plan.as_deref().unwrap_or_default().to_owned(),
             )
         })
         .collect()

@@ -914,9 +914,10 @@ async fn gpu_totals(socket: &Path) -> anyhow::Result<Vec<u64>> {
         .collect()
 }
 
-/// How many requests wait (`GET /v1/waiters`).
-async fn waiting(client: &mut Client) -> anyhow::Result<usize> {
-    let (_, reply) = client
+/// How many requests wait (`GET /v1/waiters`, on a connection of its own).
+async fn waiting(socket: &Path) -> anyhow::Result<usize> {
+    let (_, reply) = Client::connect(socket)
+        .await?
         .send(Method::GET, "/v1/waiters", Bytes::new())
         .await?;
     let listing: serde_json::Value = serde_json::from_slice(&reply)?;
@@ -957,8 +958,9 @@ async fn queue_scaling(socket: &Path, gpud_pid: Option<u32>, args: &Args) -> any
     }
     let most = totals.iter().copied().max().unwrap_or(0);
     let ask = Bytes::from(
-        serde_json::json!({"memory": most, "wait_seconds": 3600, "labels": {"load": "waiter"}})
-            .to_string(),
+        serde_json::json!({"memory": most, "ttl_seconds": 600, "wait_seconds": 3600,
+                           "labels": {"load": "waiter"}})
+        .to_string(),
     );
     let deepest = args.queue_scaling.iter().copied().max().unwrap_or(0);
 
@@ -985,7 +987,7 @@ async fn queue_scaling(socket: &Path, gpud_pid: Option<u32>, args: &Args) -> any
             waiters.extend(start_waiters(socket, level - waiters.len(), &ask).await?);
         }
         let deadline = Instant::now() + Duration::from_secs(60);
-        while waiting(&mut control).await? != level {
+        while waiting(socket).await? != level {
             if Instant::now() > deadline {
                 bail!("{level} requests never all waited");
             }

@@ -31,6 +31,7 @@
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use gpud_schema::format_duration;
@@ -89,7 +90,7 @@ pub(in crate::broker) struct Expected {
     pub ticket: u64,
     /// When it is expected to fit, and what it waits for (`when uid 1000's lease on GPU 2
     /// ends`); or why no start can be planned.
-    pub start: Result<(Millis, String), String>,
+    pub start: crate::broker::queue::PlannedStart,
     /// The units it is planned on (only for a planned start).
     pub units: Vec<usize>,
     /// The load just before it starts (for the first waiter only: the gate's).
@@ -290,29 +291,33 @@ impl Ledger {
         let mut t = now;
         let mut last: Option<Whose> = None;
         let mut out = Vec::new();
+        // One message, shared by every waiter too far back to be planned.
+        let beyond: Arc<str> = format!(
+            "no start is planned this far back in the queue (only the first {planned} \
+             waiters get one); it waits behind them"
+        )
+        .into();
         for i in first..self.queue.len() {
             let w = &self.queue[i];
             if w.reply.is_closed() {
                 continue;
             }
-            let (caller, request, ticket) = (w.caller, w.request.clone(), w.ticket);
+            let ticket = w.ticket;
+            if out.len() >= planned {
+                out.push(Expected {
+                    ticket,
+                    start: Err(beyond.clone()),
+                    units: Vec::new(),
+                    before: Vec::new(),
+                });
+                continue;
+            }
+            let (caller, request) = (w.caller, w.request.clone());
             if i > first
                 && self
                     .check_quota_of_request(&caller, &request, Counted::Held)
                     .is_err()
             {
-                continue;
-            }
-            if out.len() >= planned {
-                out.push(Expected {
-                    ticket,
-                    start: Err(format!(
-                        "no start is planned this far back in the queue (only the first \
-                         {planned} waiters get one); it waits behind them"
-                    )),
-                    units: Vec::new(),
-                    before: Vec::new(),
-                });
                 continue;
             }
             let placed = loop {
@@ -368,14 +373,14 @@ impl Ledger {
                     };
                     out.push(Expected {
                         ticket,
-                        start: Ok((t, because)),
+                        start: Ok((t, because.into())),
                         units: units.iter().map(|&(u, _)| u).collect(),
                         before,
                     });
                 }
                 Err(why) => out.push(Expected {
                     ticket,
-                    start: Err(why),
+                    start: Err(why.into()),
                     units: Vec::new(),
                     before: Vec::new(),
                 }),
@@ -418,16 +423,12 @@ impl Ledger {
         let late = crate::broker::queue::millis(self.settings.config.wait.starvation_after);
         // A promise is the first waiter's alone: one that stopped being first (an older
         // one came first again) gets a new one when its turn comes back.
-        for w in self.queue.iter_mut() {
-            if w.ticket != first.ticket {
-                w.promised = None;
-            }
-        }
+        self.queue.keep_promise_of(first.ticket);
         let unit_count = self.units().len();
-        let waiter = &mut self.queue[i];
+        let request = self.queue[i].request.clone();
         match first.start {
             Ok((start, _)) => {
-                let promised = *waiter.promised.get_or_insert(start);
+                let promised = self.queue.promise(first.ticket, start);
                 if now >= promised.saturating_add(late) {
                     // Overdue: something outlived its prediction. Hold back all it could use.
                     return guard(self);
@@ -440,7 +441,7 @@ impl Ledger {
                 }
                 Gate::Planned {
                     ticket: first.ticket,
-                    request: Box::new((*waiter.request).clone()),
+                    request: Box::new((*request).clone()),
                     start,
                     units,
                     at_start: first.before,

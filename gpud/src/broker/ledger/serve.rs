@@ -3,7 +3,9 @@
 //! Part of the ledger: it changes the queue and makes reservations through the same rules
 //! as a request.
 
-use std::collections::HashMap;
+use std::sync::Arc;
+
+use rustc_hash::{FxHashMap, FxHashSet};
 
 use super::quota::Counted;
 use super::{Gate, Ledger, Served};
@@ -11,8 +13,41 @@ use crate::broker::queue::Waiter;
 use crate::broker::{BrokerError, Caller, ReserveRequest};
 use crate::config::QueuePolicy;
 use crate::holder::PinnedProcess;
-use crate::model::{Millis, Reservation};
+use crate::model::{MemoryAsk, Millis, Policy, Reservation};
 use crate::store::Txn;
+
+/// What decides whether a request finds room on the loads as they are: what placement is
+/// asked, and, behind the queue's first waiter, the lease and owner the gate judges.
+#[derive(Debug, PartialEq, Eq, Hash)]
+struct Asked {
+    gpus: u32,
+    memory: MemoryAsk,
+    policy: Option<Policy>,
+    devices: Vec<String>,
+    ttl_seconds: Option<u64>,
+    owner_uid: Option<u32>,
+    gated_uid: Option<u32>,
+}
+
+impl Asked {
+    fn of(request: &ReserveRequest, gated_uid: Option<u32>) -> Asked {
+        Asked {
+            gpus: request.gpus,
+            memory: request.memory,
+            policy: request.policy,
+            devices: request.devices.clone(),
+            ttl_seconds: request.ttl_seconds,
+            owner_uid: request.owner_uid,
+            gated_uid,
+        }
+    }
+}
+
+/// What found no room during one pass over the queue: a waiter asking the same finds none
+/// either and is not tried, so that a pass costs a lookup per waiter, not a placement.
+/// Emptied whenever a waiter is served, which changes the loads.
+#[derive(Debug, Default)]
+struct NoRoom(FxHashSet<Asked>);
 
 impl Ledger {
     /// Withdraws a queued request (its client went away). `false` when it is not queued.
@@ -43,8 +78,9 @@ impl Ledger {
                 })
                 .collect();
             tickets.sort_by_key(|&(_, bytes)| std::cmp::Reverse(bytes));
+            let mut no_room = NoRoom::default();
             for (ticket, _) in tickets {
-                self.serve_waiter(txn, ticket, None, now);
+                self.serve_waiter(txn, ticket, None, now, &mut no_room);
             }
             return;
         }
@@ -54,15 +90,16 @@ impl Ledger {
             let upto = first.map_or(self.queue.len(), |p| p + 1);
             let tickets: Vec<u64> = self.queue.iter().map(|w| w.ticket).collect();
             let (ahead, behind) = tickets.split_at(upto);
+            let mut no_room = NoRoom::default();
             for &ticket in ahead {
-                self.serve_waiter(txn, ticket, None, now);
+                self.serve_waiter(txn, ticket, None, now, &mut no_room);
                 if gate.ticket() == Some(ticket) && self.queue.position(ticket).is_none() {
                     // The first waiter is served (or failed for good): plan for the next.
                     continue 'plan;
                 }
             }
             for &ticket in behind {
-                self.serve_waiter(txn, ticket, Some(&mut gate), now);
+                self.serve_waiter(txn, ticket, Some(&mut gate), now, &mut no_room);
             }
             return;
         }
@@ -78,12 +115,17 @@ impl Ledger {
         ticket: u64,
         gate: Option<&mut Gate>,
         now: Millis,
+        no_room: &mut NoRoom,
     ) {
         let Some(i) = self.queue.position(ticket) else {
             return;
         };
         let waiter = &mut self.queue[i];
         let (caller, request) = (waiter.caller, waiter.request.clone());
+        let asked = Asked::of(&request, gate.is_some().then_some(caller.uid));
+        if no_room.0.contains(&asked) {
+            return;
+        }
         let holder = waiter.holder.take();
         let tried = match gate {
             Some(gate) => self.try_behind(txn, gate, &caller, &request, holder.as_ref(), now),
@@ -91,6 +133,8 @@ impl Ledger {
         };
         match tried {
             Ok(reservation) => {
+                // The loads changed: what found no room may find some now.
+                no_room.0.clear();
                 if let Some(Waiter { reply, .. }) = self.queue.remove(i) {
                     self.effects.served.push(Served {
                         reply,
@@ -102,6 +146,7 @@ impl Ledger {
             // Over quota for now (its owner holds other reservations): it goes on waiting
             // for them to end, as long as its quotas could ever let it through.
             Err(BrokerError::NoCapacity(_)) => {
+                no_room.0.insert(asked);
                 self.queue[i].holder = holder;
             }
             Err(BrokerError::QuotaExceeded(_))
@@ -134,29 +179,59 @@ impl Ledger {
             QueuePolicy::Guard | QueuePolicy::PackingBound => Vec::new(),
         };
         let gate = self.gate_for(now, projected.first().cloned());
-        let mut expected: HashMap<u64, _> =
-            projected.into_iter().map(|e| (e.ticket, e.start)).collect();
+        // The projection's entries come in queue order, a subset of the waiters.
+        let mut expected = projected.into_iter().peekable();
         let mut behind = false;
+        // Waiters that ask the same with the same owner (uid and group: quotas), on the same
+        // side of the first waiter, wait for the same reason: it is found once.
+        let mut reasons: FxHashMap<(Asked, u32, u32), Arc<str>> = FxHashMap::default();
         for i in 0..self.queue.len() {
             let w = &self.queue[i];
             let (caller, request, ticket) = (w.caller, w.request.clone(), w.ticket);
-            let allowed = if behind {
-                self.admit(&gate, &caller, &request, now)
-            } else {
-                Ok(None)
-            };
-            let why = match allowed.and_then(|held| self.choose(&caller, &request, held.as_deref()))
-            {
-                Ok(_) => "it fits now and is served next".to_owned(),
-                Err(BrokerError::QuotaExceeded(q)) => {
-                    format!("{q}; it waits for that user's own reservations to end")
+            let asked = (
+                Asked::of(&request, behind.then_some(caller.uid)),
+                caller.uid,
+                caller.gid,
+            );
+            let why = match reasons.get(&asked) {
+                Some(why) => why.clone(),
+                None => {
+                    let why: Arc<str> = self
+                        .why_waiting(&gate, behind, &caller, &request, now)
+                        .into();
+                    reasons.insert(asked, why.clone());
+                    why
                 }
-                Err(e) => e.to_string(),
             };
             behind |= gate.ticket() == Some(ticket);
             let w = &mut self.queue[i];
-            w.why = why;
-            w.expected = expected.remove(&ticket);
+            if w.why != why {
+                w.why = why;
+            }
+            w.expected = expected.next_if(|e| e.ticket == ticket).map(|e| e.start);
+        }
+    }
+
+    /// Why `request` of `caller` waits now, in front of the first waiter or `behind` it.
+    fn why_waiting(
+        &mut self,
+        gate: &Gate,
+        behind: bool,
+        caller: &Caller,
+        request: &ReserveRequest,
+        now: Millis,
+    ) -> String {
+        let allowed = if behind {
+            self.admit(gate, caller, request, now)
+        } else {
+            Ok(None)
+        };
+        match allowed.and_then(|held| self.choose(caller, request, held.as_deref())) {
+            Ok(_) => "it fits now and is served next".to_owned(),
+            Err(BrokerError::QuotaExceeded(q)) => {
+                format!("{q}; it waits for that user's own reservations to end")
+            }
+            Err(e) => e.to_string(),
         }
     }
 
