@@ -109,6 +109,8 @@ pub struct Ledger {
     effects: Effects,
     /// Placements made during a pass over the queue ([`Ledger::remembering`]).
     memo: Option<PlacementMemo>,
+    /// Why each kind of waiting request waited at the last change, shared by its waiters.
+    reasons: rustc_hash::FxHashMap<(serve::Asked, u32, u32), Arc<str>>,
 }
 
 impl std::fmt::Debug for Ledger {
@@ -134,6 +136,7 @@ impl Ledger {
             holds: PastHolds::default(),
             settings: Arc::new(settings),
             memo: None,
+            reasons: rustc_hash::FxHashMap::default(),
             shutting_down: false,
             effects: Effects::default(),
         }

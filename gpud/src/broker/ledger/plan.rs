@@ -49,6 +49,24 @@ use crate::placement::UnitLoad;
 /// places each of them at every change, so the queue's length must not set its cost.
 pub(in crate::broker) const PLANNED_AHEAD: usize = 100;
 
+/// What the waiters past the first [`PLANNED_AHEAD`] are told: one text, shared.
+pub(in crate::broker) static NOT_PLANNED: std::sync::LazyLock<Arc<str>> =
+    std::sync::LazyLock::new(|| {
+        format!(
+            "no start is planned this far back in the queue (only the first {PLANNED_AHEAD} \
+             waiters get one); it waits behind them"
+        )
+        .into()
+    });
+
+/// The queue projected forward: the planned waiters' starts, in queue order, and the first
+/// waiter left unplanned because it is too far back, if any.
+#[derive(Debug, Default)]
+pub(in crate::broker) struct Projection {
+    pub planned: Vec<Expected>,
+    pub beyond: Option<u64>,
+}
+
 /// Moving average weight of the newest hold, in quarters: new = (3·old + hold) / 4.
 const NEWEST_HOLD_QUARTERS: u64 = 1;
 
@@ -267,9 +285,9 @@ impl Ledger {
     /// quotas allow it now, in order, from the first; the first `planned` of them get a
     /// start, those behind them are told that none is planned that far back (a change then
     /// costs placements for at most `planned` waiters, however long the queue).
-    pub(in crate::broker) fn project(&mut self, now: Millis, planned: usize) -> Vec<Expected> {
+    pub(in crate::broker) fn project(&mut self, now: Millis, planned: usize) -> Projection {
         let Some(first) = self.first_waiter() else {
-            return Vec::new();
+            return Projection::default();
         };
         let mut freed: Vec<Freed> = Vec::new();
         let mut heap = BinaryHeap::new();
@@ -291,12 +309,7 @@ impl Ledger {
         let mut t = now;
         let mut last: Option<Whose> = None;
         let mut out = Vec::new();
-        // One message, shared by every waiter too far back to be planned.
-        let beyond: Arc<str> = format!(
-            "no start is planned this far back in the queue (only the first {planned} \
-             waiters get one); it waits behind them"
-        )
-        .into();
+        let mut beyond = None;
         for i in first..self.queue.len() {
             let w = &self.queue[i];
             if w.reply.is_closed() {
@@ -304,13 +317,8 @@ impl Ledger {
             }
             let ticket = w.ticket;
             if out.len() >= planned {
-                out.push(Expected {
-                    ticket,
-                    start: Err(beyond.clone()),
-                    units: Vec::new(),
-                    before: Vec::new(),
-                });
-                continue;
+                beyond = Some(ticket);
+                break;
             }
             let (caller, request) = (w.caller, w.request.clone());
             if i > first
@@ -389,13 +397,16 @@ impl Ledger {
                 break;
             }
         }
-        out
+        Projection {
+            planned: out,
+            beyond,
+        }
     }
 
     /// What the queue lets a request that is not its first waiter do now.
     pub(in crate::broker) fn gate(&mut self, now: Millis) -> Gate {
         let first = match self.settings.config.wait.policy {
-            QueuePolicy::Planned => self.project(now, 1).into_iter().next(),
+            QueuePolicy::Planned => self.project(now, 1).planned.into_iter().next(),
             QueuePolicy::Guard => None,
             QueuePolicy::PackingBound => return Gate::Open,
         };

@@ -5,8 +5,9 @@
 
 use std::sync::Arc;
 
-use rustc_hash::{FxHashMap, FxHashSet};
+use rustc_hash::FxHashSet;
 
+use super::plan::{NOT_PLANNED, Projection};
 use super::quota::Counted;
 use super::{Gate, Ledger, Served};
 use crate::broker::queue::Waiter;
@@ -19,7 +20,7 @@ use crate::store::Txn;
 /// What decides whether a request finds room on the loads as they are: what placement is
 /// asked, and, behind the queue's first waiter, the lease and owner the gate judges.
 #[derive(Debug, PartialEq, Eq, Hash)]
-struct Asked {
+pub(super) struct Asked {
     gpus: u32,
     memory: MemoryAsk,
     policy: Option<Policy>,
@@ -121,11 +122,12 @@ impl Ledger {
             return;
         };
         let waiter = &mut self.queue[i];
-        let (caller, request) = (waiter.caller, waiter.request.clone());
-        let asked = Asked::of(&request, gate.is_some().then_some(caller.uid));
+        let caller = waiter.caller;
+        let asked = Asked::of(&waiter.request, gate.is_some().then_some(caller.uid));
         if no_room.0.contains(&asked) {
             return;
         }
+        let request = waiter.request.clone();
         let holder = waiter.holder.take();
         let tried = match gate {
             Some(gate) => self.try_behind(txn, gate, &caller, &request, holder.as_ref(), now),
@@ -176,39 +178,53 @@ impl Ledger {
         // One projection serves the gate (its first entry) and the listing.
         let projected = match self.settings.config.wait.policy {
             QueuePolicy::Planned => self.project(now, super::plan::PLANNED_AHEAD),
-            QueuePolicy::Guard | QueuePolicy::PackingBound => Vec::new(),
+            QueuePolicy::Guard | QueuePolicy::PackingBound => Projection::default(),
         };
-        let gate = self.gate_for(now, projected.first().cloned());
+        let gate = self.gate_for(now, projected.planned.first().cloned());
         // The projection's entries come in queue order, a subset of the waiters.
-        let mut expected = projected.into_iter().peekable();
+        let mut expected = projected.planned.into_iter().peekable();
         let mut behind = false;
         // Waiters that ask the same with the same owner (uid and group: quotas), on the same
-        // side of the first waiter, wait for the same reason: it is found once.
-        let mut reasons: FxHashMap<(Asked, u32, u32), Arc<str>> = FxHashMap::default();
+        // side of the first waiter, wait for the same reason: it is found once, and a reason
+        // in the same words as at the last change keeps its shared text, so that the
+        // waiters that keep it are not written to.
+        let before = std::mem::take(&mut self.reasons);
         for i in 0..self.queue.len() {
             let w = &self.queue[i];
-            let (caller, request, ticket) = (w.caller, w.request.clone(), w.ticket);
+            let (caller, ticket) = (w.caller, w.ticket);
             let asked = (
-                Asked::of(&request, behind.then_some(caller.uid)),
+                Asked::of(&w.request, behind.then_some(caller.uid)),
                 caller.uid,
                 caller.gid,
             );
-            let why = match reasons.get(&asked) {
+            let why = match self.reasons.get(&asked) {
                 Some(why) => why.clone(),
                 None => {
-                    let why: Arc<str> = self
-                        .why_waiting(&gate, behind, &caller, &request, now)
-                        .into();
-                    reasons.insert(asked, why.clone());
+                    let request = w.request.clone();
+                    let found = self.why_waiting(&gate, behind, &caller, &request, now);
+                    let why = match before.get(&asked) {
+                        Some(same) if **same == *found => same.clone(),
+                        _ => Arc::from(found),
+                    };
+                    self.reasons.insert(asked, why.clone());
                     why
                 }
             };
             behind |= gate.ticket() == Some(ticket);
+            let planned = expected.next_if(|e| e.ticket == ticket).map(|e| e.start);
             let w = &mut self.queue[i];
-            if w.why != why {
+            if !Arc::ptr_eq(&w.why, &why) {
                 w.why = why;
             }
-            w.expected = expected.next_if(|e| e.ticket == ticket).map(|e| e.start);
+            match planned {
+                Some(start) => w.expected = Some(start),
+                None if projected.beyond.is_some_and(|first| ticket >= first) => {
+                    if !matches!(&w.expected, Some(Err(text)) if Arc::ptr_eq(text, &NOT_PLANNED)) {
+                        w.expected = Some(Err(NOT_PLANNED.clone()));
+                    }
+                }
+                None => w.expected = None,
+            }
         }
     }
 
