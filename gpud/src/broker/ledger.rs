@@ -271,7 +271,7 @@ impl Ledger {
             used: machine.used().to_vec(),
             processes: machine.processes().clone(),
             reservations: self.active.clone(),
-            waiters: Arc::new(self.queue.listing()),
+            waiters: self.queue.listing(),
             settings: self.settings.clone(),
             groups_committed: counters.0,
             grouped_calls: counters.1,

@@ -64,6 +64,8 @@ pub(super) struct WaitQueue {
     /// The first waiter's ticket and the start it was planned for when it came first in
     /// line: a promise is the first waiter's alone.
     promise: Option<(u64, Millis)>,
+    /// The listing as last made, until a waiter comes, leaves or is told something new.
+    listed: Option<Arc<Vec<WaitingRequest>>>,
     next_ticket: u64,
 }
 
@@ -81,7 +83,9 @@ impl std::ops::Index<usize> for WaitQueue {
 }
 
 impl std::ops::IndexMut<usize> for WaitQueue {
+    /// A waiter to change: the listing is made anew.
     fn index_mut(&mut self, i: usize) -> &mut Waiter {
+        self.listed = None;
         &mut self.waiters[i]
     }
 }
@@ -112,6 +116,7 @@ impl WaitQueue {
     /// Takes the waiter at `i` out.
     pub fn remove(&mut self, i: usize) -> Option<Waiter> {
         let w = self.waiters.remove(i)?;
+        self.listed = None;
         self.give_ups.remove(&(w.gives_up_at, w.ticket));
         Some(w)
     }
@@ -152,6 +157,7 @@ impl WaitQueue {
         let wait = request.wait.unwrap_or_default();
         let gives_up_at = now.saturating_add(millis(wait));
         self.give_ups.insert((gives_up_at, ticket));
+        self.listed = None;
         self.waiters.push_back(Waiter {
             ticket,
             caller,
@@ -227,13 +233,38 @@ impl WaitQueue {
     /// Fails every request with `error`.
     pub fn fail_all(&mut self, error: &BrokerError) {
         self.give_ups.clear();
+        self.listed = None;
         for w in self.waiters.drain(..) {
             let _ = w.reply.send(Err(error.clone()));
         }
     }
 
-    /// The requests waiting, in the order they are tried (`GET /v1/waiters`).
-    pub fn listing(&self) -> Vec<WaitingRequest> {
+    /// Tells waiter `i` why it waits and when it is expected to start; the listing is made
+    /// anew only when that is news.
+    pub fn tell(&mut self, i: usize, why: &Arc<str>, expected: Option<PlannedStart>) {
+        let Some(w) = self.waiters.get_mut(i) else {
+            return;
+        };
+        if !Arc::ptr_eq(&w.why, why) && *w.why != **why {
+            w.why = why.clone();
+            self.listed = None;
+        }
+        if w.expected != expected {
+            w.expected = expected;
+            self.listed = None;
+        }
+    }
+
+    /// The requests waiting, in the order they are tried (`GET /v1/waiters`): made again
+    /// only after a change.
+    pub fn listing(&mut self) -> Arc<Vec<WaitingRequest>> {
+        if self.listed.is_none() {
+            self.listed = Some(Arc::new(self.list()));
+        }
+        self.listed.clone().unwrap_or_default()
+    }
+
+    fn list(&self) -> Vec<WaitingRequest> {
         self.waiters
             .iter()
             // A client that went away is dropped at the next try; it waits for nothing.
@@ -265,6 +296,15 @@ mod tests {
     use crate::model::MemoryAsk;
 
     fn push(queue: &mut WaitQueue, now: Millis, wait_ms: u64) -> u64 {
+        push_kept(queue, now, wait_ms).0
+    }
+
+    /// Queues a request whose client stays (the receiver of its answer is kept).
+    fn push_kept(
+        queue: &mut WaitQueue,
+        now: Millis,
+        wait_ms: u64,
+    ) -> (u64, oneshot::Receiver<Result<Reservation, BrokerError>>) {
         let request = ReserveRequest {
             wait: Some(Duration::from_millis(wait_ms)),
             ..ReserveRequest::lease(MemoryAsk::Bytes(1), 60)
@@ -274,7 +314,7 @@ mod tests {
             gid: 1000,
             pid: None,
         };
-        queue.push(caller, request, None, now, "full".into()).0
+        queue.push(caller, request, None, now, "full".into())
     }
 
     fn tickets(queue: &WaitQueue) -> Vec<u64> {
@@ -307,5 +347,31 @@ mod tests {
         queue.fail_all(&BrokerError::Internal("stopping"));
         assert!(queue.is_empty());
         assert_eq!(queue.next_give_up(), None);
+    }
+
+    #[test]
+    fn the_listing_is_made_again_only_when_a_waiter_comes_leaves_or_is_told_news() {
+        let mut queue = WaitQueue::default();
+        let (a, _a) = push_kept(&mut queue, 0, 500);
+        let (_, _b) = push_kept(&mut queue, 0, 500);
+        let first = queue.listing();
+        assert_eq!(first.len(), 2);
+        assert!(Arc::ptr_eq(&first, &queue.listing()), "nothing changed");
+        let same: Arc<str> = "full".into();
+        queue.tell(0, &same, None);
+        assert!(
+            Arc::ptr_eq(&first, &queue.listing()),
+            "the same words are no news"
+        );
+        let news: Arc<str> = "GPU 0 is lost".into();
+        queue.tell(0, &news, None);
+        let second = queue.listing();
+        assert!(!Arc::ptr_eq(&first, &second));
+        assert_eq!(&*second[0].reason, "GPU 0 is lost");
+        queue.tell(1, &same, Some(Ok((60_000, "when a lease ends".into()))));
+        let third = queue.listing();
+        assert_eq!(third[1].expected_start, Some(60_000));
+        assert!(queue.withdraw(a));
+        assert_eq!(queue.listing().len(), 1);
     }
 }

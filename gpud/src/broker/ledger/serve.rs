@@ -212,19 +212,14 @@ impl Ledger {
             };
             behind |= gate.ticket() == Some(ticket);
             let planned = expected.next_if(|e| e.ticket == ticket).map(|e| e.start);
-            let w = &mut self.queue[i];
-            if !Arc::ptr_eq(&w.why, &why) {
-                w.why = why;
-            }
-            match planned {
-                Some(start) => w.expected = Some(start),
+            let told = match planned {
+                Some(start) => Some(start),
                 None if projected.beyond.is_some_and(|first| ticket >= first) => {
-                    if !matches!(&w.expected, Some(Err(text)) if Arc::ptr_eq(text, &NOT_PLANNED)) {
-                        w.expected = Some(Err(NOT_PLANNED.clone()));
-                    }
+                    Some(Err(NOT_PLANNED.clone()))
                 }
-                None => w.expected = None,
-            }
+                None => None,
+            };
+            self.queue.tell(i, &why, told);
         }
     }
 
