@@ -691,6 +691,25 @@ async fn measure(
     })
 }
 
+/// [`measure`] with the warm-up, duration, memory and observer rate of `args`.
+async fn measure_as(
+    args: &Args,
+    socket: &Path,
+    server_pid: Option<u32>,
+    clients: usize,
+) -> anyhow::Result<Measured> {
+    measure(
+        socket,
+        server_pid,
+        clients,
+        &args.memory,
+        args.warmup,
+        args.duration,
+        args.gpus_every,
+    )
+    .await
+}
+
 fn print_measured(what: &str, clients: usize, m: &Measured) {
     println!(
         "{what:<34} {clients:>3} clients  {:>8.0} cycles/s  cycle p50 {:>6.2} p99 {:>6.2} p99.9 {:>6.2} ms  (reserve p50 {:.2} p99 {:.2}, release p50 {:.2} p99 {:.2}; {} cycles)",
@@ -780,16 +799,7 @@ async fn drive(args: Args) -> anyhow::Result<()> {
     let baseline = if args.baseline {
         let gpus_reply = Client::connect(&socket).await?.gpus().await?;
         let server = start_baseline(&gpus_reply)?;
-        let m = measure(
-            &server.socket,
-            Some(server.child.id()),
-            args.clients,
-            &args.memory,
-            args.warmup,
-            args.duration,
-            args.gpus_every,
-        )
-        .await?;
+        let m = measure_as(&args, &server.socket, Some(server.child.id()), args.clients).await?;
         print_measured("baseline (fixed JSON, no state)", args.clients, &m);
         Some(m)
     } else {
@@ -817,31 +827,13 @@ async fn drive(args: Args) -> anyhow::Result<()> {
         }
         let label = format!("gpud, {} other reservations", background.len());
         let single = if levels.len() > 1 {
-            let m = measure(
-                &socket,
-                gpud_pid,
-                1,
-                &args.memory,
-                args.warmup,
-                args.duration,
-                args.gpus_every,
-            )
-            .await?;
+            let m = measure_as(&args, &socket, gpud_pid, 1).await?;
             print_measured(&label, 1, &m);
             Some(m)
         } else {
             None
         };
-        let m = measure(
-            &socket,
-            gpud_pid,
-            args.clients,
-            &args.memory,
-            args.warmup,
-            args.duration,
-            args.gpus_every,
-        )
-        .await?;
+        let m = measure_as(&args, &socket, gpud_pid, args.clients).await?;
         print_measured(&label, args.clients, &m);
         if i == 0
             && let Some(b) = &baseline
@@ -994,16 +986,7 @@ async fn queue_scaling(socket: &Path, gpud_pid: Option<u32>, args: &Args) -> any
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         let (_, rss) = rss_kib(socket).await?;
-        let m = measure(
-            socket,
-            gpud_pid,
-            1,
-            &args.memory,
-            args.warmup,
-            args.duration,
-            args.gpus_every,
-        )
-        .await?;
+        let m = measure_as(args, socket, gpud_pid, 1).await?;
         print_measured(&format!("gpud, {level} requests waiting"), 1, &m);
         println!("{:<34} resident memory {:.1} MiB", "", kib_mib(rss));
         by_level.push((level, m, rss));
