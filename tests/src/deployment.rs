@@ -329,3 +329,32 @@ impl Deployment {
         );
     }
 }
+
+/// One edit of a drift test: which file (a key of the test's own), the text replaced, its
+/// replacement, and what the edit breaks.
+pub type Edit<'a> = (&'a str, &'a str, &'a str, &'a str);
+
+/// Makes each edit alone on a fresh copy of `files` (key, text) and asserts that
+/// `problems`, given the texts in the order of `files`, notices it: the checks can fail.
+pub fn assert_each_drift_is_caught(
+    files: &[(&str, String)],
+    edits: &[Edit<'_>],
+    problems: impl Fn(&[String]) -> Vec<String>,
+) {
+    for &(file, from, to, what) in edits {
+        let mut texts: Vec<String> = files.iter().map(|(_, text)| text.clone()).collect();
+        let i = files
+            .iter()
+            .position(|(key, _)| *key == file)
+            .unwrap_or_else(|| panic!("{what}: no file {file:?}"));
+        assert!(
+            texts[i].contains(from),
+            "{what}: {from:?} is not in the file any more"
+        );
+        texts[i] = texts[i].replacen(from, to, 1);
+        assert!(
+            !problems(&texts).is_empty(),
+            "{what}: replacing {from:?} by {to:?} went unnoticed"
+        );
+    }
+}

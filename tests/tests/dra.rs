@@ -11,7 +11,7 @@ use std::path::Path;
 
 use gpud::dra::registration::Sockets;
 use gpud_tests::apiserver::ApiServer;
-use gpud_tests::deployment::{Deployment, Findings};
+use gpud_tests::deployment::{Deployment, Findings, assert_each_drift_is_caught};
 use gpud_tests::dra::{Kubelet, claim, config, share};
 use gpud_tests::manifests::{CONTAINERFILE, DRA_DAEMONSET, Manifest};
 use gpud_tests::{Daemon, GIB, PATIENCE, wait_for};
@@ -487,19 +487,9 @@ fn every_drift_of_the_dra_daemonset_is_caught() {
             "service account namespace",
         ),
     ];
-    for (file, from, to, what) in edits {
-        let (mut m, mut r) = (manifest.clone(), rbac.clone());
-        let text = if file == "m" { &mut m } else { &mut r };
-        assert!(
-            text.contains(from),
-            "{what}: {from:?} is not in the file any more"
-        );
-        *text = text.replacen(from, to, 1);
-        assert!(
-            !dra_daemonset_problems(&m, &r, &containerfile).is_empty(),
-            "{what}: replacing {from:?} by {to:?} went unnoticed"
-        );
-    }
+    assert_each_drift_is_caught(&[("m", manifest), ("r", rbac)], &edits, |t| {
+        dra_daemonset_problems(&t[0], &t[1], &containerfile)
+    });
 }
 
 /// Every document of a shipped manifest, as JSON.

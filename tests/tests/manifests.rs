@@ -12,7 +12,7 @@
 use std::path::{Path, PathBuf};
 
 use gpud::kubelet::devices::Resource;
-use gpud_tests::deployment::{Deployment, Findings, bind_at, probes};
+use gpud_tests::deployment::{Deployment, Findings, assert_each_drift_is_caught, bind_at, probes};
 use gpud_tests::manifests::{CONTAINERFILE, DAEMONSET, DRA_DAEMONSET, Manifest};
 use gpud_tests::{Daemon, repo_root};
 
@@ -288,23 +288,11 @@ fn every_drift_is_caught() {
             "README example's resource",
         ),
     ];
-    for (file, from, to, what) in edits {
-        let (mut m, mut c, mut r) = (manifest.clone(), containerfile.clone(), readme.clone());
-        let text = match file {
-            "m" => &mut m,
-            "c" => &mut c,
-            _ => &mut r,
-        };
-        assert!(
-            text.contains(from),
-            "{what}: {from:?} is not in the file any more"
-        );
-        *text = text.replacen(from, to, 1);
-        assert!(
-            !problems(&m, &c, &r).is_empty(),
-            "{what}: replacing {from:?} by {to:?} went unnoticed"
-        );
-    }
+    assert_each_drift_is_caught(
+        &[("m", manifest), ("c", containerfile), ("r", readme)],
+        &edits,
+        |t| problems(&t[0], &t[1], &t[2]),
+    );
 }
 
 /// The probes' gpuctl commands, run as written (the image's gpuctl replaced by the one
