@@ -169,10 +169,7 @@ impl Client {
         let start = match head.parse(&reply) {
             Ok(httparse::Status::Complete(start)) => start,
             Ok(httparse::Status::Partial) => {
-                return Err(self.unreachable(&std::io::Error::new(
-                    std::io::ErrorKind::UnexpectedEof,
-                    "connection closed before message completed",
-                )));
+                return Err(self.unreachable(&cut_short()));
             }
             Err(e) => return Err(self.protocol(format!("not an HTTP reply ({e})"))),
         };
@@ -195,17 +192,11 @@ impl Client {
         let body = match length {
             Some(n) if n <= rest.len() => &rest[..n],
             Some(_) => {
-                return Err(self.unreachable(&std::io::Error::new(
-                    std::io::ErrorKind::UnexpectedEof,
-                    "connection closed before message completed",
-                )));
+                return Err(self.unreachable(&cut_short()));
             }
             None => rest,
         };
-        decode(status, body).map_err(|detail| match detail {
-            Decoded::Api(e) => e,
-            Decoded::Garbage(detail) => self.protocol(detail),
-        })
+        self.decoded(status, body)
     }
 
     /// One request; a 2xx body becomes `T`, anything else a [`CliError`].
@@ -248,7 +239,12 @@ impl Client {
             .await
             .map_err(|e| self.unreachable(&e))?
             .to_bytes();
-        decode(status, &body).map_err(|detail| match detail {
+        self.decoded(status, &body)
+    }
+
+    /// A reply as `T`, or gpud's error, or a protocol error naming the socket.
+    fn decoded<T: DeserializeOwned>(&self, status: StatusCode, body: &[u8]) -> Result<T, CliError> {
+        decode(status, body).map_err(|detail| match detail {
             Decoded::Api(e) => e,
             Decoded::Garbage(detail) => self.protocol(detail),
         })
@@ -281,6 +277,14 @@ impl Client {
             source,
         }
     }
+}
+
+/// A reply that ended before its head or its `Content-Length` did.
+fn cut_short() -> std::io::Error {
+    std::io::Error::new(
+        std::io::ErrorKind::UnexpectedEof,
+        "connection closed before message completed",
+    )
 }
 
 /// Why a reply did not decode into the expected type.
