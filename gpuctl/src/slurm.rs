@@ -31,9 +31,9 @@ use crate::client::Client;
 use crate::error::{CliError, ExitCode};
 
 /// The label that carries the job id.
-pub const JOB_LABEL: &str = "slurm.job";
+pub const JOB_LABEL: &str = gpud_schema::origin::SLURM_JOB;
 /// The label that carries the cluster name.
-pub const CLUSTER_LABEL: &str = "slurm.cluster";
+pub const CLUSTER_LABEL: &str = gpud_schema::origin::SLURM_CLUSTER;
 
 /// The hook a program name stands for: gpuctl started as `gpud-slurm-prolog` (a link that
 /// slurm.conf's `Prolog=` names) is `gpuctl slurm prolog`.

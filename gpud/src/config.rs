@@ -371,12 +371,62 @@ impl Tolerance {
     }
 }
 
-/// Metrics over TCP, besides the socket.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Default)]
+/// Metrics over TCP, besides the socket, and what the per-workload series carry.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct MetricsConfig {
     /// Address to serve `GET /metrics` on (e.g. `127.0.0.1:9400`); off when absent.
     pub listen: Option<std::net::SocketAddr>,
+    /// Reservation labels copied onto the per-reservation series, as `label_<name>` (dots
+    /// and dashes become underscores). Only these: a label's values are the users' to
+    /// choose, and every value is a series.
+    pub labels: Vec<String>,
+    /// The most per-workload series (per reservation and GPU, and unreserved use per GPU
+    /// and user) one scrape shows; the newest reservations' series are left out beyond it,
+    /// and `gpud_metrics_series_left_out_total` counts them.
+    pub max_series: usize,
+}
+
+impl Default for MetricsConfig {
+    fn default() -> MetricsConfig {
+        MetricsConfig {
+            listen: None,
+            labels: Vec::new(),
+            max_series: 10_000,
+        }
+    }
+}
+
+impl MetricsConfig {
+    /// The Prometheus label name a reservation label is shown under: `team` as
+    /// `label_team`, `slurm.job` as `label_slurm_job`.
+    pub fn label_name(label: &str) -> String {
+        let mut name = String::with_capacity(label.len() + 6);
+        name.push_str("label_");
+        name.extend(
+            label
+                .chars()
+                .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' }),
+        );
+        name
+    }
+
+    fn validate(&self) -> Result<(), String> {
+        let mut names = std::collections::BTreeMap::new();
+        for label in &self.labels {
+            if label.is_empty() {
+                return Err("metrics.labels: a label name is empty".to_owned());
+            }
+            if let Some(other) = names.insert(MetricsConfig::label_name(label), label) {
+                return Err(format!(
+                    "metrics.labels: {other:?} and {label:?} would both be shown as {}; \
+                     keep one",
+                    MetricsConfig::label_name(label)
+                ));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Optional parts of the workload environment.
@@ -602,6 +652,7 @@ impl Config {
                 dir.display()
             ));
         }
+        self.metrics.validate()?;
         if self.dra.enabled && !self.cdi.enabled {
             return Err(
                 "dra.enabled needs cdi.enabled: a claim's container gets its environment and \

@@ -206,6 +206,15 @@ pub fn is_admin(caller: &Caller, admin_gids: &[u32]) -> bool {
         .is_some_and(|info| info.groups.iter().any(|g| admin_gids.contains(g)))
 }
 
+/// User `uid`'s name in the user database (through NSS), if it has one.
+pub fn user_name(uid: u32) -> Option<String> {
+    use nix::unistd::{Uid, User};
+    User::from_uid(Uid::from_raw(uid))
+        .ok()
+        .flatten()
+        .map(|u| u.name)
+}
+
 /// The groups of user `uid` as the user database has them: the primary group and every
 /// group that lists the user (`getgrouplist`, through NSS). Empty for an unknown uid.
 pub fn user_groups(uid: u32) -> Vec<u32> {

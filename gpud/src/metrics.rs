@@ -19,6 +19,11 @@ use gpud_schema::IsolationMode;
 
 use crate::broker::Snapshot;
 
+mod workloads;
+
+use workloads::Workloads;
+pub use workloads::{Origin, PodName};
+
 // Static strings: counting a request allocates nothing.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RequestLabels {
@@ -73,6 +78,8 @@ pub struct Metrics {
     isolated: Family<ModeLabels, Gauge>,
     reservations: Family<StateLabels, Gauge>,
     waiting: Gauge,
+    oldest_wait: Gauge,
+    workloads: Workloads,
     events: Family<KindLabels, Counter>,
     xids: Family<XidLabels, Counter>,
     audit_pass: Histogram,
@@ -169,8 +176,21 @@ impl Metrics {
             "Requests waiting for capacity",
             waiting.clone(),
         );
+        let oldest_wait = Gauge::default();
+        registry.register(
+            "oldest_waiting_request_age_seconds",
+            "How long the request that has waited longest has waited (0 when none waits)",
+            oldest_wait.clone(),
+        );
+        let workloads = Workloads::register(&mut registry);
         let events = Family::<KindLabels, Counter>::default();
         registry.register("audit_events", "Audit findings by kind", events.clone());
+        // Every kind from zero: an alert on `increase()` then sees a kind's first finding.
+        for kind in gpud_schema::EventKind::ALL {
+            drop(events.get_or_create(&KindLabels {
+                kind: kind.as_str().to_owned(),
+            }));
+        }
         let xids = Family::<XidLabels, Counter>::default();
         registry.register(
             "xid_errors",
@@ -226,6 +246,8 @@ impl Metrics {
             isolated,
             reservations,
             waiting,
+            oldest_wait,
+            workloads,
             events,
             xids,
             audit_pass,
@@ -298,6 +320,12 @@ impl Metrics {
         }
     }
 
+    /// Names the pods of the device plugin's reservations (by reservation id), as the
+    /// kubelet's pod-resources API last said, for the per-reservation series.
+    pub fn set_pods(&self, pods: std::collections::HashMap<String, PodName>) {
+        self.workloads.set_pods(pods);
+    }
+
     /// Renders everything, with the gauges set from `snap`.
     pub fn render(&self, snap: &Snapshot) -> String {
         let _guard = self
@@ -357,6 +385,12 @@ impl Metrics {
                 .set(gauge(n as u64));
         }
         self.waiting.set(gauge(snap.waiting() as u64));
+        let now = crate::clock::now_millis();
+        let oldest = snap.waiters.iter().map(|w| w.since).min();
+        self.oldest_wait.set(gauge(
+            oldest.map_or(0, |since| now.saturating_sub(since) / 1000),
+        ));
+        self.workloads.set(snap);
         let (open, limit) = open_files();
         self.open_files.set(gauge(open));
         self.open_files_limit.set(gauge(limit));

@@ -93,6 +93,23 @@ pub mod limits {
     pub const MAX_LABELS_BYTES: usize = 4096;
 }
 
+/// The labels gpud's integrations put on the reservations they make: they say where a
+/// reservation came from (`/metrics` shows it as `origin`).
+pub mod origin {
+    /// A Slurm job's id (`gpuctl slurm prolog`).
+    pub const SLURM_JOB: &str = "slurm.job";
+    /// The Slurm cluster's name (`gpuctl slurm prolog`).
+    pub const SLURM_CLUSTER: &str = "slurm.cluster";
+    /// A DRA claim's `namespace/name` (the DRA driver).
+    pub const DRA_CLAIM: &str = "dra.claim";
+    /// A DRA claim's UID (the DRA driver).
+    pub const DRA_CLAIM_UID: &str = "dra.claim-uid";
+    /// The extended resource a kubelet `Allocate` was for (the device plugin).
+    pub const KUBELET_RESOURCE: &str = "kubernetes";
+    /// The device ids of that `Allocate` (the device plugin).
+    pub const KUBELET_UNITS: &str = "kubernetes.units";
+}
+
 /// `POST /v1/reservations` body.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]

@@ -14,6 +14,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use crate::gpu::format_ranges;
+use crate::metrics::PodName;
 use crate::model::{Gpu, MemoryAsk, Policy, Reservation, Topology, Unit};
 use crate::placement::{self, PlacementRequest, PlacementState, UnitLoad};
 
@@ -22,9 +23,9 @@ pub const RESOURCE_MEM: &str = "gpud.io/gpu-mem";
 /// The whole-GPU resource.
 pub const RESOURCE_GPU: &str = "gpud.io/gpu";
 /// Label naming the resource a kubelet reservation was made for.
-pub const LABEL_RESOURCE: &str = "kubernetes";
+pub const LABEL_RESOURCE: &str = gpud_schema::origin::KUBELET_RESOURCE;
 /// Label listing the memory device numbers a kubelet reservation holds (`0-3,7`).
-pub const LABEL_UNITS: &str = "kubernetes.units";
+pub const LABEL_UNITS: &str = gpud_schema::origin::KUBELET_UNITS;
 /// Prefix of the ids of reservations made by `Allocate`.
 pub const ID_PREFIX: &str = "k8s-";
 /// Separates a GPU uuid from the device number in a memory device id.
@@ -576,25 +577,34 @@ fn preferred_whole(
     Ok(chosen)
 }
 
+/// The devices pods hold, as pod-resources lists them: `(resource name, device id)`, and
+/// the pod that holds it.
+pub type InUse = BTreeMap<(String, String), PodName>;
+
 /// Reservations made by `Allocate`, older than `grace`, none of whose devices any pod holds:
-/// their pods are gone. `in_use` holds `(resource name, device id)` pairs from pod-resources.
-pub fn stale(
-    reservations: &[Reservation],
-    in_use: &BTreeSet<(String, String)>,
-    now: u64,
-    grace_ms: u64,
-) -> Vec<String> {
+/// their pods are gone.
+pub fn stale(reservations: &[Reservation], in_use: &InUse, now: u64, grace_ms: u64) -> Vec<String> {
     reservations
         .iter()
         .filter(|r| now.saturating_sub(r.created_at) >= grace_ms)
-        .filter_map(|r| {
-            let (resource, ids) = devices_of(r)?;
-            let held = ids
-                .into_iter()
-                .any(|id| in_use.contains(&(resource.to_owned(), id)));
-            (!held).then(|| r.id.clone())
-        })
+        .filter(|r| pod_of(r, in_use).is_none() && devices_of(r).is_some())
+        .map(|r| r.id.clone())
         .collect()
+}
+
+/// The pod that holds `Allocate` reservations' devices, by reservation id.
+pub fn pods_of(reservations: &[Reservation], in_use: &InUse) -> HashMap<String, PodName> {
+    reservations
+        .iter()
+        .filter_map(|r| Some((r.id.clone(), pod_of(r, in_use)?.clone())))
+        .collect()
+}
+
+/// The pod that holds one of `r`'s devices, if `r` was made by `Allocate` and one does.
+fn pod_of<'a>(r: &Reservation, in_use: &'a InUse) -> Option<&'a PodName> {
+    let (resource, ids) = devices_of(r)?;
+    ids.into_iter()
+        .find_map(|id| in_use.get(&(resource.to_owned(), id)))
 }
 
 #[cfg(test)]

@@ -78,6 +78,7 @@ use tonic::transport::{Channel, Endpoint, Uri};
 
 use crate::broker::{Broker, Caller};
 use crate::config::Config;
+use crate::metrics::Metrics;
 use crate::model::Reservation;
 use devices::{Advertised, NodeView, Resource};
 
@@ -87,7 +88,7 @@ const REFRESH: Duration = Duration::from_millis(500);
 
 /// Runs the device plugin until gpud stops: registration (and re-registration), the plugin
 /// servers, the advertised lists and reconciliation. Spawn it on the runtime.
-pub async fn run(broker: Arc<Broker>, config: Config) {
+pub async fn run(broker: Arc<Broker>, config: Config, metrics: Arc<Metrics>) {
     let k = config.kubelet.clone();
     let mut resources = vec![Resource::Memory {
         unit_bytes: k.mem_unit,
@@ -95,7 +96,7 @@ pub async fn run(broker: Arc<Broker>, config: Config) {
     if k.whole_gpus {
         resources.push(Resource::WholeGpu);
     }
-    let shared = Arc::new(Shared::new(broker, &config, &resources));
+    let shared = Arc::new(Shared::new(broker, &config, &resources, metrics));
     tokio::spawn(refresh_loop(shared.clone()));
     tokio::spawn(reconcile::run(
         shared.clone(),
@@ -135,10 +136,17 @@ pub(crate) struct Shared {
     gpuctl_dir: Option<PathBuf>,
     /// `[cdi] enabled`: `Allocate` names each reservation's CDI device.
     cdi: bool,
+    /// Told which pod each reservation serves, at every reconciliation.
+    metrics: Arc<Metrics>,
 }
 
 impl Shared {
-    fn new(broker: Arc<Broker>, config: &Config, resources: &[Resource]) -> Shared {
+    fn new(
+        broker: Arc<Broker>,
+        config: &Config,
+        resources: &[Resource],
+        metrics: Arc<Metrics>,
+    ) -> Shared {
         let socket_dir = config
             .socket
             .parent()
@@ -158,6 +166,7 @@ impl Shared {
             socket_host_dir: config.kubelet.socket_host_dir.clone().unwrap_or(socket_dir),
             gpuctl_dir: config.kubelet.gpuctl_dir.clone(),
             cdi: config.cdi.enabled,
+            metrics,
         }
     }
 

@@ -3,21 +3,22 @@
 //! they are older than the grace period. When the kubelet cannot be asked, nothing is
 //! released (a kubelet restart must never free what running pods use).
 
-use std::collections::BTreeSet;
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
 use super::Shared;
 use super::connect_unix;
-use super::devices;
+use super::devices::{self, InUse};
 use super::proto::podresources_v1::ListPodResourcesRequest;
 use super::proto::podresources_v1::pod_resources_lister_client::PodResourcesListerClient;
 use crate::clock::now_millis;
+use crate::metrics::PodName;
 use crate::model::Reservation;
 
-/// `(resource name, device id)` for every device a pod holds.
-async fn devices_in_use(socket: &Path) -> Result<BTreeSet<(String, String)>, String> {
+/// `(resource name, device id)` for every device a pod holds, and the pod.
+async fn devices_in_use(socket: &Path) -> Result<InUse, String> {
     let channel = connect_unix(socket)
         .await
         .map_err(|e| format!("cannot connect to {}: {e}", socket.display()))?;
@@ -29,12 +30,16 @@ async fn devices_in_use(socket: &Path) -> Result<BTreeSet<(String, String)>, Str
         .await
         .map_err(|s| format!("List failed: {}", s.message()))?
         .into_inner();
-    let mut in_use = BTreeSet::new();
+    let mut in_use = InUse::new();
     for pod in response.pod_resources {
+        let name = PodName {
+            namespace: pod.namespace,
+            name: pod.name,
+        };
         for container in pod.containers {
             for d in container.devices {
                 for id in d.device_ids {
-                    in_use.insert((d.resource_name.clone(), id));
+                    in_use.insert((d.resource_name.clone(), id), name.clone());
                 }
             }
         }
@@ -42,16 +47,20 @@ async fn devices_in_use(socket: &Path) -> Result<BTreeSet<(String, String)>, Str
     Ok(in_use)
 }
 
-/// Releases what no pod holds. Blocking. Returns how many were released.
-fn release_stale(shared: &Shared, in_use: &BTreeSet<(String, String)>, grace: Duration) -> usize {
+/// Releases what no pod holds, and tells the metrics which pod each reservation serves.
+/// Blocking. Returns how many were released.
+fn release_stale(shared: &Shared, in_use: &InUse, grace: Duration) -> usize {
     let now = now_millis();
     let reservations: Vec<Reservation> = shared
         .broker
         .snapshot()
         .reservations
         .iter()
+        .filter(|r| devices::devices_of(r).is_some())
         .map(|r| Reservation::clone(r))
         .collect();
+    let pods: HashMap<String, PodName> = devices::pods_of(&reservations, in_use);
+    shared.metrics.set_pods(pods);
     let grace_ms = u64::try_from(grace.as_millis()).unwrap_or(u64::MAX);
     let mut released = 0;
     for id in devices::stale(&reservations, in_use, now, grace_ms) {

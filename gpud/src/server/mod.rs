@@ -286,7 +286,11 @@ async fn serve(config: Config, config_path: Option<PathBuf>) -> Result<(), Serve
         tokio::spawn(serve_metrics_tcp(addr, api.clone()));
     }
     if config.kubelet.enabled {
-        tokio::spawn(crate::kubelet::run(broker.clone(), config.clone()));
+        tokio::spawn(crate::kubelet::run(
+            broker.clone(),
+            config.clone(),
+            metrics.clone(),
+        ));
     }
     if config.dra.enabled {
         tokio::spawn(crate::dra::driver::run(broker.clone(), config.clone()));

@@ -430,13 +430,24 @@ fn stale_means_old_enough_and_no_device_held_by_any_pod() {
     let gone = allocate(&b, MEM, &mem_ids(1, [0]), 0);
     let wrong_resource = allocate(&b, Resource::WholeGpu, &ids(&["GPU-2"]), 0);
     bare_metal(&b, MemoryAsk::Bytes(GIB));
-    let in_use: BTreeSet<(String, String)> = [
+    let pod = PodName {
+        namespace: "ml".to_owned(),
+        name: "serve-0".to_owned(),
+    };
+    let in_use: InUse = [
         (RESOURCE_MEM.to_owned(), mem_device_id("GPU-0", 2)),
         // The same id under another resource name does not count.
         ("nvidia.com/gpu".to_owned(), "GPU-2".to_owned()),
     ]
-    .into();
+    .into_iter()
+    .map(|device| (device, pod.clone()))
+    .collect();
     let reservations = active(&b);
+    assert_eq!(
+        pods_of(&reservations, &in_use),
+        [(held.id.clone(), pod.clone())].into(),
+        "the pod holding one of its devices serves it"
+    );
     let mut stale_ids = stale(&reservations, &in_use, 60_000, 30_000);
     stale_ids.sort();
     let mut expected = vec![gone.id, wrong_resource.id];
@@ -510,6 +521,7 @@ fn allocate_names_the_cdi_device_only_when_cdi_is_enabled() {
                 b.broker.clone(),
                 &config,
                 &[MEM],
+                Arc::new(crate::metrics::Metrics::new()),
             )),
             epoch: epoch_rx,
         };
