@@ -498,6 +498,22 @@ async fn registers_advertises_binpacks_allocates_and_releases_when_the_pod_is_go
     tokio::time::sleep_until(allocated_at + ALLOCATION_GRACE).await;
     kubelet.wait_reconciled(1).await;
     assert!(gpuctl_ls(&d).iter().any(|r| r["id"] == id.as_str()));
+    // Its series on /metrics name the pod that reconciliation found holding its devices.
+    let metrics = d.get("/metrics").text;
+    let series = metrics
+        .lines()
+        .find(|l| {
+            l.starts_with("gpud_reservation_memory_reserved_bytes{")
+                && l.contains(&format!("reservation=\"{id}\""))
+        })
+        .unwrap_or_else(|| panic!("no series for {id} in\n{metrics}"));
+    for label in [
+        "origin=\"pod\"",
+        "namespace=\"default\"",
+        "name=\"trainer\"",
+    ] {
+        assert!(series.contains(label), "{label} not in {series}");
+    }
 
     // The pod is gone from pod-resources: released, with the reason recorded.
     kubelet.set_pods(&[]);

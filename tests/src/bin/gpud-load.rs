@@ -26,6 +26,11 @@
 //!   own connection, for a whole GPU that a lease of 1 MiB per GPU keeps them from), prints
 //!   the release latency ratio, and gpud's memory per waiter beside that of an idle
 //!   keep-alive connection.
+//! - `--scrape 1000` makes that many TTL reservations, then times `GET /metrics` (200
+//!   scrapes, one after another: p50, p99, the size and the number of series), and measures
+//!   the cycle rate with a scrape every second beside the rate without, in alternating
+//!   rounds (`--rounds`), and prints the ratio of the medians. The spawned gpud copies the
+//!   reservations' `load` label onto their series (`[metrics] labels`).
 //! - `--spawn-gpud FIXTURE` starts `gpud` from this binary's directory on the fake NVML
 //!   (`libfake_nvml.so` beside it) in a temporary directory, instead of `--socket`.
 //!
@@ -101,6 +106,13 @@ struct Args {
     /// per waiter beside that of an idle keep-alive connection.
     #[arg(long, value_delimiter = ',')]
     queue_scaling: Vec<usize>,
+    /// Time `GET /metrics` with this many reservations active, and the cycle rate with and
+    /// without a scrape every second.
+    #[arg(long)]
+    scrape: Option<usize>,
+    /// Rounds of each arm of the --scrape rate comparison.
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
     /// Memory each cycle reserves.
     #[arg(long, default_value = "1MiB")]
     memory: String,
@@ -351,7 +363,9 @@ fn start_gpud(args: &Args, fixture: &str) -> anyhow::Result<Server> {
     std::fs::copy(fixture_path(fixture), &fixture_copy)
         .with_context(|| format!("fixture {fixture}"))?;
     let config = dir.path().join("gpud.toml");
-    std::fs::write(&config, "")?;
+    // The per-workload series carry the reservations' `load` label, as an admin's
+    // `[metrics] labels` would copy theirs.
+    std::fs::write(&config, "[metrics]\nlabels = [\"load\"]\n")?;
     let socket = dir.path().join("gpud.sock");
     // gpud logs every reserve and release at info, as it does in production (to journald);
     // here to a file.
@@ -478,10 +492,15 @@ impl Client {
 
     /// `GET /v1/gpus`; returns the reply.
     async fn gpus(&mut self) -> anyhow::Result<Bytes> {
-        let (status, reply) = self.send(Method::GET, "/v1/gpus", Bytes::new()).await?;
+        self.get("/v1/gpus").await
+    }
+
+    /// `GET path`, which must answer 200; returns the reply.
+    async fn get(&mut self, path: &str) -> anyhow::Result<Bytes> {
+        let (status, reply) = self.send(Method::GET, path, Bytes::new()).await?;
         if status != StatusCode::OK {
             bail!(
-                "GET /v1/gpus: {status}: {}",
+                "GET {path}: {status}: {}",
                 String::from_utf8_lossy(&reply).trim()
             );
         }
@@ -887,7 +906,88 @@ async fn drive(args: Args) -> anyhow::Result<()> {
     if !args.queue_scaling.is_empty() {
         queue_scaling(&socket, gpud_pid, &args).await?;
     }
+    if let Some(active) = args.scrape {
+        scrape_cost(&socket, gpud_pid, active, &args).await?;
+    }
     Ok(())
+}
+
+/// What a scrape of `/metrics` costs with `active` reservations, and what a scrape every
+/// second takes from the reserve → release rate.
+async fn scrape_cost(
+    socket: &Path,
+    gpud_pid: Option<u32>,
+    active: usize,
+    args: &Args,
+) -> anyhow::Result<()> {
+    let ids = fill_background(socket, active).await?;
+    let mut client = Client::connect(socket).await?;
+    let text = client.get("/metrics").await?;
+    let text = String::from_utf8_lossy(&text);
+    let samples = text.lines().filter(|l| !l.starts_with('#')).count();
+    let workload = text
+        .lines()
+        .filter(|l| l.starts_with("gpud_reservation_") || l.starts_with("gpud_unreserved_"))
+        .count();
+    let mut latencies = Vec::with_capacity(200);
+    for _ in 0..200 {
+        let start = Instant::now();
+        client.get("/metrics").await?;
+        latencies.push(micros(start.elapsed()));
+    }
+    let p = Percentiles::of(&mut latencies);
+    println!(
+        "GET /metrics with {active} reservations: p50 {:.2} ms, p99 {:.2} ms (200 scrapes); {} bytes, {samples} series, {workload} of them per workload",
+        ms(p.p50),
+        ms(p.p99),
+        text.len(),
+    );
+    let (mut without, mut with) = (Vec::new(), Vec::new());
+    for round in 0..args.rounds {
+        // Alternate which arm goes first, so that neither always runs on a warmer server.
+        for scraping in [round % 2 == 1, round % 2 == 0] {
+            let until = Instant::now() + args.warmup + args.duration;
+            let scraper = scraping.then(|| {
+                let socket = socket.to_owned();
+                tokio::spawn(async move {
+                    let mut client = Client::connect(&socket).await?;
+                    let mut ticks = tokio::time::interval(Duration::from_secs(1));
+                    while Instant::now() < until {
+                        ticks.tick().await;
+                        client.get("/metrics").await?;
+                    }
+                    anyhow::Ok(())
+                })
+            });
+            let m = measure_as(args, socket, gpud_pid, args.clients).await?;
+            if let Some(scraper) = scraper {
+                scraper.await??;
+            }
+            let what = if scraping {
+                "a scrape every second"
+            } else {
+                "no scrapes"
+            };
+            println!(
+                "round {round}, {what:<22} {:>8.0} cycles/s, cycle p50 {:.2} ms",
+                m.rate,
+                ms(m.cycle.p50)
+            );
+            if scraping { &mut with } else { &mut without }.push(m.rate);
+        }
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v.get(v.len() / 2).copied().unwrap_or(0.0)
+    };
+    let (with, without) = (median(&mut with), median(&mut without));
+    println!(
+        "cycle rate with a scrape every second / without, {} clients, {active} reservations: {:.3} ({with:.0} / {without:.0} cycles/s, medians of {} rounds)",
+        args.clients,
+        with / without,
+        args.rounds,
+    );
+    release_all(socket, ids).await
 }
 
 /// The `memory_total_bytes` of each GPU, by index.
