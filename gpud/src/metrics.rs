@@ -5,6 +5,7 @@
 //! from what the broker holds.
 
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use hyper::Method;
@@ -89,6 +90,8 @@ pub struct Metrics {
     open_files_limit: Gauge,
     history_deleted: Family<KindLabels, Counter>,
     render_lock: Mutex<()>,
+    /// The last scrape's size: the next one's buffer starts that large.
+    last_size: AtomicUsize,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -257,6 +260,7 @@ impl Metrics {
             open_files_limit,
             history_deleted,
             render_lock: Mutex::new(()),
+            last_size: AtomicUsize::new(0),
         }
     }
 
@@ -390,7 +394,7 @@ impl Metrics {
         self.oldest_wait.set(gauge(
             oldest.map_or(0, |since| now.saturating_sub(since) / 1000),
         ));
-        self.workloads.set(snap);
+
         let (open, limit) = open_files();
         self.open_files.set(gauge(open));
         self.open_files_limit.set(gauge(limit));
@@ -401,10 +405,14 @@ impl Metrics {
         ] {
             counter.inc_by(total.saturating_sub(counter.get()));
         }
-        let mut out = String::new();
-        if prometheus_client::encoding::text::encode(&mut out, &self.registry).is_err() {
+        let mut out = String::with_capacity(self.last_size.load(Ordering::Relaxed) + 4096);
+        let encoded = self.workloads.scrape(snap, || {
+            prometheus_client::encoding::text::encode(&mut out, &self.registry)
+        });
+        if encoded.is_err() {
             out = "# EOF\n".to_owned();
         }
+        self.last_size.store(out.len(), Ordering::Relaxed);
         out
     }
 }

@@ -43,6 +43,10 @@ const MIGRATIONS: &[(&str, &str)] = &[
         "0005_isolation",
         include_str!("../../schema/migrations/0005_isolation.sql"),
     ),
+    (
+        "0006_ended_index",
+        include_str!("../../schema/migrations/0006_ended_index.sql"),
+    ),
 ];
 
 /// Bits of a row's `seq` below its creation millisecond (see migration 0003).

@@ -7,13 +7,16 @@
 //! number is bounded by `[metrics] max_series`: the oldest reservations are shown, the
 //! newest left out and counted.
 
-use std::borrow::Cow;
-use std::collections::HashMap;
-use std::sync::Mutex;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
 
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{
+    DescriptorEncoder, EncodeLabel, EncodeLabelSet, EncodeMetric, LabelSetEncoder,
+};
+use prometheus_client::metrics::MetricType;
 use prometheus_client::metrics::counter::Counter;
-use prometheus_client::metrics::family::Family;
-use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::registry::Registry;
 
 use gpud_schema::{IsolationMode, origin};
@@ -21,10 +24,6 @@ use gpud_schema::{IsolationMode, origin};
 use crate::broker::Snapshot;
 use crate::config::MetricsConfig;
 use crate::model::Reservation;
-
-/// A series' labels: names are static for gpud's own, made from the config for
-/// reservation labels.
-pub(super) type Labels = Vec<(Cow<'static, str>, String)>;
 
 /// The pod a device-plugin reservation serves, as the kubelet's pod-resources API names it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -37,21 +36,21 @@ pub struct PodName {
 
 /// Where a reservation came from, as its series' labels say.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Origin {
+pub struct Origin<'a> {
     /// `local`, `pod`, `claim` or `slurm`.
     pub kind: &'static str,
     /// The pod's or claim's namespace.
-    pub namespace: Option<String>,
+    pub namespace: Option<&'a str>,
     /// The pod's or claim's name.
-    pub name: Option<String>,
+    pub name: Option<&'a str>,
     /// The Slurm job's id.
-    pub slurm_job: Option<String>,
+    pub slurm_job: Option<&'a str>,
 }
 
-impl Origin {
+impl<'a> Origin<'a> {
     /// Where `r` came from: a DRA claim, a pod (through the device plugin; its name once
     /// reconciliation has seen it in `pods`), a Slurm job, or a local request.
-    pub fn of(r: &Reservation, pods: &HashMap<String, PodName>) -> Origin {
+    pub fn of(r: &'a Reservation, pods: &'a HashMap<String, PodName>) -> Origin<'a> {
         let mut o = Origin {
             kind: "local",
             namespace: None,
@@ -62,32 +61,36 @@ impl Origin {
             o.kind = "claim";
             match claim.split_once('/') {
                 Some((namespace, name)) => {
-                    o.namespace = Some(namespace.to_owned());
-                    o.name = Some(name.to_owned());
+                    o.namespace = Some(namespace);
+                    o.name = Some(name);
                 }
-                None => o.name = Some(claim.clone()),
+                None => o.name = Some(claim),
             }
         } else if r.labels.contains_key(origin::KUBELET_RESOURCE) {
             o.kind = "pod";
             if let Some(pod) = pods.get(&r.id) {
-                o.namespace = Some(pod.namespace.clone());
-                o.name = Some(pod.name.clone());
+                o.namespace = Some(&pod.namespace);
+                o.name = Some(&pod.name);
             }
         } else if let Some(job) = r.labels.get(origin::SLURM_JOB) {
             o.kind = "slurm";
-            o.slurm_job = Some(job.clone());
+            o.slurm_job = Some(job);
         }
         o
     }
 }
 
-/// The per-workload families, and what naming their labels needs.
+/// The per-workload series: a collector that encodes them straight from the snapshot of
+/// the scrape, without keeping a series between scrapes.
 pub(super) struct Workloads {
-    reserved: Family<Labels, Gauge>,
-    used: Family<Labels, Gauge>,
-    limit: Family<Labels, Gauge>,
-    isolation: Family<Labels, Gauge>,
-    unreserved: Family<Labels, Gauge>,
+    state: Arc<State>,
+}
+
+/// What the collector reads at each scrape.
+#[derive(Debug, Default)]
+struct State {
+    /// The scrape's snapshot and what of it fits `max_series`, while a scrape encodes.
+    current: Mutex<Option<Scrape>>,
     left_out: Counter,
     /// User names by uid, looked up once each.
     owners: Mutex<HashMap<u32, String>>,
@@ -95,152 +98,263 @@ pub(super) struct Workloads {
     pods: Mutex<HashMap<String, PodName>>,
 }
 
+/// One scrape's snapshot, and how many of its unreserved rows and (oldest) reservations
+/// are shown.
+#[derive(Debug)]
+struct Scrape {
+    snap: Snapshot,
+    unreserved_shown: usize,
+    reservations_shown: usize,
+}
+
+/// The registry's handle on [`State`].
+#[derive(Debug)]
+struct Collect(Arc<State>);
+
+impl Collector for Collect {
+    fn encode(&self, encoder: DescriptorEncoder) -> std::fmt::Result {
+        self.0.encode(encoder)
+    }
+}
+
 impl Workloads {
-    /// Registers the families in `registry`.
+    /// Registers the series in `registry`.
     pub(super) fn register(registry: &mut Registry) -> Workloads {
-        let w = Workloads {
-            reserved: Family::default(),
-            used: Family::default(),
-            limit: Family::default(),
-            isolation: Family::default(),
-            unreserved: Family::default(),
-            left_out: Counter::default(),
-            owners: Mutex::default(),
-            pods: Mutex::default(),
-        };
-        registry.register(
-            "reservation_memory_reserved_bytes",
-            "GPU memory an active reservation holds on a GPU or MIG instance",
-            w.reserved.clone(),
-        );
-        registry.register(
-            "reservation_memory_used_bytes",
-            "GPU memory a reservation's processes use there (last audit pass)",
-            w.used.clone(),
-        );
-        registry.register(
-            "reservation_memory_limit_bytes",
-            "The hard limit the driver enforces for a reservation there (only where it enforces one)",
-            w.limit.clone(),
-        );
-        registry.register(
-            "reservation_isolation",
-            "1 for a reservation's isolation mode there: driver, pending or advisory",
-            w.isolation.clone(),
-        );
-        registry.register(
-            "unreserved_memory_used_bytes",
-            "GPU memory processes outside every reservation use, per GPU or MIG instance and user (last audit pass)",
-            w.unreserved.clone(),
-        );
+        let state = Arc::new(State::default());
         registry.register(
             "metrics_series_left_out",
             "Per-workload series a scrape left out for [metrics] max_series (added at every scrape that hits the bound)",
-            w.left_out.clone(),
+            state.left_out.clone(),
         );
-        w
+        registry.register_collector(Box::new(Collect(state.clone())));
+        Workloads { state }
     }
 
     /// Replaces the device-plugin reservations' pods.
     pub(super) fn set_pods(&self, pods: HashMap<String, PodName>) {
-        *lock(&self.pods) = pods;
+        *lock(&self.state.pods) = pods;
     }
 
-    /// Makes the series anew from `snap`.
-    pub(super) fn set(&self, snap: &Snapshot) {
-        for family in [
-            &self.reserved,
-            &self.used,
-            &self.limit,
-            &self.isolation,
-            &self.unreserved,
-        ] {
-            family.clear();
+    /// Runs `encode` (the registry's encoding) with the series made from `snap`.
+    pub(super) fn scrape<T>(&self, snap: &Snapshot, encode: impl FnOnce() -> T) -> T {
+        let scrape = self.state.plan(snap);
+        *lock(&self.state.current) = Some(scrape);
+        let out = encode();
+        *lock(&self.state.current) = None;
+        out
+    }
+}
+
+impl State {
+    /// Looks up the owners' names, decides what fits `max_series` and counts what does not.
+    fn plan(&self, snap: &Snapshot) -> Scrape {
+        let mut owners = lock(&self.owners);
+        let uids = snap
+            .processes
+            .iter()
+            .filter_map(|p| p.uid)
+            .chain(snap.reservations.iter().map(|r| r.owner_uid));
+        for uid in uids {
+            owners.entry(uid).or_insert_with(|| {
+                crate::holder::user_name(uid).unwrap_or_else(|| uid.to_string())
+            });
         }
-        let config = &snap.settings.config.metrics;
         let mut room = Room {
-            left: config.max_series,
+            left: snap.settings.config.metrics.max_series,
             left_out: 0,
         };
-        let mut owners = lock(&self.owners);
-        let mut owner = |uid: Option<u32>| -> String {
-            let Some(uid) = uid else {
-                return "unknown".to_owned();
-            };
-            owners
-                .entry(uid)
-                .or_insert_with(|| crate::holder::user_name(uid).unwrap_or_else(|| uid.to_string()))
-                .clone()
+        // Unreserved use first: GPUs × users bounds it, not what users can make more of.
+        let unreserved = unreserved_use(snap).len();
+        let unreserved_shown = unreserved.min(room.left);
+        room.left -= unreserved_shown;
+        room.left_out += unreserved - unreserved_shown;
+        let mut reservations_shown = 0;
+        for r in snap.reservations.iter() {
+            let enforced = r.isolation.mode == IsolationMode::Driver;
+            if room.take(r.units.len() * (3 + usize::from(enforced))) {
+                reservations_shown += 1;
+            }
+        }
+        self.left_out.inc_by(room.left_out as u64);
+        Scrape {
+            snap: snap.clone(),
+            unreserved_shown,
+            reservations_shown,
+        }
+    }
+
+    fn encode(&self, mut encoder: DescriptorEncoder) -> std::fmt::Result {
+        let current = lock(&self.current);
+        let Some(scrape) = current.as_ref() else {
+            return Ok(());
+        };
+        let snap = &scrape.snap;
+        let owners = lock(&self.owners);
+        let owner = |uid: Option<u32>| -> &str {
+            uid.and_then(|u| owners.get(&u))
+                .map_or("unknown", String::as_str)
         };
 
-        // Use by reservation and unit, and outside every reservation by unit and user.
-        let mut used: HashMap<(&str, &str), u64> = HashMap::new();
-        let mut unreserved: HashMap<(u32, &str, Option<u32>), u64> = HashMap::new();
-        for p in snap.processes.iter() {
-            let bytes = p.used_bytes.unwrap_or(0);
-            match &p.reservation {
-                Some(id) if !p.wrong_gpu => {
-                    *used.entry((id.as_str(), p.unit_uuid.as_str())).or_default() += bytes;
-                }
-                _ => {
-                    *unreserved
-                        .entry((p.gpu_index, p.unit_uuid.as_str(), p.uid))
-                        .or_default() += bytes;
-                }
-            }
-        }
-        let mut unreserved: Vec<_> = unreserved.into_iter().collect();
-        unreserved.sort_unstable();
-        for ((gpu, uuid, uid), bytes) in unreserved {
-            if !room.take(1) {
-                continue;
-            }
-            let labels: Labels = vec![
-                ("gpu".into(), gpu.to_string()),
-                ("uuid".into(), uuid.to_owned()),
-                ("owner".into(), owner(uid)),
-            ];
-            self.unreserved.get_or_create(&labels).set(gauge(bytes));
+        let mut family = encoder.encode_descriptor(
+            "unreserved_memory_used_bytes",
+            "GPU memory processes outside every reservation use, per GPU or MIG instance and user (last audit pass)",
+            None,
+            MetricType::Gauge,
+        )?;
+        for ((gpu, uuid, uid), bytes) in unreserved_use(snap)
+            .into_iter()
+            .take(scrape.unreserved_shown)
+        {
+            let labels = SeriesLabels {
+                common: &[("owner", owner(uid))],
+                gpu,
+                uuid,
+                mode: None,
+            };
+            ConstGauge::new(gauge(bytes)).encode(family.encode_family(&labels)?)?;
         }
 
+        let config = &snap.settings.config.metrics;
+        let names: Vec<(&str, String)> = config
+            .labels
+            .iter()
+            .map(|l| (l.as_str(), MetricsConfig::label_name(l)))
+            .collect();
+        let pods = lock(&self.pods);
+        let rows: Vec<(&Reservation, Vec<(&str, &str)>)> = snap
+            .reservations
+            .iter()
+            .take(scrape.reservations_shown)
+            .map(|r| {
+                let r: &Reservation = r;
+                (r, common_labels(r, owner(Some(r.owner_uid)), &pods, &names))
+            })
+            .collect();
+        let used = reservation_use(snap);
         let totals: HashMap<&str, u64> = snap
             .units
             .iter()
             .map(|u| (u.uuid.as_str(), u.memory_total_bytes))
             .collect();
         let burst = snap.settings.config.isolation.burst;
-        let pods = lock(&self.pods);
-        for r in snap.reservations.iter() {
-            let enforced = r.isolation.mode == IsolationMode::Driver;
-            let series = r.units.len() * (3 + usize::from(enforced));
-            if !room.take(series) {
-                continue;
-            }
-            let common = common_labels(r, owner(Some(r.owner_uid)), &pods, config);
-            for unit in &r.units {
-                let mut labels = common.clone();
-                labels.push(("gpu".into(), unit.gpu_index.to_string()));
-                labels.push(("uuid".into(), unit.uuid.clone()));
-                self.reserved
-                    .get_or_create(&labels)
-                    .set(gauge(unit.memory_bytes));
-                let bytes = used
-                    .get(&(r.id.as_str(), unit.uuid.as_str()))
-                    .copied()
-                    .unwrap_or(0);
-                self.used.get_or_create(&labels).set(gauge(bytes));
-                if enforced {
-                    let total = totals.get(unit.uuid.as_str()).copied().unwrap_or(u64::MAX);
-                    let (_, hard) =
-                        crate::isolation::limits_for([Some(unit.memory_bytes)], burst, total);
-                    self.limit.get_or_create(&labels).set(gauge(hard));
+        for series in Series::ALL {
+            let mut family =
+                encoder.encode_descriptor(series.name(), series.help(), None, MetricType::Gauge)?;
+            for (r, common) in &rows {
+                let enforced = r.isolation.mode == IsolationMode::Driver;
+                for unit in &r.units {
+                    let value = match series {
+                        Series::Reserved => unit.memory_bytes,
+                        Series::Used => used
+                            .get(&(r.id.as_str(), unit.uuid.as_str()))
+                            .copied()
+                            .unwrap_or(0),
+                        Series::Limit if enforced => {
+                            let total = totals.get(unit.uuid.as_str()).copied().unwrap_or(u64::MAX);
+                            crate::isolation::limits_for([Some(unit.memory_bytes)], burst, total).1
+                        }
+                        Series::Limit => continue,
+                        Series::Isolation => 1,
+                    };
+                    let labels = SeriesLabels {
+                        common,
+                        gpu: unit.gpu_index,
+                        uuid: &unit.uuid,
+                        mode: (series == Series::Isolation).then(|| r.isolation.mode.as_str()),
+                    };
+                    ConstGauge::new(gauge(value)).encode(family.encode_family(&labels)?)?;
                 }
-                labels.push(("mode".into(), r.isolation.mode.as_str().to_owned()));
-                self.isolation.get_or_create(&labels).set(1);
             }
         }
-        self.left_out.inc_by(room.left_out as u64);
+        Ok(())
     }
+}
+
+/// The per-reservation series, in the order they are encoded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Series {
+    Reserved,
+    Used,
+    Limit,
+    Isolation,
+}
+
+impl Series {
+    const ALL: [Series; 4] = [
+        Series::Reserved,
+        Series::Used,
+        Series::Limit,
+        Series::Isolation,
+    ];
+
+    fn name(self) -> &'static str {
+        match self {
+            Series::Reserved => "reservation_memory_reserved_bytes",
+            Series::Used => "reservation_memory_used_bytes",
+            Series::Limit => "reservation_memory_limit_bytes",
+            Series::Isolation => "reservation_isolation",
+        }
+    }
+
+    fn help(self) -> &'static str {
+        match self {
+            Series::Reserved => "GPU memory an active reservation holds on a GPU or MIG instance",
+            Series::Used => "GPU memory a reservation's processes use there (last audit pass)",
+            Series::Limit => {
+                "The hard limit the driver enforces for a reservation there (only where it enforces one)"
+            }
+            Series::Isolation => {
+                "1 for a reservation's isolation mode there: driver, pending or advisory"
+            }
+        }
+    }
+}
+
+/// A series' labels, borrowed from the snapshot: the reservation's (or the user's), then
+/// the GPU's, then the isolation mode where the series has one.
+struct SeriesLabels<'a> {
+    common: &'a [(&'a str, &'a str)],
+    gpu: u32,
+    uuid: &'a str,
+    mode: Option<&'a str>,
+}
+
+impl EncodeLabelSet for SeriesLabels<'_> {
+    fn encode(&self, encoder: &mut LabelSetEncoder) -> std::fmt::Result {
+        self.common.encode(encoder)?;
+        ("gpu", self.gpu).encode(encoder.encode_label())?;
+        ("uuid", self.uuid).encode(encoder.encode_label())?;
+        if let Some(mode) = self.mode {
+            ("mode", mode).encode(encoder.encode_label())?;
+        }
+        Ok(())
+    }
+}
+
+/// Memory used by each reservation's processes, by reservation id and unit.
+fn reservation_use(snap: &Snapshot) -> HashMap<(&str, &str), u64> {
+    let mut used = HashMap::new();
+    for p in snap.processes.iter() {
+        if let (Some(id), false) = (&p.reservation, p.wrong_gpu) {
+            *used.entry((id.as_str(), p.unit_uuid.as_str())).or_default() +=
+                p.used_bytes.unwrap_or(0);
+        }
+    }
+    used
+}
+
+/// Memory used outside every reservation (a reservation's process on a GPU it does not
+/// hold included), by GPU index, unit and uid, in that order.
+fn unreserved_use(snap: &Snapshot) -> BTreeMap<(u32, &str, Option<u32>), u64> {
+    let mut unreserved = BTreeMap::new();
+    for p in snap.processes.iter() {
+        if p.reservation.is_none() || p.wrong_gpu {
+            *unreserved
+                .entry((p.gpu_index, p.unit_uuid.as_str(), p.uid))
+                .or_default() += p.used_bytes.unwrap_or(0);
+        }
+    }
+    unreserved
 }
 
 /// What is left of `[metrics] max_series` in one scrape.
@@ -264,18 +378,18 @@ impl Room {
 }
 
 /// The labels every series of reservation `r` carries: its id, owner, origin and the
-/// reservation labels `[metrics] labels` names.
-fn common_labels(
-    r: &Reservation,
-    owner: String,
-    pods: &HashMap<String, PodName>,
-    config: &MetricsConfig,
-) -> Labels {
+/// reservation labels `[metrics] labels` names (`names`: each with its Prometheus name).
+fn common_labels<'a>(
+    r: &'a Reservation,
+    owner: &'a str,
+    pods: &'a HashMap<String, PodName>,
+    names: &'a [(&'a str, String)],
+) -> Vec<(&'a str, &'a str)> {
     let origin = Origin::of(r, pods);
-    let mut labels: Labels = vec![
-        ("reservation".into(), r.id.clone()),
-        ("owner".into(), owner),
-        ("origin".into(), origin.kind.to_owned()),
+    let mut labels = vec![
+        ("reservation", r.id.as_str()),
+        ("owner", owner),
+        ("origin", origin.kind),
     ];
     for (name, value) in [
         ("namespace", origin.namespace),
@@ -283,12 +397,12 @@ fn common_labels(
         ("slurm_job", origin.slurm_job),
     ] {
         if let Some(value) = value {
-            labels.push((name.into(), value));
+            labels.push((name, value));
         }
     }
-    for label in &config.labels {
-        if let Some(value) = r.labels.get(label) {
-            labels.push((MetricsConfig::label_name(label).into(), value.clone()));
+    for (label, name) in names {
+        if let Some(value) = r.labels.get(*label) {
+            labels.push((name.as_str(), value.as_str()));
         }
     }
     labels

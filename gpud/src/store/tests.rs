@@ -302,6 +302,19 @@ fn the_hot_statements_use_their_indexes() {
          AND ended_at < 1 ORDER BY seq LIMIT 10",
     );
     assert!(prune.contains("INTEGER PRIMARY KEY (rowid<?)"), "{prune}");
+    // Keeping the newest `[history] max_rows`: the ended rows' index, walked from its
+    // newest end, never the rows themselves.
+    let kept = plan(
+        "SELECT seq FROM reservations WHERE state <> 'active' ORDER BY seq DESC LIMIT 1 OFFSET 5",
+    );
+    assert!(kept.contains("USING INDEX reservations_ended"), "{kept}");
+    let oldest = plan(
+        "SELECT seq FROM reservations WHERE state <> 'active' AND seq <= 9 ORDER BY seq LIMIT 10",
+    );
+    assert!(
+        oldest.contains("USING INDEX reservations_ended"),
+        "{oldest}"
+    );
 }
 
 #[test]

@@ -325,18 +325,24 @@ impl Txn<'_> {
     ) -> Result<(usize, usize), StoreError> {
         let max_rows = to_sql_int(max_rows);
         self.write("delete history beyond its row limit", |c| {
+            // The newest row beyond the kept ones is found from the newest end, through the
+            // ended rows' index (migration 0006), and deleting goes from the oldest end:
+            // a batch reads what is kept and what it deletes, never a count of the whole
+            // history, so its cost does not grow with how much history is over the limit.
             let reservations = c.execute(
                 "DELETE FROM reservations WHERE seq IN (
-                     SELECT seq FROM reservations WHERE state IN ('released', 'expired')
-                     ORDER BY seq
-                     LIMIT min(?2, max(0, (SELECT count(*) FROM reservations
-                                           WHERE state IN ('released', 'expired')) - ?1)))",
+                     SELECT seq FROM reservations
+                     WHERE state <> 'active' AND seq <= (
+                         SELECT seq FROM reservations WHERE state <> 'active'
+                         ORDER BY seq DESC LIMIT 1 OFFSET ?1)
+                     ORDER BY seq LIMIT ?2)",
                 params![max_rows, limit],
             )?;
             let events = c.execute(
                 "DELETE FROM events WHERE id IN (
-                     SELECT id FROM events ORDER BY id
-                     LIMIT min(?2, max(0, (SELECT count(*) FROM events) - ?1)))",
+                     SELECT id FROM events
+                     WHERE id <= (SELECT id FROM events ORDER BY id DESC LIMIT 1 OFFSET ?1)
+                     ORDER BY id LIMIT ?2)",
                 params![max_rows, limit],
             )?;
             Ok((reservations, events))

@@ -12,13 +12,10 @@ fn reservation(labels: &[(&str, &str)]) -> Reservation {
 #[test]
 fn origin_names_the_claim_the_pod_the_slurm_job_or_local() {
     let none = HashMap::new();
-    let claim = Origin::of(&reservation(&[(origin::DRA_CLAIM, "ml/serve")]), &none);
+    let claim_reservation = reservation(&[(origin::DRA_CLAIM, "ml/serve")]);
+    let claim = Origin::of(&claim_reservation, &none);
     assert_eq!(
-        (
-            claim.kind,
-            claim.namespace.as_deref(),
-            claim.name.as_deref()
-        ),
+        (claim.kind, claim.namespace, claim.name),
         ("claim", Some("ml"), Some("serve"))
     );
     let pod_reservation = reservation(&[(origin::KUBELET_RESOURCE, "gpud.io/gpu-mem")]);
@@ -34,15 +31,14 @@ fn origin_names_the_claim_the_pod_the_slurm_job_or_local() {
     .into();
     let pod = Origin::of(&pod_reservation, &pods);
     assert_eq!(
-        (pod.kind, pod.namespace.as_deref(), pod.name.as_deref()),
+        (pod.kind, pod.namespace, pod.name),
         ("pod", Some("web"), Some("api-7"))
     );
-    let slurm = Origin::of(&reservation(&[(origin::SLURM_JOB, "4242")]), &none);
-    assert_eq!(
-        (slurm.kind, slurm.slurm_job.as_deref()),
-        ("slurm", Some("4242"))
-    );
-    let local = Origin::of(&reservation(&[("team", "vision")]), &none);
+    let slurm_reservation = reservation(&[(origin::SLURM_JOB, "4242")]);
+    let slurm = Origin::of(&slurm_reservation, &none);
+    assert_eq!((slurm.kind, slurm.slurm_job), ("slurm", Some("4242")));
+    let local_reservation = reservation(&[("team", "vision")]);
+    let local = Origin::of(&local_reservation, &none);
     assert_eq!(
         local,
         Origin {
@@ -57,21 +53,13 @@ fn origin_names_the_claim_the_pod_the_slurm_job_or_local() {
 #[test]
 fn only_the_configured_labels_are_copied_under_their_prometheus_names() {
     let r = reservation(&[("team", "vision"), ("slurm.job", "7"), ("secret", "x")]);
-    let config = MetricsConfig {
-        labels: vec![
-            "team".to_owned(),
-            "slurm.job".to_owned(),
-            "absent".to_owned(),
-        ],
-        ..MetricsConfig::default()
-    };
-    let labels = common_labels(&r, "alice".to_owned(), &HashMap::new(), &config);
-    let labels: Vec<(&str, &str)> = labels
-        .iter()
-        .map(|(k, v)| (k.as_ref(), v.as_str()))
+    let names: Vec<(&str, String)> = ["team", "slurm.job", "absent"]
+        .into_iter()
+        .map(|l| (l, MetricsConfig::label_name(l)))
         .collect();
+    let pods = HashMap::new();
     assert_eq!(
-        labels,
+        common_labels(&r, "alice", &pods, &names),
         [
             ("reservation", "r1"),
             ("owner", "alice"),
