@@ -371,6 +371,17 @@ impl Daemon {
         http(&self.socket, "GET", path, None)
     }
 
+    /// The sample line of `GET /metrics` for `metric` of reservation `id` (its labels and
+    /// value); fails the test when there is none.
+    pub fn reservation_series(&self, metric: &str, id: &str) -> String {
+        let text = self.get("/metrics").text;
+        let reservation = format!("reservation=\"{id}\"");
+        text.lines()
+            .find(|l| l.starts_with(&format!("{metric}{{")) && l.contains(&reservation))
+            .unwrap_or_else(|| panic!("no {metric} of {id} in\n{text}"))
+            .to_owned()
+    }
+
     pub fn post(&self, path: &str, body: &str) -> Reply {
         http(&self.socket, "POST", path, Some(body))
     }

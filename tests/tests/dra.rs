@@ -102,6 +102,11 @@ fn a_claim_is_prepared_as_its_exact_reservation_and_released_when_it_is_gone() {
     assert_eq!(r.body["gpus"][0]["index"], 1);
     assert_eq!(r.body["gpus"][0]["memory_bytes"], 4 * GIB);
     assert_eq!(r.body["labels"]["dra.claim"], "ml/serve");
+    // Its series on /metrics name the claim.
+    let series = d.reservation_series("gpud_reservation_memory_reserved_bytes", "dra-uid-1");
+    for label in ["origin=\"claim\"", "namespace=\"ml\"", "name=\"serve\""] {
+        assert!(series.contains(label), "{label} not in {series}");
+    }
     assert!(dir.path().join("cdi/gpud-dra-uid-1.json").exists());
     // A retry changes nothing.
     assert_eq!(kubelet.prepare(vec![claim("serve", "uid-1")]), answer);

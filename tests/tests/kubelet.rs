@@ -499,14 +499,7 @@ async fn registers_advertises_binpacks_allocates_and_releases_when_the_pod_is_go
     kubelet.wait_reconciled(1).await;
     assert!(gpuctl_ls(&d).iter().any(|r| r["id"] == id.as_str()));
     // Its series on /metrics name the pod that reconciliation found holding its devices.
-    let metrics = d.get("/metrics").text;
-    let series = metrics
-        .lines()
-        .find(|l| {
-            l.starts_with("gpud_reservation_memory_reserved_bytes{")
-                && l.contains(&format!("reservation=\"{id}\""))
-        })
-        .unwrap_or_else(|| panic!("no series for {id} in\n{metrics}"));
+    let series = d.reservation_series("gpud_reservation_memory_reserved_bytes", &id);
     for label in [
         "origin=\"pod\"",
         "namespace=\"default\"",
