@@ -239,7 +239,7 @@ impl Api {
                 let body = self.body(req).await?;
                 self.attach_cgroup(caller, id, &body).await
             }
-            (["metrics"], &Method::GET) => Ok(self.metrics_reply()),
+            (["metrics"], &Method::GET) => Ok(self.metrics_reply().await),
             (["v1", "events"], &Method::GET) => self.events(&query).await,
             (["v1", "waiters"], &Method::GET) => Ok(self.waiters()),
             (["v1", "processes"], &Method::GET) => Ok(self.processes()),
@@ -370,8 +370,13 @@ impl Api {
         json(StatusCode::OK, &gpu_list(&self.broker))
     }
 
-    fn metrics_reply(&self) -> Reply {
-        let text = self.metrics.render(&self.broker.snapshot());
+    /// `GET /metrics`, rendered off the runtime's threads: naming a new owner asks the user
+    /// database (NSS, perhaps LDAP), which may block.
+    async fn metrics_reply(&self) -> Reply {
+        let (metrics, snapshot) = (self.metrics.clone(), self.broker.snapshot());
+        let text = tokio::task::spawn_blocking(move || metrics.render(&snapshot))
+            .await
+            .unwrap_or_else(|_| "# EOF\n".to_owned());
         let mut resp = Response::new(Full::new(Bytes::from(text)));
         resp.headers_mut().insert(
             CONTENT_TYPE,
@@ -386,7 +391,7 @@ impl Api {
         req: Request<Incoming>,
     ) -> Result<Reply, Infallible> {
         if req.method() == Method::GET && req.uri().path() == "/metrics" {
-            return Ok(self.metrics_reply());
+            return Ok(self.metrics_reply().await);
         }
         Ok(error_reply(&ApiError::new(
             StatusCode::NOT_FOUND,

@@ -377,8 +377,8 @@ impl Tolerance {
 pub struct MetricsConfig {
     /// Address to serve `GET /metrics` on (e.g. `127.0.0.1:9400`); off when absent.
     pub listen: Option<std::net::SocketAddr>,
-    /// Reservation labels copied onto the per-reservation series, as `label_<name>` (dots
-    /// and dashes become underscores). Only these: a label's values are the users' to
+    /// Reservation labels copied onto the per-reservation series, as `label_<name>` (every
+    /// character other than an ASCII letter or digit becomes an underscore). Only these: a label's values are the users' to
     /// choose, and every value is a series.
     pub labels: Vec<String>,
     /// The most per-workload series (per reservation and GPU, and unreserved use per GPU

@@ -313,3 +313,16 @@ fn the_dra_driver_needs_cdi_and_a_sane_resync() {
     let e = Config::parse("[dra]\nresync_interval = \"10ms\"\n").unwrap_err();
     assert!(e.contains("dra.resync_interval"), "{e}");
 }
+
+#[test]
+fn metrics_labels_that_would_show_under_one_name_are_refused() {
+    let e = Config::parse("[metrics]\nlabels = [\"slurm.job\", \"slurm-job\"]\n").unwrap_err();
+    assert!(e.contains("label_slurm_job"), "{e}");
+    let e = Config::parse("[metrics]\nlabels = [\"\"]\n").unwrap_err();
+    assert!(e.contains("empty"), "{e}");
+    let c = Config::parse("[metrics]\nlabels = [\"team\"]\nmax_series = 50\n").unwrap();
+    assert_eq!(
+        (c.metrics.labels, c.metrics.max_series),
+        (vec!["team".to_owned()], 50)
+    );
+}

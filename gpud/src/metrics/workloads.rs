@@ -49,15 +49,18 @@ pub struct Origin<'a> {
 
 impl<'a> Origin<'a> {
     /// Where `r` came from: a DRA claim, a pod (through the device plugin; its name once
-    /// reconciliation has seen it in `pods`), a Slurm job, or a local request.
-    pub fn of(r: &'a Reservation, pods: &'a HashMap<String, PodName>) -> Origin<'a> {
+    /// reconciliation has seen it in `pods`), a Slurm job, or a local request. Claims and
+    /// pods are gpud's own reservations (owned by `gpud_uid`): the same labels on anyone
+    /// else's reservation are only labels, and it is `local`.
+    pub fn of(r: &'a Reservation, pods: &'a HashMap<String, PodName>, gpud_uid: u32) -> Origin<'a> {
         let mut o = Origin {
             kind: "local",
             namespace: None,
             name: None,
             slurm_job: None,
         };
-        if let Some(claim) = r.labels.get(origin::DRA_CLAIM) {
+        let gpuds = r.owner_uid == gpud_uid;
+        if let (Some(claim), true) = (r.labels.get(origin::DRA_CLAIM), gpuds) {
             o.kind = "claim";
             match claim.split_once('/') {
                 Some((namespace, name)) => {
@@ -66,7 +69,7 @@ impl<'a> Origin<'a> {
                 }
                 None => o.name = Some(claim),
             }
-        } else if r.labels.contains_key(origin::KUBELET_RESOURCE) {
+        } else if gpuds && r.labels.contains_key(origin::KUBELET_RESOURCE) {
             o.kind = "pod";
             if let Some(pod) = pods.get(&r.id) {
                 o.namespace = Some(&pod.namespace);
@@ -155,16 +158,20 @@ impl State {
             .filter_map(|p| p.uid)
             .chain(snap.reservations.iter().map(|r| r.owner_uid));
         for uid in uids {
-            owners.entry(uid).or_insert_with(|| {
-                crate::holder::user_name(uid).unwrap_or_else(|| uid.to_string())
-            });
+            // A uid without a name is asked again next time: its user may be added later.
+            if !owners.contains_key(&uid)
+                && let Some(name) = crate::holder::user_name(uid)
+            {
+                owners.insert(uid, name);
+            }
         }
+        drop(owners);
         let mut room = Room {
             left: snap.settings.config.metrics.max_series,
             left_out: 0,
         };
         // Unreserved use first: GPUs × users bounds it, not what users can make more of.
-        let unreserved = unreserved_use(snap).len();
+        let unreserved = unreserved_use(snap, &self.owners(snap)).len();
         let unreserved_shown = unreserved.min(room.left);
         room.left -= unreserved_shown;
         room.left_out += unreserved - unreserved_shown;
@@ -183,17 +190,31 @@ impl State {
         }
     }
 
+    /// The names of the snapshot's owners, as the series show them.
+    fn owners(&self, snap: &Snapshot) -> Owners {
+        let cache = lock(&self.owners);
+        let mut names = HashMap::new();
+        let uids = snap
+            .processes
+            .iter()
+            .filter_map(|p| p.uid)
+            .chain(snap.reservations.iter().map(|r| r.owner_uid));
+        for uid in uids {
+            names
+                .entry(uid)
+                .or_insert_with(|| cache.get(&uid).cloned().unwrap_or_else(|| uid.to_string()));
+        }
+        Owners(names)
+    }
+
     fn encode(&self, mut encoder: DescriptorEncoder) -> std::fmt::Result {
         let current = lock(&self.current);
         let Some(scrape) = current.as_ref() else {
             return Ok(());
         };
         let snap = &scrape.snap;
-        let owners = lock(&self.owners);
-        let owner = |uid: Option<u32>| -> &str {
-            uid.and_then(|u| owners.get(&u))
-                .map_or("unknown", String::as_str)
-        };
+        let owners = self.owners(snap);
+        let owner = |uid: u32| -> &str { &owners[&uid] };
 
         let mut family = encoder.encode_descriptor(
             "unreserved_memory_used_bytes",
@@ -201,12 +222,12 @@ impl State {
             None,
             MetricType::Gauge,
         )?;
-        for ((gpu, uuid, uid), bytes) in unreserved_use(snap)
+        for ((gpu, uuid, name), bytes) in unreserved_use(snap, &owners)
             .into_iter()
             .take(scrape.unreserved_shown)
         {
             let labels = SeriesLabels {
-                common: &[("owner", owner(uid))],
+                common: &[("owner", name)],
                 gpu,
                 uuid,
                 mode: None,
@@ -227,7 +248,7 @@ impl State {
             .take(scrape.reservations_shown)
             .map(|r| {
                 let r: &Reservation = r;
-                (r, common_labels(r, owner(Some(r.owner_uid)), &pods, &names))
+                (r, common_labels(r, owner(r.owner_uid), &pods, &names))
             })
             .collect();
         let used = reservation_use(snap);
@@ -237,6 +258,7 @@ impl State {
             .map(|u| (u.uuid.as_str(), u.memory_total_bytes))
             .collect();
         let burst = snap.settings.config.isolation.burst;
+        let cgroups = cgroup_reservations(snap);
         for series in Series::ALL {
             let mut family =
                 encoder.encode_descriptor(series.name(), series.help(), None, MetricType::Gauge)?;
@@ -251,7 +273,16 @@ impl State {
                             .unwrap_or(0),
                         Series::Limit if enforced => {
                             let total = totals.get(unit.uuid.as_str()).copied().unwrap_or(u64::MAX);
-                            crate::isolation::limits_for([Some(unit.memory_bytes)], burst, total).1
+                            let on_cgroup = r
+                                .isolation
+                                .cgroup
+                                .as_deref()
+                                .and_then(|c| cgroups.get(&(c, unit.uuid.as_str())));
+                            let reserved = on_cgroup.map_or_else(
+                                || vec![(!r.exclusive).then_some(unit.memory_bytes)],
+                                Clone::clone,
+                            );
+                            crate::isolation::limits_for(reserved, burst, total).1
                         }
                         Series::Limit => continue,
                         Series::Isolation => 1,
@@ -344,17 +375,52 @@ fn reservation_use(snap: &Snapshot) -> HashMap<(&str, &str), u64> {
 }
 
 /// Memory used outside every reservation (a reservation's process on a GPU it does not
-/// hold included), by GPU index, unit and uid, in that order.
-fn unreserved_use(snap: &Snapshot) -> BTreeMap<(u32, &str, Option<u32>), u64> {
+/// hold included), by GPU index, unit and owner's name, in that order. Keyed by the name a
+/// series shows, so that two uids of one name (or a uid whose number is another user's
+/// name) add up instead of making two series with the same labels.
+fn unreserved_use<'a>(
+    snap: &'a Snapshot,
+    owners: &'a Owners,
+) -> BTreeMap<(u32, &'a str, &'a str), u64> {
     let mut unreserved = BTreeMap::new();
     for p in snap.processes.iter() {
         if p.reservation.is_none() || p.wrong_gpu {
+            let name = p.uid.map_or("unknown", |uid| &owners[&uid]);
             *unreserved
-                .entry((p.gpu_index, p.unit_uuid.as_str(), p.uid))
+                .entry((p.gpu_index, p.unit_uuid.as_str(), name))
                 .or_default() += p.used_bytes.unwrap_or(0);
         }
     }
     unreserved
+}
+
+/// What each driver-mode reservation's cgroup holds on each unit: the driver enforces one
+/// limit per cgroup and GPU, the sum of the reservations on it (`None`: one held whole).
+fn cgroup_reservations(snap: &Snapshot) -> HashMap<(&str, &str), Vec<Option<u64>>> {
+    let mut on = HashMap::<(&str, &str), Vec<Option<u64>>>::new();
+    for r in snap.reservations.iter() {
+        let (IsolationMode::Driver, Some(cgroup)) = (r.isolation.mode, &r.isolation.cgroup) else {
+            continue;
+        };
+        for unit in &r.units {
+            on.entry((cgroup.as_str(), unit.uuid.as_str()))
+                .or_default()
+                .push((!r.exclusive).then_some(unit.memory_bytes));
+        }
+    }
+    on
+}
+
+/// Owners' names by uid: a name from the user database, or the uid's number.
+struct Owners(HashMap<u32, String>);
+
+impl std::ops::Index<&u32> for Owners {
+    type Output = str;
+
+    fn index(&self, uid: &u32) -> &str {
+        // `State::owners` names every uid of the snapshot.
+        self.0.get(uid).map_or("unknown", String::as_str)
+    }
 }
 
 /// What is left of `[metrics] max_series` in one scrape.
@@ -385,7 +451,7 @@ fn common_labels<'a>(
     pods: &'a HashMap<String, PodName>,
     names: &'a [(&'a str, String)],
 ) -> Vec<(&'a str, &'a str)> {
-    let origin = Origin::of(r, pods);
+    let origin = Origin::of(r, pods, nix::unistd::geteuid().as_raw());
     let mut labels = vec![
         ("reservation", r.id.as_str()),
         ("owner", owner),

@@ -13,13 +13,13 @@ fn reservation(labels: &[(&str, &str)]) -> Reservation {
 fn origin_names_the_claim_the_pod_the_slurm_job_or_local() {
     let none = HashMap::new();
     let claim_reservation = reservation(&[(origin::DRA_CLAIM, "ml/serve")]);
-    let claim = Origin::of(&claim_reservation, &none);
+    let claim = Origin::of(&claim_reservation, &none, 1000);
     assert_eq!(
         (claim.kind, claim.namespace, claim.name),
         ("claim", Some("ml"), Some("serve"))
     );
     let pod_reservation = reservation(&[(origin::KUBELET_RESOURCE, "gpud.io/gpu-mem")]);
-    let unknown_pod = Origin::of(&pod_reservation, &none);
+    let unknown_pod = Origin::of(&pod_reservation, &none, 1000);
     assert_eq!((unknown_pod.kind, unknown_pod.name), ("pod", None));
     let pods = [(
         "r1".to_owned(),
@@ -29,16 +29,20 @@ fn origin_names_the_claim_the_pod_the_slurm_job_or_local() {
         },
     )]
     .into();
-    let pod = Origin::of(&pod_reservation, &pods);
+    let pod = Origin::of(&pod_reservation, &pods, 1000);
     assert_eq!(
         (pod.kind, pod.namespace, pod.name),
         ("pod", Some("web"), Some("api-7"))
     );
     let slurm_reservation = reservation(&[(origin::SLURM_JOB, "4242")]);
-    let slurm = Origin::of(&slurm_reservation, &none);
+    let slurm = Origin::of(&slurm_reservation, &none, 1000);
     assert_eq!((slurm.kind, slurm.slurm_job), ("slurm", Some("4242")));
+    // A claim's or a pod's labels on a reservation gpud did not make (another owner's)
+    // name nothing.
+    assert_eq!(Origin::of(&claim_reservation, &none, 0).kind, "local");
+    assert_eq!(Origin::of(&pod_reservation, &pods, 0).name, None);
     let local_reservation = reservation(&[("team", "vision")]);
-    let local = Origin::of(&local_reservation, &none);
+    let local = Origin::of(&local_reservation, &none, 1000);
     assert_eq!(
         local,
         Origin {
