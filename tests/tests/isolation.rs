@@ -214,6 +214,12 @@ fn a_cgroup_holds_a_reservation_until_it_is_empty() {
         limits_on(&python, d, &gpu, &job.name()),
         Some((4 * GIB, 4 * GIB))
     );
+    // /metrics shows each reservation the limit the driver holds its cgroup to: the sum.
+    for reservation in [&r, &second] {
+        let id = reservation.body["id"].as_str().unwrap();
+        let series = d.reservation_series("gpud_reservation_memory_limit_bytes", id);
+        assert!(series.ends_with(&format!(" {}", 4 * GIB)), "{series}");
+    }
 
     job.empty();
     let ended = wait_for(PATIENCE, || d.active().is_empty().then_some(()));
