@@ -406,27 +406,24 @@ mod tests {
         assert!(sent.ends_with("\r\n\r\n{\"memory\":1024}"), "{sent}");
     }
 
+    /// The error of a blocking reserve that gpud answers with `reply`.
+    fn blocking_error(reply: &'static [u8]) -> CliError {
+        let dir = tempfile::tempdir().unwrap();
+        let (client, server) = serve_once(dir.path(), reply);
+        let e = client
+            .call_blocking::<_, serde_json::Value>("POST", "/v1/reservations", &())
+            .unwrap_err();
+        server.join().unwrap();
+        e
+    }
+
     #[test]
     fn a_blocking_call_gives_gpud_s_error_and_notices_a_cut_reply() {
-        let dir = tempfile::tempdir().unwrap();
-        let (client, server) = serve_once(
-            dir.path(),
+        let e = blocking_error(
             b"HTTP/1.1 409 Conflict\r\ncontent-length: 64\r\n\r\n{\"error\": {\"code\": \"no_capacity\", \"message\": \"no GPU has room\"}}",
         );
-        let e = client
-            .call_blocking::<_, serde_json::Value>("POST", "/v1/reservations", &())
-            .unwrap_err();
-        server.join().unwrap();
         assert_eq!(e.code(), Some("no_capacity"), "{e}");
-        let dir = tempfile::tempdir().unwrap();
-        let (client, server) = serve_once(
-            dir.path(),
-            b"HTTP/1.1 201 Created\r\ncontent-length: 100\r\n\r\n{\"id\"",
-        );
-        let e = client
-            .call_blocking::<_, serde_json::Value>("POST", "/v1/reservations", &())
-            .unwrap_err();
-        server.join().unwrap();
+        let e = blocking_error(b"HTTP/1.1 201 Created\r\ncontent-length: 100\r\n\r\n{\"id\"");
         assert!(matches!(e, CliError::Unreachable { .. }), "{e}");
     }
 

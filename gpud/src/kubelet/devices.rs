@@ -587,7 +587,7 @@ pub fn stale(reservations: &[Reservation], in_use: &InUse, now: u64, grace_ms: u
     reservations
         .iter()
         .filter(|r| now.saturating_sub(r.created_at) >= grace_ms)
-        .filter(|r| pod_of(r, in_use).is_none() && devices_of(r).is_some())
+        .filter(|r| devices_of(r).is_some_and(|devices| pod_holding(devices, in_use).is_none()))
         .map(|r| r.id.clone())
         .collect()
 }
@@ -596,13 +596,12 @@ pub fn stale(reservations: &[Reservation], in_use: &InUse, now: u64, grace_ms: u
 pub fn pods_of(reservations: &[Reservation], in_use: &InUse) -> HashMap<String, PodName> {
     reservations
         .iter()
-        .filter_map(|r| Some((r.id.clone(), pod_of(r, in_use)?.clone())))
+        .filter_map(|r| Some((r.id.clone(), pod_holding(devices_of(r)?, in_use)?.clone())))
         .collect()
 }
 
-/// The pod that holds one of `r`'s devices, if `r` was made by `Allocate` and one does.
-fn pod_of<'a>(r: &Reservation, in_use: &'a InUse) -> Option<&'a PodName> {
-    let (resource, ids) = devices_of(r)?;
+/// The pod that holds one of a reservation's devices (`(resource, ids)`), if one does.
+fn pod_holding<'a>((resource, ids): (&str, Vec<String>), in_use: &'a InUse) -> Option<&'a PodName> {
     ids.into_iter()
         .find_map(|id| in_use.get(&(resource.to_owned(), id)))
 }

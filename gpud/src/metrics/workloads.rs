@@ -101,11 +101,12 @@ struct State {
     pods: Mutex<HashMap<String, PodName>>,
 }
 
-/// One scrape's snapshot, and how many of its unreserved rows and (oldest) reservations
-/// are shown.
+/// One scrape's snapshot, its owners' names, and how many of its unreserved rows and
+/// (oldest) reservations are shown.
 #[derive(Debug)]
 struct Scrape {
     snap: Snapshot,
+    owners: Owners,
     unreserved_shown: usize,
     reservations_shown: usize,
 }
@@ -149,29 +150,15 @@ impl Workloads {
 }
 
 impl State {
-    /// Looks up the owners' names, decides what fits `max_series` and counts what does not.
+    /// Names the owners, decides what fits `max_series` and counts what does not.
     fn plan(&self, snap: &Snapshot) -> Scrape {
-        let mut owners = lock(&self.owners);
-        let uids = snap
-            .processes
-            .iter()
-            .filter_map(|p| p.uid)
-            .chain(snap.reservations.iter().map(|r| r.owner_uid));
-        for uid in uids {
-            // A uid without a name is asked again next time: its user may be added later.
-            if !owners.contains_key(&uid)
-                && let Some(name) = crate::holder::user_name(uid)
-            {
-                owners.insert(uid, name);
-            }
-        }
-        drop(owners);
+        let owners = self.owners(snap);
         let mut room = Room {
             left: snap.settings.config.metrics.max_series,
             left_out: 0,
         };
         // Unreserved use first: GPUs × users bounds it, not what users can make more of.
-        let unreserved = unreserved_use(snap, &self.owners(snap)).len();
+        let unreserved = unreserved_use(snap, &owners).len();
         let unreserved_shown = unreserved.min(room.left);
         room.left -= unreserved_shown;
         room.left_out += unreserved - unreserved_shown;
@@ -185,14 +172,17 @@ impl State {
         self.left_out.inc_by(room.left_out as u64);
         Scrape {
             snap: snap.clone(),
+            owners,
             unreserved_shown,
             reservations_shown,
         }
     }
 
-    /// The names of the snapshot's owners, as the series show them.
+    /// The names of the snapshot's owners, as the series show them: the user database's
+    /// (asked once per uid that has one; a uid without a name is asked again next time, as
+    /// its user may be added later), or the uid's number.
     fn owners(&self, snap: &Snapshot) -> Owners {
-        let cache = lock(&self.owners);
+        let mut cache = lock(&self.owners);
         let mut names = HashMap::new();
         let uids = snap
             .processes
@@ -200,9 +190,15 @@ impl State {
             .filter_map(|p| p.uid)
             .chain(snap.reservations.iter().map(|r| r.owner_uid));
         for uid in uids {
-            names
-                .entry(uid)
-                .or_insert_with(|| cache.get(&uid).cloned().unwrap_or_else(|| uid.to_string()));
+            names.entry(uid).or_insert_with(|| {
+                if let Some(name) = cache.get(&uid) {
+                    return name.clone();
+                }
+                match crate::holder::user_name(uid) {
+                    Some(name) => cache.entry(uid).or_insert(name).clone(),
+                    None => uid.to_string(),
+                }
+            });
         }
         Owners(names)
     }
@@ -212,8 +208,7 @@ impl State {
         let Some(scrape) = current.as_ref() else {
             return Ok(());
         };
-        let snap = &scrape.snap;
-        let owners = self.owners(snap);
+        let (snap, owners) = (&scrape.snap, &scrape.owners);
         let owner = |uid: u32| -> &str { &owners[&uid] };
 
         let mut family = encoder.encode_descriptor(
@@ -222,7 +217,7 @@ impl State {
             None,
             MetricType::Gauge,
         )?;
-        for ((gpu, uuid, name), bytes) in unreserved_use(snap, &owners)
+        for ((gpu, uuid, name), bytes) in unreserved_use(snap, owners)
             .into_iter()
             .take(scrape.unreserved_shown)
         {
@@ -412,6 +407,7 @@ fn cgroup_reservations(snap: &Snapshot) -> HashMap<(&str, &str), Vec<Option<u64>
 }
 
 /// Owners' names by uid: a name from the user database, or the uid's number.
+#[derive(Debug)]
 struct Owners(HashMap<u32, String>);
 
 impl std::ops::Index<&u32> for Owners {
