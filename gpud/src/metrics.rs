@@ -390,7 +390,7 @@ impl Metrics {
         }
         self.waiting.set(gauge(snap.waiting() as u64));
         let now = crate::clock::now_millis();
-        let oldest = snap.waiters.iter().map(|w| w.since).min();
+        let oldest = snap.waiters.oldest_since();
         self.oldest_wait.set(gauge(
             oldest.map_or(0, |since| now.saturating_sub(since) / 1000),
         ));

@@ -188,13 +188,52 @@ pub fn place(
     request: &PlacementRequest,
     state: &PlacementState<'_>,
 ) -> Result<Placement, PlacementError> {
+    place_explained(request, state, true)
+}
+
+/// As [`place`], but a [`PlacementError::NoCapacity`] carries no message: for callers that
+/// only ask whether a request fits, many times over (the queue's projection), where
+/// putting the reason into words would cost more than the placement.
+pub fn place_unexplained(
+    request: &PlacementRequest,
+    state: &PlacementState<'_>,
+) -> Result<Placement, PlacementError> {
+    place_explained(request, state, false)
+}
+
+fn place_explained(
+    request: &PlacementRequest,
+    state: &PlacementState<'_>,
+    explain: bool,
+) -> Result<Placement, PlacementError> {
     check_possible(request, state)?;
     let views = assess_all(request.memory, state);
-    if request.gpus == 1 {
+    let placed = if request.gpus == 1 {
         place_single(request, state, &views)
     } else {
         place_multi(request, state, &views)
+    };
+    placed.ok_or_else(|| {
+        PlacementError::NoCapacity(if explain {
+            shortfall(request, &views)
+        } else {
+            String::new()
+        })
+    })
+}
+
+/// Why `request` fits on none of `views`, in words.
+fn shortfall(request: &PlacementRequest, views: &[View<'_>]) -> String {
+    if request.gpus == 1 {
+        return single_shortfall(request, views);
     }
+    let mut seen = BTreeSet::new();
+    let candidates: Vec<Candidate> = views
+        .iter()
+        .filter(|v| !v.unit.is_mig() && seen.insert(v.unit.gpu_index))
+        .filter_map(|v| v.verdict.ok().map(|fit| Candidate { pos: v.pos, fit }))
+        .collect();
+    multi_shortfall(request, views, &candidates)
 }
 
 use gpud_schema::format_basis_points;
@@ -455,11 +494,12 @@ fn largest_unit<'a>(units: impl Iterator<Item = &'a Unit>) -> Option<&'a Unit> {
 /// Sort key for single-unit choices: the smallest wins.
 type SingleKey = (u8, u64, u64, usize);
 
+/// The best unit for a one-unit request, `None` if none can take it.
 fn place_single(
     request: &PlacementRequest,
     state: &PlacementState<'_>,
     views: &[View<'_>],
-) -> Result<Placement, PlacementError> {
+) -> Option<Placement> {
     // GPUs a multi-GPU request could still take whole: the ones whose links matter.
     let free_whole: Vec<usize> = views
         .iter()
@@ -495,15 +535,12 @@ fn place_single(
         .iter()
         .filter_map(|v| v.verdict.ok().map(|fit| (v, fit)))
         .min_by_key(|(v, fit)| key(v, fit));
-    match best {
-        Some((v, fit)) => Ok(Placement {
-            assignments: vec![Assignment {
-                unit: v.pos,
-                memory_bytes: fit.assigned,
-            }],
-        }),
-        None => Err(PlacementError::NoCapacity(single_shortfall(request, views))),
-    }
+    best.map(|(v, fit)| Placement {
+        assignments: vec![Assignment {
+            unit: v.pos,
+            memory_bytes: fit.assigned,
+        }],
+    })
 }
 
 // ---------------------------------------------------------------------------------------
@@ -517,11 +554,12 @@ struct Candidate {
     fit: Fit,
 }
 
+/// The best set of whole GPUs for a multi-GPU request, `None` if too few can take it.
 fn place_multi(
     request: &PlacementRequest,
     state: &PlacementState<'_>,
     views: &[View<'_>],
-) -> Result<Placement, PlacementError> {
+) -> Option<Placement> {
     let k = usize::try_from(request.gpus).unwrap_or(usize::MAX);
     let mut seen = BTreeSet::new();
     let mut slots = Vec::new();
@@ -536,11 +574,7 @@ fn place_multi(
         }
     }
     if candidates.len() < k {
-        return Err(PlacementError::NoCapacity(multi_shortfall(
-            request,
-            views,
-            &candidates,
-        )));
+        return None;
     }
     let n = candidates.len();
     let mut scores = vec![0u64; n * n];
@@ -556,7 +590,7 @@ fn place_multi(
         .map(|c| multi_cost(request.policy, &c.fit))
         .collect();
     let chosen = choose_set(&scores, &costs, k);
-    Ok(Placement {
+    Some(Placement {
         assignments: chosen
             .iter()
             .filter_map(|&i| candidates.get(i))

@@ -265,7 +265,7 @@ impl Executor {
         }
         // Published before anyone is answered: a client that reads after its answer sees
         // its own change. Waiters say why they wait as of this change.
-        self.ledger.refresh_reasons(now);
+        self.ledger.refresh_after_change(now);
         self.published.store(Arc::new(
             self.ledger
                 .snapshot((self.groups_committed, self.grouped_calls)),

@@ -56,9 +56,9 @@ use limits::LimitBook;
 pub(super) use limits::pairs;
 use machine::Machine;
 use place::PlacementMemo;
-#[cfg(test)]
-pub(super) use plan::PLANNED_AHEAD;
 use plan::{Gate, PastHolds};
+#[cfg(test)]
+pub(super) use plan::{PLAN_EVERY, PLANNED_AHEAD};
 use quota::{Counted, QuotaBook};
 use rate::ChangeRate;
 
@@ -109,8 +109,9 @@ pub struct Ledger {
     effects: Effects,
     /// Placements made during a pass over the queue ([`Ledger::remembering`]).
     memo: Option<PlacementMemo>,
-    /// Why each kind of waiting request waited at the last change, shared by its waiters.
-    reasons: rustc_hash::FxHashMap<(serve::Asked, u32, u32), Arc<str>>,
+    /// When the plan of the whole queue was last made, and whether changes came since.
+    plan_made_at: Option<Millis>,
+    plan_stale: bool,
 }
 
 impl std::fmt::Debug for Ledger {
@@ -136,7 +137,8 @@ impl Ledger {
             holds: PastHolds::default(),
             settings: Arc::new(settings),
             memo: None,
-            reasons: rustc_hash::FxHashMap::default(),
+            plan_made_at: None,
+            plan_stale: false,
             shutting_down: false,
             effects: Effects::default(),
         }
@@ -278,12 +280,17 @@ impl Ledger {
         }
     }
 
-    /// The next time something is due: a lease ends or a waiter gives up.
+    /// The next time something is due: a lease ends, a waiter gives up, or the queue's
+    /// plan is to be made again ([`Ledger::refresh_after_change`]).
     pub fn next_deadline(&self) -> Option<Millis> {
-        match (self.leases.next(), self.queue.next_give_up()) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
+        [
+            self.leases.next(),
+            self.queue.next_give_up(),
+            self.plan_due(),
+        ]
+        .into_iter()
+        .flatten()
+        .min()
     }
 
     /// The settings in force.
@@ -487,7 +494,12 @@ impl Ledger {
                 // anything back for itself once it would be the oldest).
                 self.check_quota_of_request(&caller, &request, Counted::Nothing)?;
                 let max = self.settings.config.wait.max_waiting_per_user;
-                let mine = self.queue.waiting_of(caller.uid);
+                let mut mine = self.queue.waiting_of(caller.uid);
+                if caller.uid != 0 && mine >= max {
+                    // A waiter whose client went away no longer counts.
+                    self.queue.drop_gone();
+                    mine = self.queue.waiting_of(caller.uid);
+                }
                 if caller.uid != 0 && mine >= max {
                     return Err(BrokerError::QuotaExceeded(QuotaExceeded {
                         owner: QuotaOwner::Uid(caller.uid),
@@ -760,8 +772,8 @@ impl Ledger {
         if self.queue.next_give_up().is_some_and(|at| at <= now) {
             self.refresh_reasons(now);
         }
-        for w in self.queue.take_timed_out(now) {
-            let error = w.timed_out();
+        for (w, why) in self.queue.take_timed_out(now) {
+            let error = w.timed_out(&why);
             let _ = w.reply.send(Err(error));
         }
         let due: Vec<(String, ReservationState, String)> = self
@@ -795,6 +807,9 @@ impl Ledger {
         findings: AuditFindings,
         now: Millis,
     ) -> Result<Vec<Event>, BrokerError> {
+        // Now and then, the waiters that wait for nothing go (each is also checked when
+        // it is tried).
+        self.queue.drop_gone();
         let events = if findings.events.is_empty() {
             Vec::new()
         } else {

@@ -58,6 +58,7 @@ mod queue;
 pub use command::{Command, Pending, WaitTicket};
 pub use error::{BrokerError, QuotaExceeded, QuotaLimit, QuotaOwner};
 pub use ledger::{Admitted, AllocateRequest, ExactRequest, Ledger, MAX_TTL_SECONDS, Reservations};
+pub use queue::Waiting;
 
 /// A new random reservation id (the API chooses one for a request whose cgroup is named
 /// after it).
@@ -255,7 +256,7 @@ pub struct Snapshot {
     /// so that publishing costs the same whatever their number.
     pub reservations: Reservations,
     /// Queued requests, in the order they are tried.
-    pub waiters: Arc<Vec<WaitingRequest>>,
+    pub waiters: Waiting,
     /// The settings in force.
     pub settings: Arc<BrokerSettings>,
     /// Group commits so far (one COMMIT for the commands queued together).

@@ -2,33 +2,74 @@
 //!
 //! Order and give-up times live here; trying the queue against free capacity, and the
 //! starvation guard, are the ledger's ([`super::Ledger`]), which owns capacity and quotas.
+//!
+//! A change must not cost a walk over every waiter. So what the queue tells is kept per
+//! [`Kind`] (waiters that ask the same with the same owner wait for the same reason), the
+//! planned starts only for the few waiters that get one, and what readers list is a
+//! persistent vector shared with each snapshot: the listing is put together by the reader
+//! ([`Waiting::iter`]), not made again by the broker at every change.
 
 use std::collections::{BTreeSet, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
+use rustc_hash::{FxHashMap, FxHashSet};
 use tokio::sync::oneshot;
 
 use super::{BrokerError, Caller, ReserveRequest, WaitingRequest};
 use crate::holder::PinnedProcess;
-use crate::model::{Millis, Reservation};
+use crate::model::{MemoryAsk, Millis, Policy, Reservation};
 
 /// When a waiter is expected to start and what it waits for, or why no start is planned.
 pub(super) type PlannedStart = Result<(Millis, Arc<str>), Arc<str>>;
+
+/// What decides whether a waiting request finds room and why it waits: what placement is
+/// asked, its lease (the gate judges it), and its owner (quotas). Waiters of one kind share
+/// one `Arc<Kind>` while any of them waits.
+#[derive(Debug, PartialEq, Eq, Hash)]
+pub(super) struct Kind {
+    gpus: u32,
+    memory: MemoryAsk,
+    policy: Option<Policy>,
+    devices: Vec<String>,
+    ttl_seconds: Option<u64>,
+    owner_uid: Option<u32>,
+    uid: u32,
+    gid: u32,
+}
+
+impl Kind {
+    fn of(caller: &Caller, request: &ReserveRequest) -> Kind {
+        Kind {
+            gpus: request.gpus,
+            memory: request.memory,
+            policy: request.policy,
+            devices: request.devices.clone(),
+            ttl_seconds: request.ttl_seconds,
+            owner_uid: request.owner_uid,
+            uid: caller.uid,
+            gid: caller.gid,
+        }
+    }
+}
+
+/// The kinds waiting: how many of each, and one of their requests to ask the rules with.
+#[derive(Debug)]
+pub(super) struct KindEntry {
+    count: usize,
+    pub caller: Caller,
+    pub request: Arc<ReserveRequest>,
+}
 
 /// A request waiting for capacity.
 pub(super) struct Waiter {
     pub ticket: u64,
     pub caller: Caller,
     pub request: Arc<ReserveRequest>,
+    pub kind: Arc<Kind>,
     pub holder: Option<PinnedProcess>,
     pub since: Millis,
     pub gives_up_at: Millis,
-    /// Why it does not fit: when it came, then as of the last change (`refresh_reasons`).
-    pub why: Arc<str>,
-    /// When it is expected to start and what it waits for, or why no start can be
-    /// planned, as of the last change (`refresh_reasons`; `planned` policy only).
-    pub expected: Option<PlannedStart>,
     pub reply: oneshot::Sender<Result<Reservation, BrokerError>>,
 }
 
@@ -43,19 +84,135 @@ impl std::fmt::Debug for Waiter {
 }
 
 impl Waiter {
-    /// What the waiter's client is told when it gives up.
-    pub fn timed_out(&self) -> BrokerError {
+    /// What the waiter's client is told when it gives up, `why` being what keeps it out.
+    pub fn timed_out(&self, why: &str) -> BrokerError {
         let waited = Duration::from_millis(self.gives_up_at.saturating_sub(self.since));
         BrokerError::WaitTimeout {
             waited,
-            why: self.why.to_string(),
+            why: why.to_owned(),
         }
+    }
+
+    /// Whether it waits for nothing: its client went away, or its holder exited.
+    fn is_gone(&self) -> bool {
+        self.reply.is_closed() || self.holder.as_ref().is_some_and(PinnedProcess::has_exited)
+    }
+}
+
+/// What the queue tells its waiters as of the last change: why each kind waits, on either
+/// side of the first waiter, and the planned starts.
+#[derive(Debug, Default, Clone)]
+pub(super) struct Told {
+    /// Why each kind waits, in front of the first waiter (and at it).
+    pub ahead: FxHashMap<Arc<Kind>, Arc<str>>,
+    /// Why each kind waits behind the first waiter.
+    pub behind: FxHashMap<Arc<Kind>, Arc<str>>,
+    /// The first waiter's ticket: the waiters after it are behind it. `None`: no waiter is
+    /// protected, every one is told the reason in front.
+    pub first: Option<u64>,
+    /// The first waiter's planned start, made at every change (`planned` policy).
+    pub first_planned: Option<(u64, PlannedStart)>,
+    /// The planned starts of the waiters behind it, by ticket, as the last projection of
+    /// the whole plan made them (at most the first `plan::PLANNED_AHEAD` waiters): shared
+    /// from one change to the next until the plan is made again.
+    pub planned: Arc<FxHashMap<u64, PlannedStart>>,
+    /// From this ticket on, no start is planned, and this says why.
+    pub beyond: Option<(u64, Arc<str>)>,
+}
+
+impl Told {
+    /// Why the waiter with `ticket` and `kind` waits.
+    fn why(&self, ticket: u64, kind: &Kind) -> Option<&Arc<str>> {
+        let behind = self.first.is_some_and(|first| ticket > first);
+        let side = if behind { &self.behind } else { &self.ahead };
+        side.get(kind).or_else(|| self.ahead.get(kind))
+    }
+
+    /// When the waiter with `ticket` is expected to start, or why no start is planned.
+    fn expected(&self, ticket: u64) -> Option<PlannedStart> {
+        if let Some((_, planned)) = self.first_planned.as_ref().filter(|(t, _)| *t == ticket) {
+            return Some(planned.clone());
+        }
+        if let Some(planned) = self.planned.get(&ticket) {
+            return Some(planned.clone());
+        }
+        match &self.beyond {
+            Some((from, why)) if ticket >= *from => Some(Err(why.clone())),
+            _ => None,
+        }
+    }
+}
+
+/// One waiting request as readers see it.
+#[derive(Debug, Clone)]
+struct Entry {
+    ticket: u64,
+    caller: Caller,
+    gpus: u32,
+    memory: MemoryAsk,
+    since: Millis,
+    gives_up_at: Millis,
+    kind: Arc<Kind>,
+}
+
+/// The requests waiting, in the order they are tried, as a snapshot holds them: a
+/// persistent vector shared with the queue (publishing it costs the same however many
+/// wait) and what they were told at the last change. [`Waiting::iter`] puts each
+/// [`WaitingRequest`] together when it is read.
+#[derive(Debug, Clone, Default)]
+pub struct Waiting {
+    entries: imbl::Vector<Entry>,
+    told: Arc<Told>,
+}
+
+/// What a waiter is told before any change has been made since it came.
+const NOT_TOLD: &str = "waiting for capacity";
+
+impl Waiting {
+    /// How many wait.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Whether none waits.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// When the longest waiting request began to wait.
+    pub fn oldest_since(&self) -> Option<Millis> {
+        self.entries.iter().map(|e| e.since).min()
+    }
+
+    /// The requests waiting, in the order they are tried (`GET /v1/waiters`).
+    pub fn iter(&self) -> impl Iterator<Item = WaitingRequest> + '_ {
+        self.entries.iter().map(|e| {
+            let expected = self.told.expected(e.ticket);
+            WaitingRequest {
+                caller: e.caller,
+                gpus: e.gpus,
+                memory: e.memory,
+                since: e.since,
+                gives_up_at: e.gives_up_at,
+                reason: self
+                    .told
+                    .why(e.ticket, &e.kind)
+                    .cloned()
+                    .unwrap_or_else(|| NOT_TOLD.into()),
+                expected_start: expected.as_ref().and_then(|e| e.as_ref().ok()).map(|e| e.0),
+                plan: expected.map(|e| match e {
+                    Ok((_, because)) => because,
+                    Err(why) => why,
+                }),
+            }
+        })
     }
 }
 
 /// The queue, oldest first. Tickets grow in the order requests came, so the queue is
 /// sorted by ticket and a ticket is found by binary search; give-up times are kept sorted
-/// beside it. Nothing here walks the whole queue unless asked for all of it.
+/// beside it, and counts per kind and per user. Nothing here walks the whole queue unless
+/// asked for all of it.
 #[derive(Debug, Default)]
 pub(super) struct WaitQueue {
     waiters: VecDeque<Waiter>,
@@ -64,8 +221,14 @@ pub(super) struct WaitQueue {
     /// The first waiter's ticket and the start it was planned for when it came first in
     /// line: a promise is the first waiter's alone.
     promise: Option<(u64, Millis)>,
-    /// The listing as last made, until a waiter comes, leaves or is told something new.
-    listed: Option<Arc<Vec<WaitingRequest>>>,
+    /// The kinds waiting.
+    kinds: FxHashMap<Arc<Kind>, KindEntry>,
+    /// How many requests of each uid wait.
+    per_uid: FxHashMap<u32, usize>,
+    /// The ids waiting requests chose.
+    ids: FxHashSet<String>,
+    /// What readers list: the waiters in order, and what they were told.
+    listed: Waiting,
     next_ticket: u64,
 }
 
@@ -83,15 +246,13 @@ impl std::ops::Index<usize> for WaitQueue {
 }
 
 impl std::ops::IndexMut<usize> for WaitQueue {
-    /// A waiter to change: the listing is made anew.
     fn index_mut(&mut self, i: usize) -> &mut Waiter {
-        self.listed = None;
         &mut self.waiters[i]
     }
 }
 
 impl WaitQueue {
-    /// How many wait (a client that went away counts until [`WaitQueue::drop_gone`]).
+    /// How many wait (a client that went away counts until it is withdrawn or tried).
     pub fn len(&self) -> usize {
         self.waiters.len()
     }
@@ -106,6 +267,21 @@ impl WaitQueue {
         self.waiters.iter()
     }
 
+    /// The kinds waiting, each with one of its requests.
+    pub fn kinds(&self) -> impl Iterator<Item = (&Arc<Kind>, &KindEntry)> {
+        self.kinds.iter()
+    }
+
+    /// How many kinds wait.
+    pub fn kind_count(&self) -> usize {
+        self.kinds.len()
+    }
+
+    /// How many waiters of `kind` wait.
+    pub fn count_of(&self, kind: &Kind) -> usize {
+        self.kinds.get(kind).map_or(0, |k| k.count)
+    }
+
     /// The position of `ticket` in the queue.
     pub fn position(&self, ticket: u64) -> Option<usize> {
         self.waiters
@@ -116,33 +292,56 @@ impl WaitQueue {
     /// Takes the waiter at `i` out.
     pub fn remove(&mut self, i: usize) -> Option<Waiter> {
         let w = self.waiters.remove(i)?;
-        self.listed = None;
+        self.listed.entries.remove(i);
         self.give_ups.remove(&(w.gives_up_at, w.ticket));
+        if let Some(k) = self.kinds.get_mut(&w.kind) {
+            k.count -= 1;
+            if k.count == 0 {
+                self.kinds.remove(&w.kind);
+            }
+        }
+        if let Some(n) = self.per_uid.get_mut(&w.caller.uid) {
+            *n -= 1;
+            if *n == 0 {
+                self.per_uid.remove(&w.caller.uid);
+            }
+        }
+        if let Some(id) = &w.request.id {
+            self.ids.remove(id);
+        }
         Some(w)
     }
 
-    /// Drops the waiters whose client went away, or whose holder exited (telling them).
+    /// Takes the waiter at `i` out if it waits for nothing (its client went away, or its
+    /// holder exited, which its client is told). Whether it did.
+    pub fn remove_if_gone(&mut self, i: usize) -> bool {
+        if !self.waiters.get(i).is_some_and(Waiter::is_gone) {
+            return false;
+        }
+        if let Some(w) = self.remove(i)
+            && let Some(holder) = &w.holder
+        {
+            let _ = w.reply.send(Err(BrokerError::Invalid(format!(
+                "holder process {} exited while waiting",
+                holder.holder.pid
+            ))));
+        }
+        true
+    }
+
+    /// Drops every waiter that waits for nothing: a sweep over the whole queue, made
+    /// now and then (a waiter is also checked whenever it is tried).
     pub fn drop_gone(&mut self) {
         let mut i = 0;
         while i < self.waiters.len() {
-            let w = &self.waiters[i];
-            let exited = w.holder.as_ref().is_some_and(PinnedProcess::has_exited);
-            if !exited && !w.reply.is_closed() {
+            if !self.remove_if_gone(i) {
                 i += 1;
-                continue;
-            }
-            if let Some(w) = self.remove(i)
-                && exited
-            {
-                let pid = w.holder.as_ref().map_or(0, |h| h.holder.pid);
-                let _ = w.reply.send(Err(BrokerError::Invalid(format!(
-                    "holder process {pid} exited while waiting"
-                ))));
             }
         }
     }
 
     /// Queues a request at `now` for `wait`; returns its ticket and where its answer comes.
+    /// `why` is what it is told until the next change says anew.
     pub fn push(
         &mut self,
         caller: Caller,
@@ -157,16 +356,46 @@ impl WaitQueue {
         let wait = request.wait.unwrap_or_default();
         let gives_up_at = now.saturating_add(millis(wait));
         self.give_ups.insert((gives_up_at, ticket));
-        self.listed = None;
+        let request = Arc::new(request);
+        let kind = Kind::of(&caller, &request);
+        let kind = match self.kinds.get_key_value(&kind) {
+            Some((shared, _)) => shared.clone(),
+            None => Arc::new(kind),
+        };
+        self.kinds
+            .entry(kind.clone())
+            .or_insert_with(|| KindEntry {
+                count: 0,
+                caller,
+                request: request.clone(),
+            })
+            .count += 1;
+        *self.per_uid.entry(caller.uid).or_default() += 1;
+        if let Some(id) = &request.id {
+            self.ids.insert(id.clone());
+        }
+        if self.listed.told.why(ticket, &kind).is_none() {
+            Arc::make_mut(&mut self.listed.told)
+                .ahead
+                .insert(kind.clone(), why);
+        }
+        self.listed.entries.push_back(Entry {
+            ticket,
+            caller,
+            gpus: request.gpus,
+            memory: request.memory,
+            since: now,
+            gives_up_at,
+            kind: kind.clone(),
+        });
         self.waiters.push_back(Waiter {
             ticket,
             caller,
             holder,
             since: now,
             gives_up_at,
-            why,
-            expected: None,
-            request: Arc::new(request),
+            request,
+            kind,
             reply,
         });
         (ticket, rx)
@@ -197,19 +426,14 @@ impl WaitQueue {
         self.position(ticket).and_then(|i| self.remove(i)).is_some()
     }
 
-    /// How many requests of `uid` wait (those whose client is still there).
+    /// How many requests of `uid` wait.
     pub fn waiting_of(&self, uid: u32) -> usize {
-        self.waiters
-            .iter()
-            .filter(|w| w.caller.uid == uid && !w.reply.is_closed())
-            .count()
+        self.per_uid.get(&uid).copied().unwrap_or(0)
     }
 
     /// Whether a queued request chose `id`.
     pub fn asked_for(&self, id: &str) -> bool {
-        self.waiters
-            .iter()
-            .any(|w| w.request.id.as_deref() == Some(id))
+        self.ids.contains(id)
     }
 
     /// When the next request gives up.
@@ -217,76 +441,60 @@ impl WaitQueue {
         self.give_ups.first().map(|&(at, _)| at)
     }
 
-    /// Takes out every request that gives up by `now`, oldest first.
-    pub fn take_timed_out(&mut self, now: Millis) -> Vec<Waiter> {
+    /// Takes out every request that gives up by `now`, oldest first, each with what it
+    /// was told it waits for.
+    pub fn take_timed_out(&mut self, now: Millis) -> Vec<(Waiter, Arc<str>)> {
         let mut due: Vec<u64> = self
             .give_ups
             .range(..=(now, u64::MAX))
             .map(|&(_, ticket)| ticket)
             .collect();
         due.sort_unstable();
-        due.into_iter()
-            .filter_map(|ticket| self.position(ticket).and_then(|i| self.remove(i)))
-            .collect()
+        let mut out = Vec::with_capacity(due.len());
+        for ticket in due {
+            if let Some(w) = self.position(ticket).and_then(|i| self.remove(i)) {
+                let why = self.why(&w);
+                out.push((w, why));
+            }
+        }
+        out
     }
 
     /// Fails every request with `error`.
     pub fn fail_all(&mut self, error: &BrokerError) {
         self.give_ups.clear();
-        self.listed = None;
+        self.kinds.clear();
+        self.per_uid.clear();
+        self.ids.clear();
+        self.listed = Waiting::default();
         for w in self.waiters.drain(..) {
             let _ = w.reply.send(Err(error.clone()));
         }
     }
 
-    /// Tells waiter `i` why it waits and when it is expected to start; the listing is made
-    /// anew only when that is news.
-    pub fn tell(&mut self, i: usize, why: &Arc<str>, expected: Option<PlannedStart>) {
-        let Some(w) = self.waiters.get_mut(i) else {
-            return;
-        };
-        if !Arc::ptr_eq(&w.why, why) && *w.why != **why {
-            w.why = why.clone();
-            self.listed = None;
-        }
-        if w.expected != expected {
-            w.expected = expected;
-            self.listed = None;
-        }
+    /// Why `w` waits, as it was last told.
+    pub fn why(&self, w: &Waiter) -> Arc<str> {
+        self.listed
+            .told
+            .why(w.ticket, &w.kind)
+            .cloned()
+            .unwrap_or_else(|| NOT_TOLD.into())
     }
 
-    /// The requests waiting, in the order they are tried (`GET /v1/waiters`): made again
-    /// only after a change.
-    pub fn listing(&mut self) -> Arc<Vec<WaitingRequest>> {
-        if self.listed.is_none() {
-            self.listed = Some(Arc::new(self.list()));
-        }
-        self.listed.clone().unwrap_or_default()
+    /// Tells the waiters anew why they wait and when they are expected to start.
+    pub fn tell(&mut self, told: Told) {
+        self.listed.told = Arc::new(told);
     }
 
-    fn list(&self) -> Vec<WaitingRequest> {
-        self.waiters
-            .iter()
-            // A client that went away is dropped at the next try; it waits for nothing.
-            .filter(|w| !w.reply.is_closed())
-            .map(|w| WaitingRequest {
-                caller: w.caller,
-                gpus: w.request.gpus,
-                memory: w.request.memory,
-                since: w.since,
-                gives_up_at: w.gives_up_at,
-                reason: w.why.clone(),
-                expected_start: w
-                    .expected
-                    .as_ref()
-                    .and_then(|e| e.as_ref().ok())
-                    .map(|e| e.0),
-                plan: w.expected.as_ref().map(|e| match e {
-                    Ok((_, because)) => because.clone(),
-                    Err(why) => why.clone(),
-                }),
-            })
-            .collect()
+    /// What the waiters were told last.
+    pub fn told(&self) -> &Told {
+        &self.listed.told
+    }
+
+    /// The requests waiting, in the order they are tried (`GET /v1/waiters`), as of now:
+    /// shared, not copied.
+    pub fn listing(&self) -> Waiting {
+        self.listed.clone()
     }
 }
 
@@ -296,21 +504,24 @@ mod tests {
     use crate::model::MemoryAsk;
 
     fn push(queue: &mut WaitQueue, now: Millis, wait_ms: u64) -> u64 {
-        push_kept(queue, now, wait_ms).0
+        push_kept(queue, now, wait_ms, 1, 1000).0
     }
 
-    /// Queues a request whose client stays (the receiver of its answer is kept).
+    /// Queues a request of `bytes` from `uid` whose client stays (the receiver of its
+    /// answer is kept).
     fn push_kept(
         queue: &mut WaitQueue,
         now: Millis,
         wait_ms: u64,
+        bytes: u64,
+        uid: u32,
     ) -> (u64, oneshot::Receiver<Result<Reservation, BrokerError>>) {
         let request = ReserveRequest {
             wait: Some(Duration::from_millis(wait_ms)),
-            ..ReserveRequest::lease(MemoryAsk::Bytes(1), 60)
+            ..ReserveRequest::lease(MemoryAsk::Bytes(bytes), 60)
         };
         let caller = Caller {
-            uid: 1000,
+            uid,
             gid: 1000,
             pid: None,
         };
@@ -319,6 +530,10 @@ mod tests {
 
     fn tickets(queue: &WaitQueue) -> Vec<u64> {
         queue.iter().map(|w| w.ticket).collect()
+    }
+
+    fn reasons(waiting: &Waiting) -> Vec<String> {
+        waiting.iter().map(|w| w.reason.to_string()).collect()
     }
 
     #[test]
@@ -336,7 +551,14 @@ mod tests {
         assert_eq!(queue.position(b), None);
         assert_eq!(queue.next_give_up(), Some(120), "b's give-up went with it");
         // Due at 310: d (120) and c (310), in queue order; a stays.
-        let out: Vec<u64> = queue.take_timed_out(310).iter().map(|w| w.ticket).collect();
+        let out: Vec<u64> = queue
+            .take_timed_out(310)
+            .iter()
+            .map(|(w, why)| {
+                assert_eq!(&**why, "full", "told what it was told");
+                w.ticket
+            })
+            .collect();
         assert_eq!(out, [c, d]);
         assert_eq!(tickets(&queue), [a]);
         assert_eq!(queue.next_give_up(), Some(500));
@@ -344,34 +566,102 @@ mod tests {
         assert_eq!(queue.next_give_up(), Some(450));
         assert_eq!(queue.remove(0).map(|w| w.ticket), Some(a));
         assert_eq!(tickets(&queue), [e]);
+        assert_eq!(queue.listing().len(), 1);
         queue.fail_all(&BrokerError::Internal("stopping"));
         assert!(queue.is_empty());
+        assert!(queue.listing().is_empty());
         assert_eq!(queue.next_give_up(), None);
+        assert_eq!(queue.kind_count(), 0);
     }
 
     #[test]
-    fn the_listing_is_made_again_only_when_a_waiter_comes_leaves_or_is_told_news() {
+    fn waiters_are_counted_per_kind_and_per_user_and_chosen_ids_are_known() {
         let mut queue = WaitQueue::default();
-        let (a, _a) = push_kept(&mut queue, 0, 500);
-        let (_, _b) = push_kept(&mut queue, 0, 500);
-        let first = queue.listing();
-        assert_eq!(first.len(), 2);
-        assert!(Arc::ptr_eq(&first, &queue.listing()), "nothing changed");
-        let same: Arc<str> = "full".into();
-        queue.tell(0, &same, None);
-        assert!(
-            Arc::ptr_eq(&first, &queue.listing()),
-            "the same words are no news"
+        let (a, _a) = push_kept(&mut queue, 0, 500, 1, 1000);
+        let (b, _b) = push_kept(&mut queue, 0, 500, 1, 1000);
+        let (_, _c) = push_kept(&mut queue, 0, 500, 2, 1000);
+        let (_, _d) = push_kept(&mut queue, 0, 500, 1, 1001);
+        assert_eq!(
+            queue.kind_count(),
+            3,
+            "1 byte of 1000, 2 bytes of 1000, 1 byte of 1001"
         );
-        let news: Arc<str> = "GPU 0 is lost".into();
-        queue.tell(0, &news, None);
-        let second = queue.listing();
-        assert!(!Arc::ptr_eq(&first, &second));
-        assert_eq!(&*second[0].reason, "GPU 0 is lost");
-        queue.tell(1, &same, Some(Ok((60_000, "when a lease ends".into()))));
-        let third = queue.listing();
-        assert_eq!(third[1].expected_start, Some(60_000));
+        assert!(
+            Arc::ptr_eq(&queue[0].kind, &queue[1].kind),
+            "one kind, shared"
+        );
+        assert_eq!(queue.count_of(&queue[0].kind), 2);
+        assert_eq!(queue.waiting_of(1000), 3);
+        assert_eq!(queue.waiting_of(1001), 1);
         assert!(queue.withdraw(a));
-        assert_eq!(queue.listing().len(), 1);
+        assert_eq!(queue.kind_count(), 3);
+        assert!(queue.withdraw(b));
+        assert_eq!(queue.kind_count(), 2, "the last of a kind takes it along");
+        assert_eq!(queue.waiting_of(1000), 1);
+        let request = ReserveRequest {
+            id: Some("mine".to_owned()),
+            wait: Some(Duration::from_secs(1)),
+            ..ReserveRequest::lease(MemoryAsk::Bytes(1), 60)
+        };
+        let caller = Caller {
+            uid: 7,
+            gid: 7,
+            pid: None,
+        };
+        let (e, _e) = queue.push(caller, request, None, 0, "full".into());
+        assert!(queue.asked_for("mine"));
+        assert!(!queue.asked_for("other"));
+        assert!(queue.withdraw(e));
+        assert!(!queue.asked_for("mine"), "withdrawn, the id is free");
+    }
+
+    #[test]
+    fn readers_list_what_each_kind_was_told_on_its_side_of_the_first_waiter() {
+        let mut queue = WaitQueue::default();
+        let (a, _a) = push_kept(&mut queue, 0, 500, 1, 1000);
+        let (b, _b) = push_kept(&mut queue, 0, 500, 1, 1000);
+        let (c, _c) = push_kept(&mut queue, 0, 500, 2, 1000);
+        let before = queue.listing();
+        assert_eq!(
+            reasons(&before),
+            ["full", "full", "full"],
+            "told when it came"
+        );
+        let one = queue[0].kind.clone();
+        let two = queue[2].kind.clone();
+        let mut told = Told {
+            first: Some(a),
+            ..Told::default()
+        };
+        told.ahead.insert(one.clone(), "first in line".into());
+        told.behind.insert(one, "behind the first".into());
+        told.behind.insert(two, "too large".into());
+        told.first_planned = Some((a, Ok((5_000, "when uid 1's lease on GPU 0 ends".into()))));
+        told.planned = Arc::new(FxHashMap::from_iter([(
+            b,
+            Ok((4_000, "an older plan, made again now".into())),
+        )]));
+        told.beyond = Some((c, "not planned this far back".into()));
+        queue.tell(told);
+        let now = queue.listing();
+        assert_eq!(
+            reasons(&now),
+            ["first in line", "behind the first", "too large"]
+        );
+        let listed: Vec<_> = now.iter().collect();
+        assert_eq!(listed[0].expected_start, Some(5_000));
+        assert_eq!(
+            listed[1].expected_start,
+            Some(4_000),
+            "the last whole plan's"
+        );
+        assert_eq!(listed[2].plan.as_deref(), Some("not planned this far back"));
+        assert_eq!(&*queue.why(&queue[1]), "behind the first");
+        // What a snapshot took is not changed by later changes.
+        assert!(queue.withdraw(b));
+        assert_eq!(now.len(), 3);
+        assert_eq!(reasons(&before), ["full", "full", "full"]);
+        assert_eq!(queue.listing().len(), 2);
+        assert_eq!(queue.listing().oldest_since(), Some(0));
     }
 }

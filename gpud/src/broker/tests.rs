@@ -508,7 +508,14 @@ fn a_waiter_says_why_it_waits_as_the_machine_is_now_and_its_timeout_too() {
     };
     let reason = |rules: &mut Rules| {
         rules.ledger.refresh_reasons(2_000);
-        rules.ledger.snapshot((0, 0)).waiters[0].reason.clone()
+        rules
+            .ledger
+            .snapshot((0, 0))
+            .waiters
+            .iter()
+            .next()
+            .map(|w| w.reason)
+            .unwrap_or_default()
     };
     assert!(
         reason(&mut rules).contains("10 GiB"),
@@ -550,7 +557,14 @@ fn an_over_quota_request_that_may_wait_waits_for_its_owners_reservations_to_end(
         panic!("over quota with a wait: it waits");
     };
     rules.ledger.refresh_reasons(2_000);
-    let why = rules.ledger.snapshot((0, 0)).waiters[0].reason.clone();
+    let why = rules
+        .ledger
+        .snapshot((0, 0))
+        .waiters
+        .iter()
+        .next()
+        .map(|w| w.reason)
+        .unwrap_or_default();
     assert!(
         why.contains("allows 1 reservation") && why.contains("own reservations to end"),
         "{why}"
@@ -1517,4 +1531,39 @@ fn only_the_first_hundred_waiters_get_a_planned_start_and_the_rest_are_told_why(
             "{plan}"
         );
     }
+}
+
+#[test]
+fn the_plan_behind_the_first_waiter_is_made_again_within_plan_every_of_a_change() {
+    let mut rules = Rules::plain(1);
+    let alice = rules.reserved(ALICE, lease(MemoryAsk::Exclusive, 600), 0);
+    let _answers: Vec<_> = (0..3)
+        .map(|_| {
+            let request = waiting(MemoryAsk::Exclusive, 60, Duration::from_secs(3600));
+            queued(&mut rules, BOB, request, 1_000)
+        })
+        .collect();
+    let starts = |rules: &mut Rules| -> Vec<Option<Millis>> {
+        let snap = rules.ledger.snapshot((0, 0));
+        snap.waiters.iter().map(|w| w.expected_start).collect()
+    };
+    let whole = expected(&mut rules, 1_000);
+    let whole: Vec<_> = whole.iter().map(|(_, start, _)| *start).collect();
+    assert_eq!(whole, [Some(600_000), Some(660_000), Some(720_000)]);
+    assert_eq!(rules.ledger.next_deadline(), Some(600_000), "Alice's lease");
+    // Alice releases: the first waiter is served, the next is first and planned anew at
+    // once; the last keeps the plan last made, for now.
+    rules.release(ALICE, &alice.id, 1_003).unwrap();
+    rules.ledger.refresh_after_change(1_003);
+    assert_eq!(starts(&mut rules), [Some(61_003), Some(720_000)]);
+    assert_eq!(
+        rules.ledger.next_deadline(),
+        Some(1_000 + super::ledger::PLAN_EVERY),
+        "the plan is due again"
+    );
+    rules
+        .ledger
+        .refresh_after_change(1_000 + super::ledger::PLAN_EVERY);
+    assert_eq!(starts(&mut rules), [Some(61_003), Some(121_003)]);
+    assert_eq!(rules.ledger.next_deadline(), Some(61_003), "nothing stale");
 }

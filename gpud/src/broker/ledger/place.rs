@@ -76,6 +76,25 @@ impl Ledger {
         request: &ReserveRequest,
         loads: &[UnitLoad],
     ) -> Result<Vec<(usize, u64)>, BrokerError> {
+        self.place_on_explained(request, loads, true)
+    }
+
+    /// As [`Ledger::place_on`], but a `NoCapacity` error carries no words: for asking only
+    /// whether it fits.
+    pub(super) fn fits_on(
+        &self,
+        request: &ReserveRequest,
+        loads: &[UnitLoad],
+    ) -> Result<Vec<(usize, u64)>, BrokerError> {
+        self.place_on_explained(request, loads, false)
+    }
+
+    fn place_on_explained(
+        &self,
+        request: &ReserveRequest,
+        loads: &[UnitLoad],
+        explain: bool,
+    ) -> Result<Vec<(usize, u64)>, BrokerError> {
         let placement_request = PlacementRequest {
             gpus: request.gpus,
             memory: request.memory,
@@ -103,7 +122,12 @@ impl Ledger {
                 topology,
             }
         };
-        let placement = placement::place(&placement_request, &state).map_err(|e| match e {
+        let placed = if explain {
+            placement::place(&placement_request, &state)
+        } else {
+            placement::place_unexplained(&placement_request, &state)
+        };
+        let placement = placed.map_err(|e| match e {
             PlacementError::Impossible(m) => BrokerError::Unsatisfiable(m),
             PlacementError::NoCapacity(m) => BrokerError::NoCapacity(m),
         })?;

@@ -49,6 +49,13 @@ use crate::placement::UnitLoad;
 /// places each of them at every change, so the queue's length must not set its cost.
 pub(in crate::broker) const PLANNED_AHEAD: usize = 100;
 
+/// How stale the plan of the waiters behind the first may be while changes keep coming:
+/// it is made again at a change this long after it was last made, or, when no change
+/// comes, this long after it (the first waiter's plan, which the gate keeps, is made at
+/// every change). Changes come thousands of times a second under load; a person reading
+/// `GET /v1/waiters` sees a plan at most this old.
+pub(in crate::broker) const PLAN_EVERY: Millis = 10;
+
 /// What the waiters past the first [`PLANNED_AHEAD`] are told: one text, shared.
 pub(in crate::broker) static NOT_PLANNED: std::sync::LazyLock<Arc<str>> =
     std::sync::LazyLock::new(|| {
@@ -329,11 +336,14 @@ impl Ledger {
                 continue;
             }
             let placed = loop {
-                match self.place_on(&request, &loads) {
+                // Whether it fits is asked many times a change: the words only at the end.
+                match self.fits_on(&request, &loads) {
                     Ok(units) => break Ok(units),
                     Err(e @ BrokerError::Unsatisfiable(_)) => break Err(e.to_string()),
-                    Err(e) => {
+                    Err(_) => {
                         let Some(Reverse(next)) = heap.pop() else {
+                            let e = self.place_on(&request, &loads).err();
+                            let e = e.map(|e| e.to_string()).unwrap_or_default();
                             break Err(format!(
                                 "no start can be planned: {e}, and would be even once every \
                                  reservation has ended"
@@ -499,7 +509,7 @@ impl Ledger {
                     &self.positions(&chosen),
                     request.memory == crate::model::MemoryAsk::Exclusive,
                 );
-                if self.place_on(first, &then).is_ok() {
+                if self.fits_on(first, &then).is_ok() {
                     return Ok(None);
                 }
                 Err(BrokerError::NoCapacity(format!(
@@ -533,7 +543,7 @@ impl Ledger {
             add(at_start, &self.positions(&r.units), r.exclusive);
             // It may have taken the first waiter's planned GPUs, leaving it room elsewhere
             // at its start: those are the ones to keep free of what outlasts the start.
-            if let Ok(placed) = self.place_on(request, at_start) {
+            if let Ok(placed) = self.fits_on(request, at_start) {
                 units.iter_mut().for_each(|u| *u = false);
                 for (p, _) in placed {
                     if let Some(u) = units.get_mut(p) {

@@ -5,50 +5,63 @@
 
 use std::sync::Arc;
 
-use rustc_hash::FxHashSet;
+use rustc_hash::{FxHashMap, FxHashSet};
 
-use super::plan::{NOT_PLANNED, Projection};
+use super::plan::{NOT_PLANNED, PLAN_EVERY, PLANNED_AHEAD, Projection};
 use super::quota::Counted;
 use super::{Gate, Ledger, Served};
-use crate::broker::queue::Waiter;
+use crate::broker::queue::{Kind, Told, Waiter};
 use crate::broker::{BrokerError, Caller, ReserveRequest};
 use crate::config::QueuePolicy;
 use crate::holder::PinnedProcess;
-use crate::model::{MemoryAsk, Millis, Policy, Reservation};
+use crate::model::{Millis, Reservation};
 use crate::store::Txn;
 
-/// What decides whether a request finds room on the loads as they are: what placement is
-/// asked, and, behind the queue's first waiter, the lease and owner the gate judges.
-#[derive(Debug, PartialEq, Eq, Hash)]
-pub(super) struct Asked {
-    gpus: u32,
-    memory: MemoryAsk,
-    policy: Option<Policy>,
-    devices: Vec<String>,
-    ttl_seconds: Option<u64>,
-    owner_uid: Option<u32>,
-    gated_uid: Option<u32>,
+/// The kinds whose waiters stay as they are during one pass over the queue (no room, or
+/// over quota for now), on either side of the first waiter: a waiter of such a kind
+/// would fare the same and is not tried. Kinds are shared while they wait, so one is known
+/// by its address. Emptied whenever a waiter is served, which changes the loads.
+#[derive(Debug, Default)]
+struct Stay {
+    kinds: FxHashSet<(usize, bool)>,
+    /// How many of them are in front of the first waiter (or at it), and behind it.
+    counts: [usize; 2],
 }
 
-impl Asked {
-    fn of(request: &ReserveRequest, gated_uid: Option<u32>) -> Asked {
-        Asked {
-            gpus: request.gpus,
-            memory: request.memory,
-            policy: request.policy,
-            devices: request.devices.clone(),
-            ttl_seconds: request.ttl_seconds,
-            owner_uid: request.owner_uid,
-            gated_uid,
+impl Stay {
+    fn key(kind: &Arc<Kind>, behind: bool) -> (usize, bool) {
+        (Arc::as_ptr(kind) as usize, behind)
+    }
+
+    fn contains(&self, kind: &Arc<Kind>, behind: bool) -> bool {
+        self.kinds.contains(&Stay::key(kind, behind))
+    }
+
+    fn insert(&mut self, kind: &Arc<Kind>, behind: bool) {
+        if self.kinds.insert(Stay::key(kind, behind)) {
+            self.counts[usize::from(behind)] += 1;
         }
+    }
+
+    /// How many kinds stay on that side.
+    fn count(&self, behind: bool) -> usize {
+        self.counts[usize::from(behind)]
+    }
+
+    fn clear(&mut self) {
+        self.kinds.clear();
+        self.counts = [0, 0];
     }
 }
 
-/// What found no room during one pass over the queue: a waiter asking the same finds none
-/// either and is not tried, so that a pass costs a lookup per waiter, not a placement.
-/// Emptied whenever a waiter is served, which changes the loads.
-#[derive(Debug, Default)]
-struct NoRoom(FxHashSet<Asked>);
+/// What became of a waiter that was tried.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Outcome {
+    /// It waits on.
+    Stays,
+    /// It left the queue: served, gone, or refused for good.
+    Left,
+}
 
 impl Ledger {
     /// Withdraws a queued request (its client went away). `false` when it is not queued.
@@ -65,7 +78,6 @@ impl Ledger {
     }
 
     fn serve_in_order(&mut self, txn: &mut Txn<'_>, now: Millis) {
-        self.queue.drop_gone();
         if self.settings.config.wait.policy == QueuePolicy::PackingBound {
             // Largest first (all it asks for, on the largest GPU); the sort is stable, so
             // equals keep their order.
@@ -79,55 +91,88 @@ impl Ledger {
                 })
                 .collect();
             tickets.sort_by_key(|&(_, bytes)| std::cmp::Reverse(bytes));
-            let mut no_room = NoRoom::default();
+            let mut stay = Stay::default();
             for (ticket, _) in tickets {
-                self.serve_waiter(txn, ticket, None, now, &mut no_room);
+                // Every kind stays as it is: so does every waiter left.
+                if stay.count(false) >= self.queue.kind_count() {
+                    return;
+                }
+                if let Some(i) = self.queue.position(ticket) {
+                    self.serve_waiter(txn, i, None, now, &mut stay);
+                }
             }
             return;
         }
         'plan: loop {
             let mut gate = self.gate(now);
-            let first = gate.ticket().and_then(|t| self.queue.position(t));
-            let upto = first.map_or(self.queue.len(), |p| p + 1);
-            let tickets: Vec<u64> = self.queue.iter().map(|w| w.ticket).collect();
-            let (ahead, behind) = tickets.split_at(upto);
-            let mut no_room = NoRoom::default();
-            for &ticket in ahead {
-                self.serve_waiter(txn, ticket, None, now, &mut no_room);
-                if gate.ticket() == Some(ticket) && self.queue.position(ticket).is_none() {
-                    // The first waiter is served (or failed for good): plan for the next.
-                    continue 'plan;
+            let first = gate.ticket();
+            let mut stay = Stay::default();
+            // The kinds of the waiters in front of the first one (and it), with how many
+            // of them stay there: a kind all of whose waiters are in front has none behind.
+            let mut in_front: FxHashMap<usize, (Arc<Kind>, usize)> = FxHashMap::default();
+            let mut kinds_behind = None;
+            let mut i = 0;
+            while i < self.queue.len() {
+                let (ticket, kind) = (self.queue[i].ticket, self.queue[i].kind.clone());
+                let behind = first.is_some_and(|f| ticket > f);
+                // How many kinds wait on this side: while every one of them stays as it
+                // is, so does every waiter left. In front of a first waiter, no bound.
+                let kinds = if behind {
+                    *kinds_behind.get_or_insert_with(|| {
+                        let only_in_front = in_front
+                            .values()
+                            .filter(|(k, n)| *n == self.queue.count_of(k))
+                            .count();
+                        self.queue.kind_count() - only_in_front
+                    })
+                } else if first.is_none() {
+                    self.queue.kind_count()
+                } else {
+                    usize::MAX
+                };
+                if stay.count(behind) >= kinds {
+                    return;
                 }
-            }
-            for &ticket in behind {
-                self.serve_waiter(txn, ticket, Some(&mut gate), now, &mut no_room);
+                let gate = behind.then_some(&mut gate);
+                match self.serve_waiter(txn, i, gate, now, &mut stay) {
+                    Outcome::Stays => {
+                        if !behind {
+                            let key = Arc::as_ptr(&kind) as usize;
+                            in_front.entry(key).or_insert((kind, 0)).1 += 1;
+                        }
+                        i += 1;
+                    }
+                    // The first waiter is served (or failed for good): plan for the next.
+                    Outcome::Left if first == Some(ticket) => continue 'plan,
+                    // A kind may have left with it.
+                    Outcome::Left => kinds_behind = None,
+                }
             }
             return;
         }
     }
 
-    /// Tries waiter `ticket` now: ungated (`gate` None: it is not behind the first waiter),
-    /// or as far as `gate` lets it go ahead. Served, it leaves the queue (told after the
-    /// commit); over capacity, or over quota for now, it stays; otherwise it leaves with
-    /// the error.
+    /// Tries the waiter at `i` now: ungated (`gate` None: it is not behind the first
+    /// waiter), or as far as `gate` lets it go ahead. Served, it leaves the queue (told
+    /// after the commit); over capacity, or over quota for now, it stays; gone (its client
+    /// or holder), or refused for good, it leaves (told the error).
     fn serve_waiter(
         &mut self,
         txn: &mut Txn<'_>,
-        ticket: u64,
+        i: usize,
         gate: Option<&mut Gate>,
         now: Millis,
-        no_room: &mut NoRoom,
-    ) {
-        let Some(i) = self.queue.position(ticket) else {
-            return;
-        };
-        let waiter = &mut self.queue[i];
-        let caller = waiter.caller;
-        let asked = Asked::of(&waiter.request, gate.is_some().then_some(caller.uid));
-        if no_room.0.contains(&asked) {
-            return;
+        stay: &mut Stay,
+    ) -> Outcome {
+        let behind = gate.is_some();
+        if stay.contains(&self.queue[i].kind, behind) {
+            return Outcome::Stays;
         }
-        let request = waiter.request.clone();
+        if self.queue.remove_if_gone(i) {
+            return Outcome::Left;
+        }
+        let waiter = &mut self.queue[i];
+        let (caller, request, kind) = (waiter.caller, waiter.request.clone(), waiter.kind.clone());
         let holder = waiter.holder.take();
         let tried = match gate {
             Some(gate) => self.try_behind(txn, gate, &caller, &request, holder.as_ref(), now),
@@ -135,8 +180,8 @@ impl Ledger {
         };
         match tried {
             Ok(reservation) => {
-                // The loads changed: what found no room may find some now.
-                no_room.0.clear();
+                // The loads changed: what stayed may not now.
+                stay.clear();
                 if let Some(Waiter { reply, .. }) = self.queue.remove(i) {
                     self.effects.served.push(Served {
                         reply,
@@ -144,83 +189,127 @@ impl Ledger {
                         holder,
                     });
                 }
+                Outcome::Left
             }
             // Over quota for now (its owner holds other reservations): it goes on waiting
             // for them to end, as long as its quotas could ever let it through.
             Err(BrokerError::NoCapacity(_)) => {
-                no_room.0.insert(asked);
+                stay.insert(&kind, behind);
                 self.queue[i].holder = holder;
+                Outcome::Stays
             }
             Err(BrokerError::QuotaExceeded(_))
                 if self
                     .check_quota_of_request(&caller, &request, Counted::Nothing)
                     .is_ok() =>
             {
+                stay.insert(&kind, behind);
                 self.queue[i].holder = holder;
+                Outcome::Stays
             }
             Err(e) => {
                 if let Some(w) = self.queue.remove(i) {
                     let _ = w.reply.send(Err(e));
                 }
+                Outcome::Left
             }
         }
     }
 
-    /// Says anew why each waiter waits, against the machine as it is at `now` (what
-    /// `GET /v1/waiters` and a time-out's message tell). Changes nothing else.
+    /// Says anew why each waiter waits and when it is expected to start, against the
+    /// machine as it is at `now` (what `GET /v1/waiters` and a time-out's message tell),
+    /// with the whole plan made again. Changes nothing else.
     pub fn refresh_reasons(&mut self, now: Millis) {
+        self.plan_made_at = Some(now);
+        self.plan_stale = false;
         if !self.queue.is_empty() {
-            self.remembering(|ledger| ledger.refresh_reasons_now(now));
+            self.remembering(|ledger| ledger.refresh_reasons_now(now, true));
         }
     }
 
-    fn refresh_reasons_now(&mut self, now: Millis) {
+    /// As [`Ledger::refresh_reasons`], after a change: the reasons and the first waiter's
+    /// plan are made anew, the plan of the waiters behind it only when it was last made
+    /// [`PLAN_EVERY`] ago or more. Until then they keep the plan last made, and
+    /// [`Ledger::next_deadline`] brings the moment it is made again.
+    pub fn refresh_after_change(&mut self, now: Millis) {
+        if self.queue.is_empty() {
+            self.plan_stale = false;
+            return;
+        }
+        let due = self
+            .plan_made_at
+            .is_none_or(|at| now >= at.saturating_add(PLAN_EVERY));
+        if due {
+            self.refresh_reasons(now);
+        } else {
+            self.plan_stale = true;
+            self.remembering(|ledger| ledger.refresh_reasons_now(now, false));
+        }
+    }
+
+    /// When the plan of the waiters behind the first is to be made again, if it is behind
+    /// the changes made since.
+    pub(super) fn plan_due(&self) -> Option<Millis> {
+        self.plan_stale
+            .then(|| self.plan_made_at.unwrap_or(0).saturating_add(PLAN_EVERY))
+    }
+
+    /// Finds the reasons once per kind and side of the first waiter, and the planned starts
+    /// of those that get one (`whole`), or of the first waiter only: the cost is in kinds
+    /// and planned waiters, not in waiters.
+    fn refresh_reasons_now(&mut self, now: Millis, whole: bool) {
         // One projection serves the gate (its first entry) and the listing.
+        let planned = if whole { PLANNED_AHEAD } else { 1 };
         let projected = match self.settings.config.wait.policy {
-            QueuePolicy::Planned => self.project(now, super::plan::PLANNED_AHEAD),
+            QueuePolicy::Planned => self.project(now, planned),
             QueuePolicy::Guard | QueuePolicy::PackingBound => Projection::default(),
         };
         let gate = self.gate_for(now, projected.planned.first().cloned());
-        // The projection's entries come in queue order, a subset of the waiters.
-        let mut expected = projected.planned.into_iter().peekable();
-        let mut behind = false;
-        // Waiters that ask the same with the same owner (uid and group: quotas), on the same
-        // side of the first waiter, wait for the same reason: it is found once, and a reason
-        // in the same words as at the last change keeps its shared text, so that the
-        // waiters that keep it are not written to.
-        let before = std::mem::take(&mut self.reasons);
-        for i in 0..self.queue.len() {
-            let w = &self.queue[i];
-            let (caller, ticket) = (w.caller, w.ticket);
-            let asked = (
-                Asked::of(&w.request, behind.then_some(caller.uid)),
-                caller.uid,
-                caller.gid,
-            );
-            let why = match self.reasons.get(&asked) {
-                Some(why) => why.clone(),
-                None => {
-                    let request = w.request.clone();
-                    let found = self.why_waiting(&gate, behind, &caller, &request, now);
-                    let why = match before.get(&asked) {
-                        Some(same) if **same == *found => same.clone(),
-                        _ => Arc::from(found),
-                    };
-                    self.reasons.insert(asked, why.clone());
-                    why
-                }
-            };
-            behind |= gate.ticket() == Some(ticket);
-            let planned = expected.next_if(|e| e.ticket == ticket).map(|e| e.start);
-            let told = match planned {
-                Some(start) => Some(start),
-                None if projected.beyond.is_some_and(|first| ticket >= first) => {
-                    Some(Err(NOT_PLANNED.clone()))
-                }
-                None => None,
-            };
-            self.queue.tell(i, &why, told);
+        let mut told = Told {
+            first: gate.ticket(),
+            ..Told::default()
+        };
+        if !whole {
+            let before = self.queue.told();
+            told.planned = before.planned.clone();
+            told.beyond = before.beyond.clone();
         }
+        // Behind the first waiter, every kind waiting; in front of it (and at it), those
+        // waiters' kinds (usually one). With no first waiter, every kind is in front.
+        let every_kind: Vec<_> = self
+            .queue
+            .kinds()
+            .map(|(kind, of)| (kind.clone(), of.caller, of.request.clone()))
+            .collect();
+        let in_front = match told.first {
+            None => every_kind.clone(),
+            Some(first) => {
+                let mut seen = FxHashSet::default();
+                self.queue
+                    .iter()
+                    .take_while(|w| w.ticket <= first)
+                    .filter(|w| seen.insert(Arc::as_ptr(&w.kind)))
+                    .map(|w| (w.kind.clone(), w.caller, w.request.clone()))
+                    .collect()
+            }
+        };
+        for (kind, caller, request) in in_front {
+            let why = self.why_waiting(&gate, false, &caller, &request, now);
+            told.ahead.insert(kind, why.into());
+        }
+        if told.first.is_some() {
+            for (kind, caller, request) in every_kind {
+                let why = self.why_waiting(&gate, true, &caller, &request, now);
+                told.behind.insert(kind, why.into());
+            }
+        }
+        let mut planned = projected.planned.into_iter();
+        told.first_planned = planned.next().map(|e| (e.ticket, e.start));
+        if whole {
+            told.planned = Arc::new(planned.map(|e| (e.ticket, e.start)).collect());
+            told.beyond = projected.beyond.map(|first| (first, NOT_PLANNED.clone()));
+        }
+        self.queue.tell(told);
     }
 
     /// Why `request` of `caller` waits now, in front of the first waiter or `behind` it.
