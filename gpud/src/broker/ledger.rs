@@ -497,7 +497,7 @@ impl Ledger {
                 let mut mine = self.queue.waiting_of(caller.uid);
                 if caller.uid != 0 && mine >= max {
                     // A waiter whose client went away no longer counts.
-                    self.queue.drop_gone();
+                    let _ = self.queue.drop_gone();
                     mine = self.queue.waiting_of(caller.uid);
                 }
                 if caller.uid != 0 && mine >= max {
@@ -808,8 +808,8 @@ impl Ledger {
         now: Millis,
     ) -> Result<Vec<Event>, BrokerError> {
         // Now and then, the waiters that wait for nothing go (each is also checked when
-        // it is tried).
-        self.queue.drop_gone();
+        // it is tried); one that was first in line may have kept others out.
+        let dropped = self.queue.drop_gone();
         let events = if findings.events.is_empty() {
             Vec::new()
         } else {
@@ -827,7 +827,7 @@ impl Ledger {
         let freed =
             self.machine
                 .measured(&findings.used, findings.processes, &findings.unaccounted);
-        if freed {
+        if freed || dropped {
             self.serve_waiters(txn, now);
         }
         Ok(events)

@@ -94,7 +94,7 @@ impl Waiter {
     }
 
     /// Whether it waits for nothing: its client went away, or its holder exited.
-    fn is_gone(&self) -> bool {
+    pub fn is_gone(&self) -> bool {
         self.reply.is_closed() || self.holder.as_ref().is_some_and(PinnedProcess::has_exited)
     }
 }
@@ -330,14 +330,17 @@ impl WaitQueue {
     }
 
     /// Drops every waiter that waits for nothing: a sweep over the whole queue, made
-    /// now and then (a waiter is also checked whenever it is tried).
-    pub fn drop_gone(&mut self) {
-        let mut i = 0;
+    /// now and then (a waiter is also checked whenever it is tried). Whether any went.
+    pub fn drop_gone(&mut self) -> bool {
+        let (mut i, mut dropped) = (0, false);
         while i < self.waiters.len() {
-            if !self.remove_if_gone(i) {
+            if self.remove_if_gone(i) {
+                dropped = true;
+            } else {
                 i += 1;
             }
         }
+        dropped
     }
 
     /// Queues a request at `now` for `wait`; returns its ticket and where its answer comes.

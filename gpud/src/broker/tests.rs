@@ -1566,4 +1566,43 @@ fn the_plan_behind_the_first_waiter_is_made_again_within_plan_every_of_a_change(
         .refresh_after_change(1_000 + super::ledger::PLAN_EVERY);
     assert_eq!(starts(&mut rules), [Some(61_003), Some(121_003)]);
     assert_eq!(rules.ledger.next_deadline(), Some(61_003), "nothing stale");
+    // A wall clock that steps back plans it all at once, not once it has caught up.
+    rules.ledger.refresh_after_change(900);
+    assert_eq!(rules.ledger.next_deadline(), Some(61_003), "nothing stale");
+}
+
+#[test]
+fn a_waiter_whose_holder_exited_leaves_at_the_next_audit_pass() {
+    let mut rules = Rules::plain(1);
+    rules.reserved(ALICE, lease(gib(10), 600), 0);
+    let mut child = std::process::Command::new("sleep")
+        .arg("30")
+        .spawn()
+        .unwrap();
+    let pinned = crate::holder::PinnedProcess::pin(child.id()).unwrap();
+    let request = ReserveRequest {
+        holder_pid: Some(child.id()),
+        ttl_seconds: None,
+        ..waiting(gib(10), 60, Duration::from_secs(600))
+    };
+    let admitted = rules.run(|l, t| l.reserve(t, BOB, request, Some(pinned), 1));
+    let Ok(Admitted::Queued { mut rx, .. }) = admitted else {
+        panic!("10 GiB of 16 are held: it waits, {admitted:?}");
+    };
+    let _other = queued(
+        &mut rules,
+        ALICE,
+        waiting(gib(10), 60, Duration::from_secs(600)),
+        2,
+    );
+    child.kill().unwrap();
+    child.wait().unwrap();
+    // Nothing changed that would try it; the audit's sweep finds it gone.
+    assert_eq!(rules.ledger.snapshot((0, 0)).waiters.len(), 2);
+    rules
+        .run(|l, t| l.apply_audit(t, AuditFindings::default(), 3))
+        .unwrap();
+    let told = rx.try_recv().unwrap().unwrap_err().to_string();
+    assert!(told.contains("exited while waiting"), "{told}");
+    assert_eq!(rules.ledger.snapshot((0, 0)).waiters.len(), 1);
 }

@@ -269,7 +269,7 @@ impl Ledger {
     fn first_waiter(&mut self) -> Option<usize> {
         for i in 0..self.queue.len() {
             let w = &self.queue[i];
-            if w.reply.is_closed() {
+            if w.is_gone() {
                 continue;
             }
             let (caller, request) = (w.caller, w.request.clone());
@@ -319,7 +319,7 @@ impl Ledger {
         let mut beyond = None;
         for i in first..self.queue.len() {
             let w = &self.queue[i];
-            if w.reply.is_closed() {
+            if w.is_gone() {
                 continue;
             }
             let ticket = w.ticket;

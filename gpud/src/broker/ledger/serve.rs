@@ -233,12 +233,15 @@ impl Ledger {
     /// [`Ledger::next_deadline`] brings the moment it is made again.
     pub fn refresh_after_change(&mut self, now: Millis) {
         if self.queue.is_empty() {
+            // The next waiter is planned afresh: nothing of this plan is left to keep.
             self.plan_stale = false;
+            self.plan_made_at = None;
             return;
         }
+        // Due PLAN_EVERY after the last plan, or at once if the clock stepped back.
         let due = self
             .plan_made_at
-            .is_none_or(|at| now >= at.saturating_add(PLAN_EVERY));
+            .is_none_or(|at| now < at || now >= at.saturating_add(PLAN_EVERY));
         if due {
             self.refresh_reasons(now);
         } else {
@@ -343,7 +346,7 @@ impl Ledger {
         let starvation = crate::broker::queue::millis(self.settings.config.wait.starvation_after);
         for i in 0..self.queue.len() {
             let w = &self.queue[i];
-            if w.reply.is_closed() {
+            if w.is_gone() {
                 continue;
             }
             let (caller, request, since) = (w.caller, w.request.clone(), w.since);
