@@ -506,17 +506,7 @@ fn a_waiter_says_why_it_waits_as_the_machine_is_now_and_its_timeout_too() {
     else {
         panic!("12 GiB does not fit beside 6: it waits");
     };
-    let reason = |rules: &mut Rules| {
-        rules.ledger.refresh_reasons(2_000);
-        rules
-            .ledger
-            .snapshot((0, 0))
-            .waiters
-            .iter()
-            .next()
-            .map(|w| w.reason)
-            .unwrap_or_default()
-    };
+    let reason = |rules: &mut Rules| first_reason(rules, 2_000);
     assert!(
         reason(&mut rules).contains("10 GiB"),
         "{}",
@@ -556,15 +546,7 @@ fn an_over_quota_request_that_may_wait_waits_for_its_owners_reservations_to_end(
     else {
         panic!("over quota with a wait: it waits");
     };
-    rules.ledger.refresh_reasons(2_000);
-    let why = rules
-        .ledger
-        .snapshot((0, 0))
-        .waiters
-        .iter()
-        .next()
-        .map(|w| w.reason)
-        .unwrap_or_default();
+    let why = first_reason(&mut rules, 2_000);
     assert!(
         why.contains("allows 1 reservation") && why.contains("own reservations to end"),
         "{why}"
@@ -1167,6 +1149,18 @@ fn queued(
         panic!("it waits");
     };
     rx
+}
+
+/// Why the first waiter waits, told anew at `now`.
+fn first_reason(rules: &mut Rules, now: Millis) -> Arc<str> {
+    rules.ledger.refresh_reasons(now);
+    let snapshot = rules.ledger.snapshot((0, 0));
+    snapshot
+        .waiters
+        .iter()
+        .next()
+        .map(|w| w.reason)
+        .unwrap_or_default()
 }
 
 /// The queue as `GET /v1/waiters` lists it at `now`: (uid, expected start, plan).
