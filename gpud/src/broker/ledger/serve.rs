@@ -284,26 +284,29 @@ impl Ledger {
             .kinds()
             .map(|(kind, of)| (kind.clone(), of.caller, of.request.clone()))
             .collect();
-        let in_front = match told.first {
-            None => every_kind.clone(),
+        let (in_front, behind) = match told.first {
+            None => (every_kind, Vec::new()),
             Some(first) => {
                 let mut seen = FxHashSet::default();
-                self.queue
+                let in_front = self
+                    .queue
                     .iter()
                     .take_while(|w| w.ticket <= first)
                     .filter(|w| seen.insert(Arc::as_ptr(&w.kind)))
                     .map(|w| (w.kind.clone(), w.caller, w.request.clone()))
-                    .collect()
+                    .collect();
+                (in_front, every_kind)
             }
         };
-        for (kind, caller, request) in in_front {
-            let why = self.why_waiting(&gate, false, &caller, &request, now);
-            told.ahead.insert(kind, why.into());
-        }
-        if told.first.is_some() {
-            for (kind, caller, request) in every_kind {
-                let why = self.why_waiting(&gate, true, &caller, &request, now);
-                told.behind.insert(kind, why.into());
+        for (side, kinds) in [(false, in_front), (true, behind)] {
+            for (kind, caller, request) in kinds {
+                let why = self.why_waiting(&gate, side, &caller, &request, now);
+                let reasons = if side {
+                    &mut told.behind
+                } else {
+                    &mut told.ahead
+                };
+                reasons.insert(kind, why.into());
             }
         }
         let mut planned = projected.planned.into_iter();
