@@ -27,6 +27,9 @@ Exit status:
        (143 for SIGTERM, 129 for SIGHUP)";
 
 /// The exit codes of a command that only reads (ls, show, gpus, ps, waiters, events).
+/// `reserve --status-every`'s default.
+pub const STATUS_EVERY: &str = "30s";
+
 const READ_EXIT_CODES: &str = "\
 Exit status:
   0    success
@@ -200,7 +203,7 @@ pub enum Command {
 }
 
 // `gpuctl reserve`.
-#[derive(Debug, Args)]
+#[derive(Debug, PartialEq, Args)]
 #[command(group(clap::ArgGroup::new("size").required(true).args(["mem", "exclusive"])))]
 pub struct ReserveArgs {
     /// Number of GPUs (default 1, or as many as --devices names).
@@ -234,7 +237,7 @@ pub struct ReserveArgs {
 
     /// Without a terminal (a container's log), how often a waiting gpuctl says on stderr
     /// where it stands and why it waits (also when the wait starts and ends).
-    #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = parse_duration)]
+    #[arg(long, value_name = "DURATION", default_value = STATUS_EVERY, value_parser = parse_duration)]
     pub status_every: Duration,
 
     /// Lease length: released unless renewed (`gpuctl renew`) within DURATION.
@@ -513,7 +516,7 @@ fn parse_user(s: &str) -> Result<u32, String> {
 
 /// A size for `--mem`. A plain number is bytes, as in the API; one below 1 MiB is surely a
 /// forgotten unit (`--mem 16`), so it is refused with the spellings meant.
-fn parse_size(s: &str) -> Result<MemoryAmount, String> {
+pub fn parse_size(s: &str) -> Result<MemoryAmount, String> {
     let amount = parse_memory(s).map_err(|e| e.to_string())?;
     let plain = s.trim();
     match amount {
@@ -542,7 +545,7 @@ pub fn whole_seconds(d: Duration) -> u64 {
 }
 
 /// `KEY=VALUE`.
-fn parse_label(s: &str) -> Result<(String, String), String> {
+pub fn parse_label(s: &str) -> Result<(String, String), String> {
     match s.split_once('=') {
         Some((k, v)) if !k.is_empty() => Ok((k.to_owned(), v.to_owned())),
         _ => Err(format!(

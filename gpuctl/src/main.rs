@@ -19,6 +19,7 @@ mod cli;
 mod client;
 mod commands;
 mod error;
+mod exec_form;
 mod manual;
 mod output;
 mod reserve;
@@ -95,6 +96,12 @@ fn gpuctl() -> ExitCode {
     if let Some(hook) = args.first().and_then(|a| slurm::hook_named(a)) {
         args.splice(1..1, ["slurm".into(), hook.into()]);
     }
+    // `reserve FLAGS -- COMMAND`, the line in front of every workload, without clap.
+    if let Some((socket, args)) =
+        exec_form::parse(&args, std::env::var_os("GPUD_SOCKET").as_deref())
+    {
+        return outcome(reserve::run(&args, &socket, runtime), false);
+    }
     let cli = match Cli::try_parse_from(args) {
         Ok(cli) => cli,
         Err(e) if !e.use_stderr() => {
@@ -111,7 +118,13 @@ fn gpuctl() -> ExitCode {
             return ExitCode::from(error::exit::USAGE);
         }
     };
-    match run(&cli) {
+    outcome(run(&cli), cli.command.prints_json())
+}
+
+/// A command's exit status; a failure also as one `gpuctl: …` line on stderr, and as JSON on
+/// stdout for a command given `-o json` (`prints_json`).
+fn outcome(result: Result<ExitCode, CliError>, prints_json: bool) -> ExitCode {
+    match result {
         Ok(code) => code,
         Err(e) => {
             // gpud's messages name users by uid; people know them by name.
@@ -122,7 +135,7 @@ fn gpuctl() -> ExitCode {
                 e => e.to_string(),
             };
             eprintln!("gpuctl: {line}");
-            if cli.command.prints_json() {
+            if prints_json {
                 let _ = print(&format!("{}\n", e.to_json()));
             }
             e.exit()
