@@ -132,7 +132,11 @@ impl Client {
     /// `POST /v1/reservations` for a request that does not wait, without a runtime: the
     /// exec form (`gpuctl reserve -- COMMAND`) sends it and execs, and a tokio runtime and
     /// hyper would only add to every workload's start (docs/performance.md).
-    pub fn reserve_now(&self, request: &ReservationRequest) -> Result<Reservation, CliError> {
+    /// `T` is the [`Reservation`] or the part of it the caller needs.
+    pub fn reserve_now<T: DeserializeOwned>(
+        &self,
+        request: &ReservationRequest,
+    ) -> Result<T, CliError> {
         self.call_blocking("POST", "/v1/reservations", request)
     }
 

@@ -15,12 +15,11 @@
 
 use std::ffi::{OsStr, OsString};
 use std::path::PathBuf;
+use std::time::Duration;
 
 use gpud_schema::DEFAULT_SOCKET;
 
-use crate::cli::{
-    Policy, ReserveArgs, ReserveOutput, STATUS_EVERY, parse_duration, parse_label, parse_size,
-};
+use crate::cli::{Policy, ReserveArgs, ReserveOutput, parse_duration, parse_label, parse_size};
 
 /// The socket and the arguments of `gpuctl reserve FLAGS -- COMMAND`, when `args` (the
 /// whole command line, program name first) is one this reads; `None` for anything else.
@@ -36,8 +35,9 @@ pub fn parse(args: &[OsString], env_socket: Option<&OsStr>) -> Option<(PathBuf, 
         mem: None,
         exclusive: false,
         wait: None,
-        // Unused without `--wait`; clap's default, so that both readings are equal.
-        status_every: parse_duration(STATUS_EVERY).ok()?,
+        // Unused without `--wait`: clap's default (cli::STATUS_EVERY, "30s"), so that both
+        // readings are equal, without reading it (humantime) at every start.
+        status_every: Duration::from_secs(30),
         ttl: None,
         holder_pid: None,
         holder_cgroup: None,

@@ -778,13 +778,14 @@ pub fn events_table(events: &[gpud_schema::Event], header: bool) -> String {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use gpud_schema::{GpuIsolation, GpuStatus, MigStatus, ReservedGpu};
 
     const GIB: u64 = 1 << 30;
 
-    fn reservation() -> Reservation {
+    /// A reservation of 4 GiB on one GPU, with labels and a lease.
+    pub(crate) fn reservation() -> Reservation {
         Reservation {
             id: "r1".into(),
             state: ReservationState::Active,

@@ -20,9 +20,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant, SystemTime};
 
 use gpud_schema::{
-    MemoryAmount, MemorySpec, Reservation, ReservationRequest, WaiterList, codes,
+    Env, MemoryAmount, MemorySpec, Reservation, ReservationRequest, WaiterList, codes,
     format_basis_points,
 };
+use serde::Deserialize;
 use tokio::runtime::Runtime;
 use tokio::signal::unix::{SignalKind, signal};
 
@@ -191,14 +192,41 @@ pub fn run(
     if args.wait.is_none()
         && let [program, rest @ ..] = args.command.as_slice()
     {
-        let reservation = client.reserve_now(&request(args, holder, None))?;
-        return Err(exec(program, rest, &reservation, socket, || {
-            runtime().map(|rt| rt.block_on(client.release(&reservation.id)))
-        }));
+        let granted: Granted = client.reserve_now(&request(args, holder, None))?;
+        return Err(exec(
+            program,
+            rest,
+            &granted.id,
+            &granted.env,
+            socket,
+            || runtime().map(|rt| rt.block_on(client.release(&granted.id))),
+        ));
     }
+    wait_or_print(args, holder, &client, socket, runtime)
+}
+
+/// What gpud's answer (a [`Reservation`]) holds that the exec form needs. Decoding only
+/// this keeps the rest of the reservation's decoder out of every workload's start.
+#[derive(Debug, Deserialize)]
+struct Granted {
+    id: String,
+    env: Env,
+}
+
+/// `reserve` with `--wait` or without a command: a runtime, signals, the status line.
+/// Never inlined: its futures make a large stack frame, which the exec form without a wait
+/// does not touch.
+#[inline(never)]
+fn wait_or_print(
+    args: &ReserveArgs,
+    holder: Holder,
+    client: &Client,
+    socket: &Path,
+    runtime: fn() -> Result<Runtime, CliError>,
+) -> Result<ExitCode, CliError> {
     let rt = runtime()?;
     let wait = match args.wait {
-        Some(None) => Some(rt.block_on(wait_limit(&client))),
+        Some(None) => Some(rt.block_on(wait_limit(client))),
         Some(Some(d)) => Some(d),
         None => None,
     };
@@ -208,12 +236,17 @@ pub fn run(
         Some(_) if std::io::stderr().is_terminal() => Status::Live,
         Some(_) => Status::Lines(args.status_every),
     };
-    let reservation = rt.block_on(reserve_interruptibly(&client, &request, status))?;
+    let reservation = rt.block_on(reserve_interruptibly(client, &request, status))?;
 
     if let [program, rest @ ..] = args.command.as_slice() {
-        return Err(exec(program, rest, &reservation, socket, || {
-            Ok(rt.block_on(client.release(&reservation.id)))
-        }));
+        return Err(exec(
+            program,
+            rest,
+            &reservation.id,
+            &reservation.env,
+            socket,
+            || Ok(rt.block_on(client.release(&reservation.id))),
+        ));
     }
 
     let text = match args.output {
@@ -237,26 +270,27 @@ pub fn run(
     Ok(ExitCode::SUCCESS)
 }
 
-/// Execs `program` with the reservation's environment. Only returns when the exec failed:
+/// Execs `program` with reservation `id`'s environment. Only returns when the exec failed:
 /// then the reservation is given back (`release`, best effort: gpud releases it anyway when
 /// this process, the holder, exits) and the error says why.
 fn exec<R>(
     program: &String,
     rest: &[String],
-    reservation: &Reservation,
+    id: &str,
+    env: &Env,
     socket: &Path,
     release: impl FnOnce() -> Result<R, CliError>,
 ) -> CliError {
     let source = std::process::Command::new(program)
         .args(rest)
-        .envs(reservation.env.iter())
-        .env("GPUD_RESERVATION_ID", &reservation.id)
+        .envs(env.iter())
+        .env("GPUD_RESERVATION_ID", id)
         .env("GPUD_SOCKET", socket)
         .exec();
     let _ = release();
     CliError::Exec {
         program: program.clone(),
-        id: reservation.id.clone(),
+        id: id.to_owned(),
         source,
     }
 }
@@ -613,6 +647,16 @@ mod tests {
             Command::Reserve(r) => r,
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn the_exec_form_reads_the_id_and_environment_of_gpud_s_answer() {
+        let reservation = crate::output::tests::reservation();
+        let answer = serde_json::to_vec(&reservation).unwrap();
+        let granted: Granted = serde_json::from_slice(&answer).unwrap();
+        assert_eq!(granted.id, reservation.id);
+        assert_eq!(*granted.env, *reservation.env);
+        assert_eq!(granted.env.get("CUDA_VISIBLE_DEVICES").unwrap(), "GPU-a");
     }
 
     #[test]
