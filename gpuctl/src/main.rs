@@ -2,8 +2,9 @@
 //!
 //! `main` parses the command line (clap exits 2 on a usage error), runs one command and
 //! turns a failure into one `gpuctl: …` line on stderr and the documented exit status.
-//! Modules: `cli` (flags), `client` (HTTP over the Unix socket), `reserve` (the reserve
-//! command, exec and eval forms), `cdi` (the CDI hook), `commands` (the others), `output`
+//! Modules: `cli` (flags), `exec_form` (the usual `reserve FLAGS -- COMMAND` line read
+//! without clap), `client` (HTTP over the Unix socket), `reserve` (the reserve command,
+//! exec and eval forms), `cdi` (the CDI hook), `commands` (the others), `output`
 //! (tables and `export` lines), `manual` (man pages and completion scripts), `error`
 //! (messages and exit codes), `users` (user names, without NSS in gpuctl's process),
 //! `slurm` (Slurm's node hooks: prolog, task prolog, epilog, health check).
