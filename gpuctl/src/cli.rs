@@ -26,10 +26,10 @@ Exit status:
   130  interrupted by Ctrl-C before the reservation was made; nothing is held
        (143 for SIGTERM, 129 for SIGHUP)";
 
-/// The exit codes of a command that only reads (ls, show, gpus, ps, waiters, events).
 /// `reserve --status-every`'s default.
 pub const STATUS_EVERY: &str = "30s";
 
+/// The exit codes of a command that only reads (ls, show, gpus, ps, waiters, events).
 const READ_EXIT_CODES: &str = "\
 Exit status:
   0    success

@@ -4,8 +4,8 @@
 //! serve.py`), and building clap's definition of the `reserve` command and matching against
 //! it is a good part of what gpuctl adds to that start (docs/performance.md, "gpuctl's
 //! cost"). This reads the usual shapes of that line itself: `reserve`, then only the flags
-//! below (`--flag VALUE` or `--flag=VALUE`), each value read by the parser clap uses, then
-//! `--` and a command. Anything else, a value that does not parse included, returns `None`
+//! below (`--flag VALUE` or `--flag=VALUE`), each value read by the parser clap uses
+//! (`--policy` by its `ValueEnum`), then `--` and a command. Anything else, a value that does not parse included, returns `None`
 //! and goes to clap, which gives the usual message: so this path never decides an error,
 //! and what it accepts, clap accepts the same way (a test checks both readings agree).
 //!
@@ -17,6 +17,7 @@ use std::ffi::{OsStr, OsString};
 use std::path::PathBuf;
 use std::time::Duration;
 
+use clap::ValueEnum;
 use gpud_schema::DEFAULT_SOCKET;
 
 use crate::cli::{Policy, ReserveArgs, ReserveOutput, parse_duration, parse_label, parse_size};
@@ -75,7 +76,7 @@ pub fn parse(args: &[OsString], env_socket: Option<&OsStr>) -> Option<(PathBuf, 
             "--gpus" => set_once(&mut reserve.gpus, count(value)?)?,
             "--devices" => reserve.devices.extend(value.split(',').map(str::to_owned)),
             "--label" => reserve.labels.push(parse_label(value).ok()?),
-            "--policy" => set_once(&mut reserve.policy, policy(value)?)?,
+            "--policy" => set_once(&mut reserve.policy, Policy::from_str(value, false).ok()?)?,
             "--ttl" => set_once(&mut reserve.ttl, parse_duration(value).ok()?)?,
             "--socket" => set_once(&mut socket, PathBuf::from(value))?,
             _ => return None,
@@ -116,14 +117,6 @@ fn count(value: &str) -> Option<u32> {
         return None;
     }
     value.parse().ok().filter(|&n| n >= 1)
-}
-
-fn policy(value: &str) -> Option<Policy> {
-    match value {
-        "binpack" => Some(Policy::Binpack),
-        "spread" => Some(Policy::Spread),
-        _ => None,
-    }
 }
 
 #[cfg(test)]
