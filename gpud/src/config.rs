@@ -524,6 +524,11 @@ pub struct DraConfig {
     /// gpud's DRA reservations are checked (a claim deleted is released).
     #[serde(deserialize_with = "duration")]
     pub resync_interval: Duration,
+    /// How long one call to the API server may take before gpud gives it up: a Prepare
+    /// answers the claim's error instead (the kubelet asks again), and the resync loop goes
+    /// on to its next pass. Below the kubelet's 45 s deadline for a Prepare.
+    #[serde(deserialize_with = "duration")]
+    pub api_timeout: Duration,
 }
 
 impl Default for DraConfig {
@@ -534,6 +539,7 @@ impl Default for DraConfig {
             kubelet_dir: PathBuf::from("/var/lib/kubelet"),
             kubeconfig: None,
             resync_interval: Duration::from_secs(10),
+            api_timeout: Duration::from_secs(10),
         }
     }
 }
@@ -662,6 +668,12 @@ impl Config {
         }
         if self.dra.resync_interval < Duration::from_millis(100) {
             return Err("dra.resync_interval must be at least 100ms".to_owned());
+        }
+        if !(Duration::from_millis(100)..=Duration::from_secs(30)).contains(&self.dra.api_timeout) {
+            return Err(
+                "dra.api_timeout must be between 100ms and 30s: the kubelet gives a Prepare 45s"
+                    .to_owned(),
+            );
         }
         // CDI wants a hook's path absolute; a relative spec directory would follow gpud's
         // working directory, which no runtime reads.

@@ -411,6 +411,7 @@ fn renewing_a_reservation_held_by_a_process_asks_for_a_lease() {
                     ids: vec!["k8s-x".to_owned()],
                     units: vec![("GPU-0".to_owned(), GIB)],
                     exclusive: false,
+                    retire_ended: false,
                     labels: BTreeMap::new(),
                 }],
             },
@@ -663,6 +664,7 @@ fn an_allocate_that_fails_for_one_container_changes_nothing() {
         ids: vec![id.to_owned()],
         units: vec![("GPU-0".to_owned(), gib * GIB)],
         exclusive: false,
+        retire_ended: false,
         labels: BTreeMap::new(),
     };
     let request = AllocateRequest {

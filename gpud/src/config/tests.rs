@@ -312,6 +312,10 @@ fn the_dra_driver_needs_cdi_and_a_sane_resync() {
     assert_eq!(on.dra.kubelet_dir, std::path::Path::new("/var/lib/kubelet"));
     let e = Config::parse("[dra]\nresync_interval = \"10ms\"\n").unwrap_err();
     assert!(e.contains("dra.resync_interval"), "{e}");
+    for bad in ["10ms", "40s"] {
+        let e = Config::parse(&format!("[dra]\napi_timeout = \"{bad}\"\n")).unwrap_err();
+        assert!(e.contains("dra.api_timeout"), "{e}");
+    }
 }
 
 #[test]

@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 
 use super::driver::{CLAIM_LABEL, CLAIM_UID_LABEL};
-use super::{ClaimAllocation, ClaimRef, DRIVER};
+use super::{ClaimAllocation, ClaimRef, DRIVER, quantity};
 use crate::broker::ExactRequest;
 use crate::model::{Reservation, Unit};
 
@@ -35,10 +35,27 @@ pub fn claim_of(r: &Reservation) -> Option<ClaimRef> {
     })
 }
 
+/// The bytes a consumed amount `text` says, on a device of `total` bytes; why not, when it
+/// is not a quantity of bytes, is zero or negative, or is more than the device has.
+pub fn consumed_bytes(text: &str, total: u64) -> Result<u64, String> {
+    match quantity::parse(text) {
+        None if text.trim_start().starts_with('-') => Err("is negative".to_owned()),
+        None => Err("is not a quantity of bytes (such as 4Gi)".to_owned()),
+        Some(0) => Err("is zero".to_owned()),
+        Some(bytes) if bytes > total => Err(format!(
+            "is more than the device's {}",
+            quantity::format(total)
+        )),
+        Some(bytes) => Ok(bytes),
+    }
+}
+
 /// The exact request for `allocation`'s devices of this driver in `pool`, on `units`: each
 /// device's consumed memory, or the whole device when it was allocated without a share.
 /// Why not, as the claim's error, when the claim has none of this driver's devices, names
-/// one this node does not have, or mixes shares and whole devices.
+/// one this node does not have, consumes an amount [`consumed_bytes`] refuses, or mixes
+/// shares and whole devices. An ended reservation under the claim's id gives it up
+/// (`retire_ended`): the claim was deallocated and allocated again.
 pub fn exact_request(
     allocation: &ClaimAllocation,
     pool: &str,
@@ -76,8 +93,16 @@ pub fn exact_request(
                     claim.namespace, claim.name, d.device
                 )
             })?;
-        match d.memory {
-            Some(m) => {
+        match &d.consumed_memory {
+            Some(text) => {
+                let m =
+                    consumed_bytes(text, units[position].memory_total_bytes).map_err(|why| {
+                        format!(
+                            "claim {}/{}: the memory consumed of device {} ({text:?}) {why}; gpud \
+                         reserves nothing for it",
+                            claim.namespace, claim.name, d.device
+                        )
+                    })?;
                 let slot = bytes.entry(position).or_default();
                 *slot = slot.saturating_add(m);
             }
@@ -101,6 +126,7 @@ pub fn exact_request(
             .map(|(p, b)| (units[p].uuid.clone(), b))
             .collect(),
         exclusive: whole > 0,
+        retire_ended: true,
         labels: BTreeMap::from([
             (
                 CLAIM_LABEL.to_owned(),

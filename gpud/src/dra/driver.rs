@@ -4,9 +4,12 @@
 //! was down, at the first pass after start.
 
 use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::api::resource::v1::Device;
 
 use super::claims::claim_of;
-use super::kube::KubeClaims;
+use super::kube::{KubeClaims, bounded};
 use super::plugin::Plugin;
 use super::registration::{Sockets, serve};
 use super::{ClaimRef, Claims, DRIVER, slices};
@@ -48,6 +51,10 @@ pub async fn client(config: &DraConfig) -> Result<kube::Client, String> {
             .await
             .map_err(|e| format!("no in-cluster config and no kubeconfig: {e}"))?,
     };
+    // Off: kube-rs would retry a 429, 503 or 504 up to 15 times with a backoff growing to
+    // minutes, inside one call. The kubelet retries a Prepare, and the resync loop its pass.
+    let mut kube_config = kube_config;
+    kube_config.default_retry = false;
     kube::Client::try_from(kube_config).map_err(|e| e.to_string())
 }
 
@@ -63,7 +70,7 @@ pub async fn run(broker: Arc<Broker>, config: Config) {
             return;
         }
     };
-    let claims = Arc::new(KubeClaims::new(client.clone()));
+    let claims = Arc::new(KubeClaims::new(client.clone(), dra.api_timeout));
     let plugin = Plugin::new(broker.clone(), claims.clone(), node.clone());
     let sockets = Sockets::under(&dra.kubelet_dir);
     tokio::spawn(async move {
@@ -72,24 +79,27 @@ pub async fn run(broker: Arc<Broker>, config: Config) {
         }
     });
     tracing::info!(driver = DRIVER, %node, "DRA driver serving");
-    let mut published: Option<(i64, Vec<k8s_openapi::api::resource::v1::Device>)> = None;
+    let mut published: Option<(i64, Vec<Device>)> = None;
     loop {
-        published = resync_slice(&broker, &client, &node, published).await;
-        release_gone(&broker, claims.as_ref()).await;
+        published = resync_slice(&broker, &client, &node, dra.api_timeout, published).await;
+        release_gone(&broker, &claims).await;
         tokio::time::sleep(dra.resync_interval).await;
     }
 }
 
 /// Publishes the node's slice (less what gpud holds outside DRA) when it differs from the
-/// last one published, or when the API server no longer has it (the kubelet deletes a driver's slices when it starts, and
-/// when the driver was gone a while). Returns what is published now.
+/// last one published, or when the API server no longer has it (the kubelet deletes a
+/// driver's slices when it starts, and when the driver was gone a while). Each call is
+/// given up after `timeout`. A slice the API server refuses is replaced by one offering
+/// nothing, so that an old, larger offer never stands. Returns what is published now.
 async fn resync_slice(
     broker: &Broker,
     client: &kube::Client,
     node: &str,
-    published: Option<(i64, Vec<k8s_openapi::api::resource::v1::Device>)>,
-) -> Option<(i64, Vec<k8s_openapi::api::resource::v1::Device>)> {
-    let on_server = match slices::current_generation(client.clone(), node).await {
+    timeout: Duration,
+    published: Option<(i64, Vec<Device>)>,
+) -> Option<(i64, Vec<Device>)> {
+    let on_server = match bounded(timeout, slices::current_generation(client.clone(), node)).await {
         Ok(generation) => generation,
         Err(e) => {
             tracing::warn!(error = %e, "cannot read this node's ResourceSlice; trying again");
@@ -110,13 +120,36 @@ async fn resync_slice(
     {
         return published;
     }
-    match slices::publish(client.clone(), slice).await {
-        Ok(_) => {
+    let mut withdrawn = slice.clone();
+    withdrawn.spec.devices = Some(Vec::new());
+    let refused = match tokio::time::timeout(timeout, slices::publish(client.clone(), slice)).await
+    {
+        Ok(Ok(_)) => {
             tracing::info!(%node, generation, devices = devices.len(), "ResourceSlice published");
-            Some((generation, devices))
+            return Some((generation, devices));
         }
-        Err(e) => {
+        Ok(Err(e)) if slices::refused(&e) => e,
+        Ok(Err(e)) => {
             tracing::warn!(error = %e, "cannot publish this node's ResourceSlice; trying again");
+            return published;
+        }
+        Err(_) => {
+            tracing::warn!(
+                "the API server did not answer within {} publishing this node's \
+                 ResourceSlice; trying again",
+                humantime::format_duration(timeout)
+            );
+            return published;
+        }
+    };
+    tracing::error!(
+        error = %refused,
+        "the API server refused this node's ResourceSlice; offering nothing until it takes one"
+    );
+    match bounded(timeout, slices::publish(client.clone(), withdrawn)).await {
+        Ok(_) => Some((generation, Vec::new())),
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot withdraw this node's ResourceSlice either; trying again");
             published
         }
     }
@@ -124,15 +157,27 @@ async fn resync_slice(
 
 /// Ends the DRA reservations whose claim is gone, or no longer allocated any device of
 /// this driver. A claim that cannot be read (the API server is down) keeps its reservation.
-async fn release_gone(broker: &Broker, claims: &dyn Claims) {
+/// The claims are read at once (each read is bounded), so a pass takes one read's time.
+async fn release_gone(broker: &Broker, claims: &Arc<KubeClaims>) {
     let held: Vec<(String, ClaimRef)> = broker
         .snapshot()
         .reservations
         .iter()
         .filter_map(|r| Some((r.id.clone(), claim_of(r)?)))
         .collect();
+    let mut reads = tokio::task::JoinSet::new();
     for (id, claim) in held {
-        let gone = match claims.get(&claim).await {
+        let claims = claims.clone();
+        reads.spawn(async move {
+            let read = claims.get(&claim).await;
+            (id, claim, read)
+        });
+    }
+    while let Some(done) = reads.join_next().await {
+        let Ok((id, claim, read)) = done else {
+            continue;
+        };
+        let gone = match read {
             Ok(None) => true,
             Ok(Some(a)) => !a.devices.iter().any(|d| d.driver == DRIVER),
             Err(e) => {

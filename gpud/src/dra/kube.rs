@@ -1,15 +1,18 @@
 //! The API server: ResourceClaims read through kube-rs (in-cluster config, or a kubeconfig
 //! for gpud run from the Debian package), mapped to what the plugin needs.
 
+use std::time::Duration;
+
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use kube::Api;
 
-use super::{AllocatedDevice, ClaimAllocation, ClaimRef, Claims, quantity};
+use super::{AllocatedDevice, ClaimAllocation, ClaimRef, Claims};
 
-/// Claims read from the API server.
+/// Claims read from the API server, each read bounded.
 #[derive(Clone)]
 pub struct KubeClaims {
     client: kube::Client,
+    timeout: Duration,
 }
 
 impl std::fmt::Debug for KubeClaims {
@@ -19,9 +22,9 @@ impl std::fmt::Debug for KubeClaims {
 }
 
 impl KubeClaims {
-    /// Claims read through `client`.
-    pub fn new(client: kube::Client) -> KubeClaims {
-        KubeClaims { client }
+    /// Claims read through `client`, each read given up after `timeout`.
+    pub fn new(client: kube::Client, timeout: Duration) -> KubeClaims {
+        KubeClaims { client, timeout }
     }
 }
 
@@ -29,14 +32,29 @@ impl KubeClaims {
 impl Claims for KubeClaims {
     async fn get(&self, claim: &ClaimRef) -> Result<Option<ClaimAllocation>, String> {
         let api: Api<ResourceClaim> = Api::namespaced(self.client.clone(), &claim.namespace);
-        let found = api.get_opt(&claim.name).await.map_err(|e| e.to_string())?;
+        let found = bounded(self.timeout, api.get_opt(&claim.name)).await?;
         Ok(found.and_then(|rc| allocation(claim, &rc)))
     }
 }
 
+/// `call` to the API server, or why not: its error, or that it did not answer within
+/// `timeout`.
+pub async fn bounded<T>(
+    timeout: Duration,
+    call: impl Future<Output = Result<T, kube::Error>>,
+) -> Result<T, String> {
+    match tokio::time::timeout(timeout, call).await {
+        Ok(result) => result.map_err(|e| e.to_string()),
+        Err(_) => Err(format!(
+            "the API server did not answer within {}",
+            humantime::format_duration(timeout)
+        )),
+    }
+}
+
 /// `rc`'s allocation when it is the claim `claim` names (the same UID); `None` when the
-/// name now belongs to another claim. A consumed memory that is not a quantity of bytes
-/// counts as none (the whole device).
+/// name now belongs to another claim. Consumed memory is kept as written, for
+/// [`super::claims::exact_request`] to check.
 pub fn allocation(claim: &ClaimRef, rc: &ResourceClaim) -> Option<ClaimAllocation> {
     if rc.metadata.uid.as_deref() != Some(claim.uid.as_str()) {
         return None;
@@ -56,11 +74,11 @@ pub fn allocation(claim: &ClaimRef, rc: &ResourceClaim) -> Option<ClaimAllocatio
             pool: r.pool.clone(),
             device: r.device.clone(),
             share_id: r.share_id.clone(),
-            memory: r
+            consumed_memory: r
                 .consumed_capacity
                 .as_ref()
                 .and_then(|c| c.get("memory"))
-                .and_then(|q| quantity::parse(&q.0)),
+                .map(|q| q.0.clone()),
         })
         .collect();
     Some(ClaimAllocation {
@@ -111,12 +129,12 @@ mod tests {
             (gpu.driver.as_str(), gpu.device.as_str()),
             (DRIVER, "gpu-1")
         );
-        assert_eq!(gpu.memory, Some(4 << 30));
+        assert_eq!(gpu.consumed_memory.as_deref(), Some("4Gi"));
         assert_eq!(
             gpu.share_id.as_deref(),
             Some("7f4c3a52-0d4b-4d8e-9d55-9d2b2f4a1c01")
         );
-        assert_eq!(a.devices[1].memory, None);
+        assert_eq!(a.devices[1].consumed_memory, None);
     }
 
     #[test]

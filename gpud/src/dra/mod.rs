@@ -35,9 +35,25 @@
 //! - **Idempotent**: a Prepare for a claim whose reservation is active answers the same
 //!   devices again; an Unprepare of a claim with none active succeeds. The reservation
 //!   table is the driver's checkpoint: a restart loses nothing.
+//! - **A consumed amount is checked, never guessed**: one that is not a quantity of bytes,
+//!   is zero or negative, or is more than the device has makes the claim's error; gpud
+//!   never fails towards reserving more than the allocation says.
+//! - **Prepared again after an unprepare**: the resourceclaim controller deallocates an
+//!   unused claim and may allocate it again under the same UID (a second pod). Its new
+//!   reservation takes `dra-<uid>` again; the ended one stays in the history as
+//!   `dra-<uid>.<n>`.
 //! - **CDI is required**: the claim's container gets its environment and its memory limit
-//!   through the reservation's CDI device (`gpud.io/reservation=dra-<uid>`), named on the
-//!   claim's first device only (a CDI name is listed once per claim).
+//!   through the reservation's CDI device (`gpud.io/reservation=dra-<uid>`), named on every
+//!   device of the claim, so that a container naming any one request gets it. A container
+//!   naming the whole claim gets it once per device: runtimes apply a CDI device's edits
+//!   by name and path, and its hook's second attach of the same cgroup changes nothing.
+//! - **Request names as the kubelet matches them**: a device allocated for a
+//!   `firstAvailable` subrequest (`gpu/small`) is answered for its request (`gpu`), the name
+//!   a container references.
+//! - **Every API call is bounded** (`[dra] api_timeout`), and kube-rs's own retries are off:
+//!   the kubelet retries a Prepare that failed, and the resync loop its next pass. A slow
+//!   or failing API server never holds a Prepare past the kubelet's 45 s deadline, nor the
+//!   resync loop past one timeout per call.
 
 pub mod claims;
 pub mod driver;
@@ -78,9 +94,10 @@ pub struct AllocatedDevice {
     pub device: String,
     /// The share of a device several claims use (consumable capacity).
     pub share_id: Option<String>,
-    /// `consumedCapacity["memory"]` in bytes: what the claim may use there. `None`: the
-    /// whole device.
-    pub memory: Option<u64>,
+    /// `consumedCapacity["memory"]` as the API server wrote it: what the claim may use
+    /// there, checked by [`claims::exact_request`] against the device. `None`: the whole
+    /// device.
+    pub consumed_memory: Option<String>,
 }
 
 /// A claim and what the scheduler allocated to it.

@@ -109,24 +109,27 @@ impl Plugin {
 }
 
 /// The devices to answer for `allocation`, whose reservation is `id`: every device of this
-/// driver, the reservation's CDI device named on the first.
+/// driver, each naming the reservation's CDI device (the kubelet hands a container the CDI
+/// devices of the devices whose request it references), under the request a container
+/// references: a `firstAvailable` subrequest's device (`gpu/small`) under its request (`gpu`).
 fn answer(allocation: &ClaimAllocation, id: &str) -> Vec<Device> {
     allocation
         .devices
         .iter()
         .filter(|d| d.driver == DRIVER)
-        .enumerate()
-        .map(|(i, d)| Device {
-            request_names: vec![d.request.clone()],
+        .map(|d| Device {
+            request_names: vec![request_name(&d.request).to_owned()],
             pool_name: d.pool.clone(),
             device_name: d.device.clone(),
-            cdi_device_ids: if i == 0 {
-                vec![crate::cdi::device_name(id)]
-            } else {
-                Vec::new()
-            },
+            cdi_device_ids: vec![crate::cdi::device_name(id)],
         })
         .collect()
+}
+
+/// The request a container references for an allocation result's `request`: the request
+/// itself, or the request a `firstAvailable` subrequest (`<request>/<subrequest>`) is of.
+fn request_name(request: &str) -> &str {
+    request.split_once('/').map_or(request, |(r, _)| r)
 }
 
 /// The claim a kubelet request names, or why it is malformed.
@@ -156,9 +159,19 @@ impl DraPlugin for Plugin {
         request: Request<NodePrepareResourcesRequest>,
     ) -> Result<Response<NodePrepareResourcesResponse>, Status> {
         let claims = claim_refs(request.into_inner().claims)?;
+        // At once: each claim's read of the API server is bounded, not their sum.
+        let mut prepared = tokio::task::JoinSet::new();
+        for claim in &claims {
+            let (plugin, claim) = (self.clone(), claim.clone());
+            prepared.spawn(async move {
+                let result = plugin.prepare(&claim).await;
+                (claim, result)
+            });
+        }
         let mut answers = HashMap::new();
-        for claim in claims {
-            let answer = match self.prepare(&claim).await {
+        while let Some(done) = prepared.join_next().await {
+            let Ok((claim, result)) = done else { continue };
+            let answer = match result {
                 Ok(devices) => NodePrepareResourceResponse {
                     devices,
                     error: String::new(),
@@ -172,6 +185,16 @@ impl DraPlugin for Plugin {
                 }
             };
             answers.insert(claim.uid, answer);
+        }
+        // Every claim asked for gets its entry, even one whose task failed.
+        for claim in claims {
+            answers
+                .entry(claim.uid)
+                .or_insert_with(|| NodePrepareResourceResponse {
+                    devices: Vec::new(),
+                    error: "gpud failed while preparing this claim; the kubelet will ask again"
+                        .to_owned(),
+                });
         }
         Ok(Response::new(NodePrepareResourcesResponse {
             claims: answers,

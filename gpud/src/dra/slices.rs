@@ -53,6 +53,11 @@ pub const ATTRIBUTES: [&str; 12] = [
 /// The step a claim's memory is rounded up to, and the least it may ask: 1 MiB.
 pub const MEMORY_STEP: u64 = 1 << 20;
 
+/// The least memory a shared GPU is offered with: the API server wants a capacity that
+/// holds its policy's minimum and one step more (`validateRequestPolicyRange`), and refuses
+/// the whole slice otherwise. A GPU with less left is not offered until memory is freed.
+pub const LEAST_OFFERED: u64 = 2 * MEMORY_STEP;
+
 /// The name of `node`'s slice.
 pub fn slice_name(node: &str) -> String {
     format!("{node}-{DRIVER}")
@@ -167,10 +172,10 @@ fn semantic_version(capability: &str) -> String {
 }
 
 /// Unit `unit` of GPU `gpu` as a DRA device, `held` bytes of it taken by reservations
-/// outside DRA, in NVLink domain `nvlink`; `None` when nothing of it is left to offer. A
-/// whole GPU is shared by any number of claims, each consuming part of its `memory` (1 MiB
-/// steps, at least 1 MiB; a claim that names no amount gets all that is offered); a MIG
-/// instance is allocated whole.
+/// outside DRA, in NVLink domain `nvlink`; `None` when nothing of it is left to offer (a
+/// shared GPU: less than [`LEAST_OFFERED`]). A whole GPU is shared by any number of
+/// claims, each consuming part of its `memory` (1 MiB steps, at least 1 MiB; a claim that
+/// names no amount gets all that is offered); a MIG instance is allocated whole.
 fn device(
     gpu: &Gpu,
     unit: &Unit,
@@ -180,7 +185,7 @@ fn device(
 ) -> Option<Device> {
     let total = unit.memory_total_bytes.saturating_sub(held);
     let whole = unit.mig_index.is_some();
-    if total == 0 || (whole && held > 0) || (!whole && total < MEMORY_STEP) {
+    if total == 0 || (whole && held > 0) || (!whole && total < LEAST_OFFERED) {
         return None;
     }
     let mut attributes = BTreeMap::from([
@@ -301,6 +306,12 @@ pub async fn publish(
         }
         None => api.create(&PostParams::default(), &slice).await,
     }
+}
+
+/// Whether the API server refused a slice as invalid (400 or 422), rather than failing to
+/// store it (a conflict, an outage): writing it again would be refused again.
+pub fn refused(e: &kube::Error) -> bool {
+    matches!(e, kube::Error::Api(status) if status.code == 400 || status.code == 422)
 }
 
 /// The generation of `node`'s slice on the API server, if it has one: a restarted gpud
@@ -455,6 +466,49 @@ pub(crate) mod tests {
             .as_ref()
             .unwrap();
         assert_eq!(range.max.as_ref().unwrap().0, "10Gi");
+    }
+
+    #[test]
+    fn a_gpu_is_offered_only_while_its_policy_holds_a_step_past_its_minimum() {
+        let inventory = GpuInventory::test_machine(1, 16);
+        let units = inventory.units();
+        let offered = |left: u64| {
+            let held = HashMap::from([("GPU-0".to_owned(), 16 * GIB - left)]);
+            let s = slice("node-1", machine(&inventory, &units), &held, 1);
+            s.spec.devices.unwrap().into_iter().next()
+        };
+        // What kube-apiserver's validateRequestPolicyRange checks: min ≤ default ≤ max ≤
+        // capacity, min + step ≤ capacity, default and max on the step grid from min.
+        for left in [
+            MEMORY_STEP,
+            MEMORY_STEP + 1,
+            LEAST_OFFERED - 1,
+            LEAST_OFFERED,
+            LEAST_OFFERED + 7,
+            3 * MEMORY_STEP,
+            GIB + 5,
+        ] {
+            let Some(d) = offered(left) else {
+                assert!(left < LEAST_OFFERED, "{left} left was not offered");
+                continue;
+            };
+            assert!(left >= LEAST_OFFERED, "{left} left was offered");
+            let memory = &d.capacity.as_ref().unwrap()["memory"];
+            let bytes = |q: &Quantity| quantity::parse(&q.0).unwrap();
+            let value = bytes(&memory.value);
+            let policy = memory.request_policy.as_ref().unwrap();
+            let range = policy.valid_range.as_ref().unwrap();
+            let (min, max, step) = (
+                bytes(&range.min),
+                bytes(range.max.as_ref().unwrap()),
+                bytes(range.step.as_ref().unwrap()),
+            );
+            let default = bytes(policy.default.as_ref().unwrap());
+            assert_eq!(value, left);
+            assert!(min <= default && default <= max && max <= value, "{left}");
+            assert!(min + step <= value, "{left}");
+            assert_eq!(((default - min) % step, (max - min) % step), (0, 0));
+        }
     }
 
     #[test]

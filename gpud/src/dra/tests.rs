@@ -19,7 +19,7 @@ use crate::kubelet::proto::dra_v1::{
 };
 use crate::kubelet::proto::pluginregistration::registration_client::RegistrationClient;
 use crate::kubelet::proto::pluginregistration::{InfoRequest, RegistrationStatus};
-use crate::model::{Caller, GpuInventory, MemoryAsk};
+use crate::model::{Caller, GpuInventory, MemoryAsk, ReservationState};
 use crate::store::Store;
 
 const GIB: u64 = 1 << 30;
@@ -50,7 +50,7 @@ impl ApiServer {
             pool: POOL.to_owned(),
             device: device.to_owned(),
             share_id: memory.map(|_| format!("share-{uid}")),
-            memory,
+            consumed_memory: memory.map(quantity::format),
         }];
         self.0
             .lock()
@@ -228,6 +228,76 @@ async fn a_claim_becomes_its_exact_reservation_once_however_often_the_kubelet_as
         ended.end_reason.as_deref(),
         Some("claim ml/serve unprepared")
     );
+
+    // The claim deallocated and allocated again under the same UID (a second pod): it is
+    // prepared again, under the same id; the first reservation stays in the history.
+    let again = prepare(&sockets, vec![claim.clone()]).await;
+    assert_eq!(again, answer);
+    let r = b.snapshot().reservation("dra-uid-1").cloned().unwrap();
+    assert_eq!(r.end_reason, None);
+    let history = b
+        .history(|store| store.list(Some(ReservationState::Released), None))
+        .await
+        .unwrap();
+    let first: Vec<&str> = history.iter().map(|r| r.id.as_str()).collect();
+    assert_eq!(first.len(), 1, "{first:?}");
+    assert!(first[0].starts_with("dra-uid-1."), "{first:?}");
+    assert_eq!(
+        history[0].end_reason.as_deref(),
+        Some("claim ml/serve unprepared")
+    );
+    assert!(dir.path().join("cdi/gpud-dra-uid-1.json").exists());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_device_names_the_cdi_device_under_the_request_a_container_references() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = broker(dir.path(), true);
+    let api = Arc::new(ApiServer::default());
+    let (sockets, _stop) = start(dir.path(), b.clone(), api.clone());
+    // Requests `a` and `b`, `b` served by its `firstAvailable` subrequest `small`.
+    let device = |request: &str, device: &str| AllocatedDevice {
+        request: request.to_owned(),
+        driver: DRIVER.to_owned(),
+        pool: POOL.to_owned(),
+        device: device.to_owned(),
+        share_id: Some(format!("share-{device}")),
+        consumed_memory: Some("2Gi".to_owned()),
+    };
+    let claim = ClaimRef {
+        namespace: "ml".to_owned(),
+        name: "pair".to_owned(),
+        uid: "uid-2".to_owned(),
+    };
+    let devices = vec![device("a", "gpu-0"), device("b/small", "gpu-1")];
+    api.0
+        .lock()
+        .unwrap()
+        .insert("uid-2".to_owned(), ClaimAllocation { claim, devices });
+    let answer = prepare(&sockets, vec![wire("pair", "uid-2")]).await;
+    let entry = &answer.claims["uid-2"];
+    assert_eq!(entry.error, "");
+    let got: Vec<(&str, Vec<String>, Vec<String>)> = entry
+        .devices
+        .iter()
+        .map(|d| {
+            (
+                d.device_name.as_str(),
+                d.request_names.clone(),
+                d.cdi_device_ids.clone(),
+            )
+        })
+        .collect();
+    let cdi = vec!["gpud.io/reservation=dra-uid-2".to_owned()];
+    assert_eq!(
+        got,
+        [
+            ("gpu-0", vec!["a".to_owned()], cdi.clone()),
+            ("gpu-1", vec!["b".to_owned()], cdi)
+        ]
+    );
+    let r = b.snapshot().reservation("dra-uid-2").cloned().unwrap();
+    assert_eq!(r.units.len(), 2);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

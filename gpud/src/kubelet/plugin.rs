@@ -107,6 +107,7 @@ impl Plugin {
                         .collect(),
                     units: claim.units,
                     exclusive: claim.exclusive,
+                    retire_ended: false,
                     labels: claim.labels,
                 });
             }

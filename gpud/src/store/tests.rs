@@ -719,3 +719,79 @@ fn read_only_storage_is_reported_as_unavailable() {
     let e = store.insert(&sample("x", 1)).unwrap_err();
     assert!(e.is_storage_unavailable(), "{e:?}");
 }
+
+#[test]
+fn an_ended_reservation_gives_up_its_id_and_keeps_its_history_and_events() {
+    let mut store = Store::open_in_memory().unwrap();
+    assert!(store.insert(&sample("dra-u1", 10)).unwrap());
+    store
+        .insert_events(&[event(15, EventKind::OverLimit, Some("dra-u1"))])
+        .unwrap();
+    // Active: its id is not given up.
+    assert_eq!(store.alone(|t| t.retire_ended("dra-u1")).unwrap(), None);
+    store
+        .finish(
+            &[(
+                "dra-u1".into(),
+                ReservationState::Released,
+                "unprepared".into(),
+            )],
+            20,
+        )
+        .unwrap();
+    let retired = store
+        .alone(|t| t.retire_ended("dra-u1"))
+        .unwrap()
+        .expect("an ended reservation gives up its id");
+    assert!(retired.starts_with("dra-u1."), "{retired}");
+    assert_eq!(store.get("dra-u1").unwrap(), None);
+    let kept = store.get(&retired).unwrap().unwrap();
+    assert_eq!(
+        (kept.state, kept.end_reason.as_deref()),
+        (ReservationState::Released, Some("unprepared"))
+    );
+    let events = |id: &str| {
+        store
+            .events(&EventFilter {
+                reservation: Some(id.into()),
+                ..EventFilter::default()
+            })
+            .unwrap()
+            .len()
+    };
+    assert_eq!((events("dra-u1"), events(&retired)), (0, 1));
+    // The id is free again; a second end and retire gives another name.
+    assert!(store.insert(&sample("dra-u1", 30)).unwrap());
+    store
+        .finish(
+            &[("dra-u1".into(), ReservationState::Released, "again".into())],
+            40,
+        )
+        .unwrap();
+    let second = store.alone(|t| t.retire_ended("dra-u1")).unwrap().unwrap();
+    assert_ne!(second, retired);
+    // Nothing under an id no reservation has.
+    assert_eq!(store.alone(|t| t.retire_ended("nobody")).unwrap(), None);
+}
+
+#[test]
+fn an_ended_reservation_whose_limits_are_not_reset_keeps_its_id() {
+    let mut store = Store::open_in_memory().unwrap();
+    let mut r = sample("dra-u2", 10);
+    r.isolation = ReservationIsolation {
+        mode: gpud_schema::IsolationMode::Driver,
+        ..ReservationIsolation::default()
+    };
+    assert!(store.insert(&r).unwrap());
+    store
+        .finish(
+            &[("dra-u2".into(), ReservationState::Released, "x".into())],
+            20,
+        )
+        .unwrap();
+    assert_eq!(store.alone(|t| t.retire_ended("dra-u2")).unwrap(), None);
+    store
+        .alone(|t| t.limits_cleared(&["dra-u2".to_owned()]))
+        .unwrap();
+    assert!(store.alone(|t| t.retire_ended("dra-u2")).unwrap().is_some());
+}

@@ -1,7 +1,7 @@
 //! Writes: the transaction every change goes through, which rolls back unless committed
 //! and is poisoned by a failed write (see the module above).
 
-use rusqlite::params;
+use rusqlite::{OptionalExtension, params};
 
 use super::*;
 
@@ -237,6 +237,31 @@ impl Txn<'_> {
                 stmt.execute(params![id, state.as_str(), to_sql_int(at), reason])?;
             }
             Ok(())
+        })
+    }
+
+    /// Frees the id of ended reservation `id` for a new one: the ended row, and its events,
+    /// take the id `<id>.<seq>` (its creation sequence number, unique to it) and keep their
+    /// history. Returns that new id; `None`, with nothing written, when no ended reservation
+    /// has `id`, or when its driver limits are not yet reset (the id is given up once they
+    /// are, so that the reset still finds its row).
+    pub fn retire_ended(&mut self, id: &str) -> Result<Option<String>, StoreError> {
+        self.write("retire an ended reservation's id", |c| {
+            let renamed: Option<String> = c
+                .prepare_cached(
+                    "UPDATE reservations SET id = id || '.' || seq
+                     WHERE id = ?1 AND state <> 'active' AND limits_cleared = 1
+                     RETURNING id",
+                )?
+                .query_row(params![id], |row| row.get(0))
+                .optional()?;
+            if let Some(new) = &renamed {
+                c.prepare_cached(
+                    "UPDATE events SET reservation_id = ?2 WHERE reservation_id = ?1",
+                )?
+                .execute(params![id, new])?;
+            }
+            Ok(renamed)
         })
     }
 

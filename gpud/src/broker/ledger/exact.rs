@@ -23,6 +23,10 @@ pub struct ExactRequest {
     pub units: Vec<(String, u64)>,
     /// Whole units.
     pub exclusive: bool,
+    /// An ended reservation holding one of `ids` gives it up: it keeps its history as
+    /// `<id>.<n>` ([`Txn::retire_ended`]). For an id that names what the reservation is for
+    /// (a DRA claim's UID), which a later reservation for the same thing must take again.
+    pub retire_ended: bool,
     /// Labels.
     pub labels: BTreeMap<String, String>,
 }
@@ -103,7 +107,12 @@ impl Ledger {
         }
         let mut id = None;
         for candidate in &request.ids {
-            if !self.is_active(candidate) && txn.get(candidate)?.is_none() {
+            if self.is_active(candidate) {
+                continue;
+            }
+            if txn.get(candidate)?.is_none()
+                || (request.retire_ended && txn.retire_ended(candidate)?.is_some())
+            {
                 id = Some(candidate.clone());
                 break;
             }

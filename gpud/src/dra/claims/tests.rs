@@ -22,7 +22,7 @@ fn device(name: &str, memory: Option<u64>) -> AllocatedDevice {
         pool: "node-1".to_owned(),
         device: name.to_owned(),
         share_id: memory.map(|_| "share".to_owned()),
-        memory,
+        consumed_memory: memory.map(crate::dra::quantity::format),
     }
 }
 
@@ -106,4 +106,37 @@ fn only_gpud_s_own_claim_reservation_is_a_claim_s() {
     r.owner_uid = 0;
     r.id = "mine".to_owned();
     assert_eq!(claim_of(&r), None);
+}
+
+#[test]
+fn a_consumed_amount_that_is_no_bytes_of_the_device_is_refused_never_taken_as_all_of_it() {
+    let units = GpuInventory::test_machine(2, 16).units();
+    for (text, says) in [
+        ("-4Gi", "is negative"),
+        ("lots", "is not a quantity of bytes"),
+        ("", "is not a quantity of bytes"),
+        ("0", "is zero"),
+        ("0Gi", "is zero"),
+        ("17Gi", "is more than the device's 16Gi"),
+        ("100m", "is not a quantity of bytes"),
+    ] {
+        let mut d = device("gpu-1", Some(GIB));
+        d.consumed_memory = Some(text.to_owned());
+        let e = exact_request(&claim(vec![d]), "node-1", &units).unwrap_err();
+        assert!(e.contains(says), "{text}: {e}");
+        assert!(e.contains("ml/serve") && e.contains("gpu-1"), "{e}");
+        assert!(e.contains("reserves nothing"), "{e}");
+    }
+    // The whole device is exactly allowed.
+    let mut all = device("gpu-1", None);
+    all.consumed_memory = Some("16Gi".to_owned());
+    let r = exact_request(&claim(vec![all]), "node-1", &units).unwrap();
+    assert_eq!((r.units[0].1, r.exclusive), (16 * GIB, false));
+}
+
+#[test]
+fn a_claim_s_request_gives_up_an_ended_reservation_s_id() {
+    let units = GpuInventory::test_machine(2, 16).units();
+    let r = exact_request(&claim(vec![device("gpu-0", Some(GIB))]), "node-1", &units).unwrap();
+    assert!(r.retire_ended);
 }

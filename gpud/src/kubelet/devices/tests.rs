@@ -145,6 +145,7 @@ fn allocate(b: &TestBroker, resource: Resource, devices: &[String], now: u64) ->
         ids: vec![reservation_id(resource, devices, now, 0)],
         units: claim.units,
         exclusive: claim.exclusive,
+        retire_ended: false,
         labels: claim.labels,
     };
     exact(b.at(now), request).unwrap()
@@ -296,6 +297,7 @@ fn whole_gpus_and_memory_devices_exclude_each_other() {
             ids: vec!["k8s-again".into()],
             units: claim.units,
             exclusive: true,
+            retire_ended: false,
             labels: claim.labels,
         },
     );
@@ -466,6 +468,7 @@ fn exact_reservations_never_overcommit_and_end_with_a_reason() {
         ids: vec![id.to_owned()],
         units: vec![("GPU-0".to_owned(), gib * GIB)],
         exclusive: false,
+        retire_ended: false,
         labels: BTreeMap::new(),
     };
     exact(&b, request("k8s-a", 10)).unwrap();

@@ -404,6 +404,7 @@ fn a_kubelet_allocation_waits_for_its_container_and_under_require_needs_cdi() {
             ids: vec!["k8s-a".to_owned()],
             units: vec![("GPU-0".to_owned(), GIB)],
             exclusive: false,
+            retire_ended: false,
             labels: BTreeMap::new(),
         }],
     };
