@@ -25,6 +25,16 @@ pub struct State {
     pub writes: Vec<(String, String)>,
     /// The body of every write, as the client sent it.
     pub bodies: Vec<Value>,
+    /// While set, every request is answered with this status code (503: unavailable, 429:
+    /// too many requests), as an API server in trouble answers.
+    pub outage: Option<u16>,
+    /// While set, no request is answered (an API server that hangs).
+    pub stall: bool,
+    /// A slice write offering a device of this name is refused as invalid (422), as a
+    /// real API server refuses a slice one of whose devices breaks a rule.
+    pub refuse_device: Option<String>,
+    /// Slice writes refused as invalid, with why.
+    pub refused: Vec<String>,
 }
 
 /// The running server.
@@ -146,7 +156,90 @@ fn status(code: u16, reason: &str) -> Value {
            "message": reason, "reason": reason, "code": code})
 }
 
+/// Why a real API server would refuse `slice` as invalid: the device named in
+/// `refuse_device`, or a consumable capacity whose request policy breaks the rules
+/// `validateRequestPolicyRange` checks in kube-apiserver (`pkg/apis/resource/validation`).
+fn invalid_slice(slice: &Value, refuse_device: Option<&str>) -> Option<String> {
+    let bytes = |q: &Value| q.as_str().and_then(gpud::dra::quantity::parse);
+    for (i, device) in slice["spec"]["devices"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .enumerate()
+    {
+        let name = device["name"].as_str().unwrap_or_default();
+        if refuse_device == Some(name) {
+            return Some(format!("spec.devices[{i}]: refused device {name}"));
+        }
+        for (capacity, c) in device["capacity"].as_object().into_iter().flatten() {
+            let Some(range) = c["requestPolicy"]["validRange"].as_object() else {
+                continue;
+            };
+            let at = format!("spec.devices[{i}].capacity[{capacity}].requestPolicy");
+            let value = bytes(&c["value"]).unwrap_or(0);
+            let default = bytes(&c["requestPolicy"]["default"]).unwrap_or(0);
+            let (Some(min), max, step) = (
+                range.get("min").and_then(bytes),
+                range.get("max").and_then(bytes),
+                range.get("step").and_then(bytes),
+            ) else {
+                return Some(format!("{at}.validRange.min: Required value"));
+            };
+            let mut wrong = Vec::new();
+            if min > value {
+                wrong.push("min is larger than capacity value");
+            }
+            if default < min {
+                wrong.push("default is less than min");
+            }
+            if let Some(max) = max {
+                if min > max {
+                    wrong.push("min is larger than max");
+                }
+                if max > value {
+                    wrong.push("max is larger than capacity value");
+                }
+                if default > max {
+                    wrong.push("default is more than max");
+                }
+            }
+            if let Some(step) = step.filter(|s| *s > 0) {
+                if min + step > value {
+                    wrong.push("one step is larger than capacity value");
+                }
+                let on_grid = |v: u64| v >= min && (v - min).is_multiple_of(step);
+                if !on_grid(default) || max.is_some_and(|m| !on_grid(m)) {
+                    wrong.push("value is not a multiple of a given step");
+                }
+            }
+            if !wrong.is_empty() {
+                return Some(format!("{at}: {}", wrong.join("; ")));
+            }
+        }
+    }
+    None
+}
+
 async fn handle(state: Arc<Mutex<State>>, req: Request<Incoming>) -> Response<Full<Bytes>> {
+    loop {
+        let (stall, outage) = {
+            let st = state.lock().unwrap();
+            (st.stall, st.outage)
+        };
+        if let Some(code) = outage {
+            let status_code = StatusCode::from_u16(code).unwrap();
+            let reason = if code == 429 {
+                "TooManyRequests"
+            } else {
+                "ServiceUnavailable"
+            };
+            return reply(status_code, &status(code, reason));
+        }
+        if !stall {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
     let (method, path) = (req.method().clone(), req.uri().path().to_owned());
     let bytes = req
         .into_body()
@@ -156,6 +249,12 @@ async fn handle(state: Arc<Mutex<State>>, req: Request<Incoming>) -> Response<Fu
         .unwrap_or_default();
     let body: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
     let mut st = state.lock().unwrap();
+    if (method == Method::POST || method == Method::PUT)
+        && let Some(why) = invalid_slice(&body, st.refuse_device.as_deref())
+    {
+        st.refused.push(why.clone());
+        return reply(StatusCode::UNPROCESSABLE_ENTITY, &status(422, &why));
+    }
     let parts: Vec<&str> = path.trim_start_matches('/').split('/').collect();
     match (&method, parts.as_slice()) {
         (

@@ -17,6 +17,10 @@ use serde_json::{Value, json};
 use crate::apiserver::ApiServer;
 use crate::{PATIENCE, wait_for};
 
+/// How long the kubelet waits for a DRA plugin's answer (`defaultClientCallTimeout` in
+/// `pkg/kubelet/cm/dra/plugin/dra_plugin.go`).
+pub const KUBELET_DEADLINE: std::time::Duration = std::time::Duration::from_secs(45);
+
 /// The `[dra]` section of a gpud on node `node-1`, its kubelet directory and kubeconfig
 /// (for `api`, written now) in `dir`, checking every 200 ms.
 pub fn config(api: &ApiServer, dir: &Path) -> String {
@@ -86,11 +90,13 @@ impl Kubelet {
         DraPluginClient::new(channel)
     }
 
-    /// `NodePrepareResources` of `claims`.
+    /// `NodePrepareResources` of `claims`, with the kubelet's 45 s deadline.
     pub fn prepare(&self, claims: Vec<Claim>) -> NodePrepareResourcesResponse {
         let mut plugin = self.plugin();
+        let mut request = tonic::Request::new(NodePrepareResourcesRequest { claims });
+        request.set_timeout(KUBELET_DEADLINE);
         self.runtime
-            .block_on(plugin.node_prepare_resources(NodePrepareResourcesRequest { claims }))
+            .block_on(plugin.node_prepare_resources(request))
             .unwrap()
             .into_inner()
     }

@@ -177,6 +177,170 @@ fn a_claim_over_what_gpud_promised_elsewhere_is_refused_never_overcommitted() {
     assert_eq!(d.active().len(), 1);
 }
 
+/// The names of the devices the stored slice offers, once it offers exactly `names`.
+fn offered(api: &ApiServer, names: &[&str]) -> Option<Vec<String>> {
+    let slice = api.slice(SLICE)?;
+    let devices: Vec<String> = slice["spec"]["devices"]
+        .as_array()?
+        .iter()
+        .filter_map(|d| d["name"].as_str().map(str::to_owned))
+        .collect();
+    (devices == names).then_some(devices)
+}
+
+#[test]
+fn a_gpu_with_too_little_left_is_not_offered_and_a_refused_slice_withdraws_the_offer() {
+    let api = ApiServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let d = start(&api, dir.path());
+    wait_for(PATIENCE, || offered(&api, &["gpu-0", "gpu-1"])).expect("the slice");
+    // 1 MiB left of GPU 0: the API server would refuse a policy that cannot hold a step.
+    let total = d.get("/v1/gpus").body["gpus"][0]["memory_total_bytes"]
+        .as_u64()
+        .unwrap();
+    let body = format!(
+        r#"{{"memory": "{}MiB", "devices": ["0"], "ttl_seconds": 300}}"#,
+        (total >> 20) - 1
+    );
+    let local = d.post("/v1/reservations", &body);
+    assert_eq!(local.status, 201, "{}", local.body);
+    wait_for(PATIENCE, || offered(&api, &["gpu-1"]))
+        .expect("GPU 0, with 1 MiB left, is still offered");
+    assert!(api.state.lock().unwrap().refused.is_empty());
+
+    // A slice the API server refuses never leaves the old offer standing: gpud offers
+    // nothing until the server takes a slice again.
+    api.state.lock().unwrap().refuse_device = Some("gpu-0".to_owned());
+    let id = local.body["id"].as_str().unwrap();
+    assert_eq!(d.delete(&format!("/v1/reservations/{id}")).status, 200);
+    wait_for(PATIENCE, || offered(&api, &[])).expect("the refused slice's old offer stood");
+    assert!(!api.state.lock().unwrap().refused.is_empty());
+    api.state.lock().unwrap().refuse_device = None;
+    wait_for(PATIENCE, || offered(&api, &["gpu-0", "gpu-1"]))
+        .expect("the slice was not offered again once the server took it");
+}
+
+#[test]
+fn an_api_server_in_trouble_never_holds_a_prepare_or_the_slice_back() {
+    let api = ApiServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let config = format!(
+        "[cdi]\nenabled = true\nspec_dir = \"{}/cdi\"\n{}api_timeout = \"1s\"\n",
+        dir.path().display(),
+        config(&api, dir.path())
+    );
+    let d = Daemon::start("t4-pair", &config);
+    wait_for(PATIENCE, || offered(&api, &["gpu-0", "gpu-1"])).expect("the slice");
+    let kubelet = Kubelet::new(dir.path());
+    api.claim("ml", "serve", "uid-1", share("gpu-1", "4Gi"));
+    // An API server that does not answer: the claim's error, well within the kubelet's
+    // deadline (the fake kubelet's call fails past it).
+    api.state.lock().unwrap().stall = true;
+    let error = kubelet.prepare(vec![claim("serve", "uid-1")]).claims["uid-1"]
+        .error
+        .clone();
+    assert!(error.contains("did not answer within 1s"), "{error}");
+    // One that answers 503 and 429: the claim's error at once, kube-rs's retries off.
+    api.state.lock().unwrap().stall = false;
+    for code in [503, 429] {
+        api.state.lock().unwrap().outage = Some(code);
+        let error = kubelet.prepare(vec![claim("serve", "uid-1")]).claims["uid-1"]
+            .error
+            .clone();
+        assert!(
+            error.contains("cannot read ResourceClaim ml/serve"),
+            "{error}"
+        );
+    }
+    assert!(d.active().is_empty());
+    // A reservation made during the outage reaches the slice once the server is back.
+    let local = d.post(
+        "/v1/reservations",
+        r#"{"memory": "2GiB", "devices": ["0"], "ttl_seconds": 300}"#,
+    );
+    assert_eq!(local.status, 201, "{}", local.body);
+    std::thread::sleep(std::time::Duration::from_secs(2));
+    api.state.lock().unwrap().outage = None;
+    let total = d.get("/v1/gpus").body["gpus"][0]["memory_total_bytes"]
+        .as_u64()
+        .unwrap();
+    let left = gpud::dra::quantity::format(total - 2 * GIB);
+    // Resync passes every 200 ms, each call bounded by 1 s: a few seconds, not the minutes
+    // of kube-rs's backoff.
+    wait_for(std::time::Duration::from_secs(10), || {
+        api.slice(SLICE)
+            .filter(|s| s["spec"]["devices"][0]["capacity"]["memory"]["value"] == left.as_str())
+    })
+    .expect("the slice did not follow the machine soon after the API server came back");
+    let answer = kubelet.prepare(vec![claim("serve", "uid-1")]);
+    assert_eq!(answer.claims["uid-1"].error, "");
+}
+
+#[test]
+fn claims_the_resourceclaim_controller_reuses_or_the_allocator_words_oddly_are_prepared_right() {
+    let api = ApiServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let d = start(&api, dir.path());
+    let kubelet = Kubelet::new(dir.path());
+    // Deallocated and allocated again under the same UID (a standalone claim, a second
+    // pod): prepared again; the first reservation stays in the history.
+    api.claim("ml", "reuse", "uid-1", share("gpu-0", "2Gi"));
+    for round in 0..3 {
+        let answer = kubelet.prepare(vec![claim("reuse", "uid-1")]);
+        assert_eq!(answer.claims["uid-1"].error, "", "round {round}");
+        assert_eq!(kubelet.unprepare(vec![claim("reuse", "uid-1")]), [""]);
+    }
+    let history = d.get("/v1/reservations?state=released").body;
+    let ids: Vec<&str> = history["reservations"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|r| r["id"].as_str())
+        .collect();
+    assert_eq!(ids.len(), 3, "{history}");
+    assert_eq!(
+        ids.iter().filter(|id| id.starts_with("dra-uid-1.")).count(),
+        2,
+        "{ids:?}"
+    );
+    assert!(ids.contains(&"dra-uid-1"), "{ids:?}");
+
+    // A consumed amount that is no bytes of the device: refused, nothing reserved.
+    for (uid, amount) in [
+        ("uid-2", "-4Gi"),
+        ("uid-3", "lots"),
+        ("uid-4", "0"),
+        ("uid-5", "64Gi"),
+    ] {
+        api.claim("ml", "odd", uid, share("gpu-1", amount));
+        let error = kubelet.prepare(vec![claim("odd", uid)]).claims[uid]
+            .error
+            .clone();
+        assert!(
+            error.contains("gpud reserves nothing for it"),
+            "{amount}: {error}"
+        );
+    }
+    assert!(d.active().is_empty());
+
+    // Two requests, one served by a `firstAvailable` subrequest: each device answers its
+    // request, and names the claim's CDI device.
+    let results = json!([
+        {"request": "a", "driver": "gpu.gpud.io", "pool": "node-1", "device": "gpu-0",
+         "shareID": "0b1d5a8e-1c1f-4a7e-8f1e-2d6c3b4a5e6f", "consumedCapacity": {"memory": "1Gi"}},
+        {"request": "b/small", "driver": "gpu.gpud.io", "pool": "node-1", "device": "gpu-1",
+         "shareID": "1b1d5a8e-1c1f-4a7e-8f1e-2d6c3b4a5e6f", "consumedCapacity": {"memory": "1Gi"}}
+    ]);
+    api.claim("ml", "pair", "uid-6", results);
+    let answer = kubelet.prepare(vec![claim("pair", "uid-6")]);
+    let entry = &answer.claims["uid-6"];
+    assert_eq!(entry.error, "");
+    for (device, request) in entry.devices.iter().zip(["a", "b"]) {
+        assert_eq!(device.request_names, [request]);
+        assert_eq!(device.cdi_device_ids, ["gpud.io/reservation=dra-uid-6"]);
+    }
+}
+
 #[test]
 fn the_shipped_device_class_and_claims_parse_and_ask_for_what_gpud_publishes() {
     use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaimTemplate};
