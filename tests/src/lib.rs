@@ -18,6 +18,7 @@ pub mod apiserver;
 pub mod containers;
 pub mod deployment;
 pub mod dra;
+pub mod grpc_go;
 pub mod isolation;
 pub mod manifests;
 pub mod openapi;

@@ -6,11 +6,11 @@
 use std::path::{Path, PathBuf};
 
 use tokio::net::UnixListener;
-use tokio_stream::wrappers::UnixListenerStream;
 use tonic::{Request, Response, Status};
 
 use super::plugin::Plugin;
 use super::{DRIVER, SUPPORTED_VERSIONS};
+use crate::kubelet::authority::incoming;
 use crate::kubelet::proto::dra_v1::dra_plugin_server::DraPluginServer;
 use crate::kubelet::proto::pluginregistration::registration_server::{
     Registration, RegistrationServer,
@@ -103,13 +103,13 @@ pub async fn serve(
         .add_service(
             crate::kubelet::proto::dra_v1beta1::dra_plugin_server::DraPluginServer::new(plugin),
         )
-        .serve_with_incoming_shutdown(UnixListenerStream::new(endpoint), wait(stopped.clone()));
+        .serve_with_incoming_shutdown(incoming(endpoint), wait(stopped.clone()));
     let registrar = Registrar {
         endpoint: sockets.endpoint.clone(),
     };
     let reg = tonic::transport::Server::builder()
         .add_service(RegistrationServer::new(registrar))
-        .serve_with_incoming_shutdown(UnixListenerStream::new(registration), wait(stopped));
+        .serve_with_incoming_shutdown(incoming(registration), wait(stopped));
     let stopper = async move {
         shutdown.await;
         let _ = stop.send(true);

@@ -14,6 +14,9 @@
 //! - `registration`: serves those sockets, then calls the kubelet's `Register`; re-registers
 //!   when `kubelet.sock` is recreated (a kubelet restart: its inode is polled every second)
 //!   or when the kubelet removed gpud's own sockets (it wipes the directory on start).
+//! - `authority`: the connections of every gRPC server gpud runs on a Unix socket (these and
+//!   the DRA driver's), with the `:authority` grpc-go sends there (the socket path, which h2
+//!   rejects) replaced by `localhost`.
 //! - `reconcile`: asks the kubelet's pod-resources API which pods hold which device ids and
 //!   releases the reservations whose devices no pod holds any more.
 //!
@@ -61,6 +64,7 @@
 //!   list is recomputed every 500 ms and right after every `Allocate` or release). A stream
 //!   ends only when its registration epoch ends (the kubelet restarted) or gpud stops.
 
+pub(crate) mod authority;
 pub mod devices;
 mod plugin;
 pub mod proto;

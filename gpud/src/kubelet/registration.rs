@@ -17,9 +17,9 @@ use std::time::Duration;
 use tokio::net::UnixListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
-use tokio_stream::wrappers::UnixListenerStream;
 
 use super::Shared;
+use super::authority;
 use super::connect_unix;
 use super::devices::Resource;
 use super::plugin::Plugin;
@@ -95,7 +95,7 @@ fn serve(shared: &Arc<Shared>, dir: &Path) -> std::io::Result<Epoch> {
         };
         let server = tonic::transport::Server::builder()
             .add_service(DevicePluginServer::new(plugin))
-            .serve_with_incoming(UnixListenerStream::new(listener));
+            .serve_with_incoming(authority::incoming(listener));
         epoch.servers.push(tokio::spawn(async move {
             if let Err(e) = server.await {
                 tracing::error!(socket = %path.display(), error = %e, "device plugin server failed");
