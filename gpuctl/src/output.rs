@@ -200,6 +200,7 @@ pub fn isolation_text(i: &Isolation) -> String {
     match (i.mode, &i.cgroup, &i.reason) {
         (IsolationMode::Driver, Some(cgroup), _) => format!("driver-enforced on {cgroup}"),
         (IsolationMode::Driver, None, _) => "driver-enforced".to_owned(),
+        (IsolationMode::Mps, _, _) => "mps-enforced (by its own MPS server)".to_owned(),
         (mode, _, Some(reason)) => format!("{}: {reason}", mode.as_str()),
         (mode, _, None) => mode.as_str().to_owned(),
     }

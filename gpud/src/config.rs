@@ -128,6 +128,27 @@ pub struct IsolationConfig {
     pub workloads: String,
     /// The slice the transient scopes go in.
     pub slice: String,
+    /// CUDA MPS: one control daemon per reservation, with the reservation's memory as its
+    /// pinned-memory cap, on GPUs whose driver cannot limit cgroups (`"auto"`: where the MPS
+    /// control program is installed, the GPU is not in MIG mode and gpud runs as root), or
+    /// never (`"off"`).
+    pub mps: MpsSetting,
+    /// The MPS control program: a path, or a name looked up in `PATH`.
+    pub mps_control: PathBuf,
+    /// Where each reservation's MPS pipe and log directories go: `<mps_dir>/<id>/pipe` and
+    /// `<mps_dir>/<id>/log`, readable by the reservation's owner alone.
+    pub mps_dir: PathBuf,
+}
+
+/// `[isolation] mps`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MpsSetting {
+    /// Where MPS is installed and applies.
+    #[default]
+    Auto,
+    /// Never.
+    Off,
 }
 
 impl Default for IsolationConfig {
@@ -137,6 +158,9 @@ impl Default for IsolationConfig {
             burst: 0,
             workloads: "auto".to_owned(),
             slice: "gpud.slice".to_owned(),
+            mps: MpsSetting::Auto,
+            mps_control: PathBuf::from("nvidia-cuda-mps-control"),
+            mps_dir: PathBuf::from("/run/gpud/mps"),
         }
     }
 }
@@ -680,6 +704,8 @@ impl Config {
         for (key, path) in [
             ("cdi.spec_dir", &self.cdi.spec_dir),
             ("cdi.hook", &self.cdi.hook),
+            // Workloads and containers are told the pipe directory under it.
+            ("isolation.mps_dir", &self.isolation.mps_dir),
         ] {
             if !path.is_absolute() {
                 return Err(format!(

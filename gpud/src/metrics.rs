@@ -374,6 +374,7 @@ impl Metrics {
             .set(gauge(snap.active() as u64));
         for mode in [
             IsolationMode::Driver,
+            IsolationMode::Mps,
             IsolationMode::Pending,
             IsolationMode::Advisory,
         ] {

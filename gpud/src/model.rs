@@ -475,6 +475,17 @@ impl ReservationIsolation {
         self.mode == gpud_schema::IsolationMode::Driver
     }
 
+    /// Whether a CUDA MPS daemon of its own is to hold its workload to it.
+    pub fn is_mps(&self) -> bool {
+        self.mode == gpud_schema::IsolationMode::Mps
+    }
+
+    /// Whether something outside gpud's database is set for it while it is active (the
+    /// driver's limits, an MPS daemon), which its end must undo before it is forgotten.
+    pub fn is_enforced(&self) -> bool {
+        self.is_driver() || self.is_mps()
+    }
+
     /// Advisory, for `reason`, on `cgroup` (which gpud made, when `owned`).
     pub fn advisory(
         cgroup: Option<String>,
@@ -613,7 +624,12 @@ impl AuditedReservation {
     /// The part of `r` the audit reads; `burst` and `require`: `[isolation]`'s.
     pub fn of(r: &Reservation, burst: u64, require: bool) -> AuditedReservation {
         AuditedReservation {
-            limit_required: require && r.isolation.mode != gpud_schema::IsolationMode::Advisory,
+            // An MPS reservation's server holds it wherever its processes run.
+            limit_required: require
+                && matches!(
+                    r.isolation.mode,
+                    gpud_schema::IsolationMode::Driver | gpud_schema::IsolationMode::Pending
+                ),
             driver_limit: r
                 .isolation
                 .cgroup

@@ -8,6 +8,7 @@
 //! hard, enforced by the MPS server on GPUs configured for it.
 
 use std::collections::BTreeMap;
+use std::path::Path;
 
 use gpud_schema::Env;
 
@@ -15,7 +16,8 @@ use crate::config::EnvConfig;
 use crate::model::{Gpu, ReservedUnit};
 
 /// Builds the environment for reservation `id` holding `units` (ordered by GPU index).
-/// `unit_totals[i]` is the memory of `units[i]` (the GPU's, or the MIG instance's).
+/// `unit_totals[i]` is the memory of `units[i]` (the GPU's, or the MIG instance's);
+/// `mps_pipe` is the pipe directory of the reservation's own MPS daemon, when it has one.
 pub fn workload_env(
     id: &str,
     units: &[ReservedUnit],
@@ -23,6 +25,7 @@ pub fn workload_env(
     exclusive: bool,
     gpus: &[Gpu],
     config: &EnvConfig,
+    mps_pipe: Option<&Path>,
 ) -> Env {
     let mut env = BTreeMap::new();
     let mut set = |k: &str, v: String| {
@@ -34,6 +37,10 @@ pub fn workload_env(
     set("CUDA_DEVICE_ORDER", "PCI_BUS_ID".to_owned());
     set("NVIDIA_VISIBLE_DEVICES", visible);
     set("GPUD_RESERVATION_ID", id.to_owned());
+    if let Some(pipe) = mps_pipe {
+        // The reservation's MPS daemon: its server holds the workload to the reservation.
+        set("CUDA_MPS_PIPE_DIRECTORY", pipe.display().to_string());
+    }
 
     // Per-GPU figures: the tightest of the chosen units, so a workload that sizes itself
     // from them fits on every one.
@@ -134,6 +141,7 @@ mod tests {
             false,
             &[],
             &EnvConfig::default(),
+            None,
         );
         assert_eq!(env["CUDA_VISIBLE_DEVICES"], "GPU-a,GPU-b");
         assert_eq!(env["NVIDIA_VISIBLE_DEVICES"], "GPU-a,GPU-b");
@@ -149,7 +157,23 @@ mod tests {
         );
         assert_eq!(env["TF_FORCE_GPU_ALLOW_GROWTH"], "true");
         assert!(!env.contains_key("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"));
+        assert!(!env.contains_key("CUDA_MPS_PIPE_DIRECTORY"));
         assert!(!env.contains_key("ALIYUN_COM_GPU_MEM_IDX"));
+    }
+
+    #[test]
+    fn a_reservation_held_by_its_own_mps_daemon_is_told_its_pipe_directory() {
+        let pipe = Path::new("/run/gpud/mps/r1/pipe");
+        let env = workload_env(
+            "r1",
+            &[unit("GPU-a", 0, 4 * GIB)],
+            &[16 * GIB],
+            false,
+            &[],
+            &EnvConfig::default(),
+            Some(pipe),
+        );
+        assert_eq!(env["CUDA_MPS_PIPE_DIRECTORY"], "/run/gpud/mps/r1/pipe");
     }
 
     #[test]
@@ -161,6 +185,7 @@ mod tests {
             false,
             &[],
             &EnvConfig::default(),
+            None,
         );
         assert_eq!(env["GPUD_MEM_FRACTION"], "0.6666");
     }
@@ -174,6 +199,7 @@ mod tests {
             true,
             &[],
             &EnvConfig::default(),
+            None,
         );
         assert_eq!(env["GPUD_MEM_FRACTION"], "1.0000");
         assert!(!env.contains_key("XLA_PYTHON_CLIENT_MEM_FRACTION"));
@@ -186,7 +212,7 @@ mod tests {
             mps_gpus: vec!["GPU-b".to_owned()],
         };
         let units = [unit("GPU-b", 1, 4 * GIB)];
-        let env = workload_env("r", &units, &[16 * GIB], false, &[], &config);
+        let env = workload_env("r", &units, &[16 * GIB], false, &[], &config, None);
         assert_eq!(env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"], "GPU-b=4096M");
         assert_eq!(env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"], "25");
         assert_eq!(env["ALIYUN_COM_GPU_MEM_IDX"], "1");

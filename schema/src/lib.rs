@@ -207,6 +207,12 @@ pub enum IsolationMode {
     /// limited, and under `[isolation] require` the audit reports (and, with enforcement
     /// on, ends) a process that uses it from outside an attached cgroup.
     Pending,
+    /// A CUDA MPS server of the reservation's own holds its clients to the reservation's
+    /// memory (a pinned-memory cap per GPU, which counts each client's CUDA context): an
+    /// allocation beyond it fails with an out-of-memory error. A workload reaches it
+    /// through `CUDA_MPS_PIPE_DIRECTORY`, which gpud puts in its environment; a process on
+    /// the GPU that is not a client of its reservation's server is an audit finding.
+    Mps,
 }
 
 impl IsolationMode {
@@ -216,6 +222,7 @@ impl IsolationMode {
             IsolationMode::Driver => "driver",
             IsolationMode::Advisory => "advisory",
             IsolationMode::Pending => "pending",
+            IsolationMode::Mps => "mps",
         }
     }
 }

@@ -62,6 +62,12 @@ impl Patch for Reservation {
                 self.isolation = self.isolation.made_advisory(reason.clone());
                 Ok(self)
             }
+            Some(Fix::Refused(reason)) if self.isolation.is_mps() => {
+                Err(BrokerError::IsolationUnavailable(format!(
+                    "this reservation's MPS daemon could not start ({reason}), and this gpud \
+                     requires its memory enforced ([isolation] require); nothing is reserved"
+                )))
+            }
             Some(Fix::Refused(reason)) => Err(BrokerError::IsolationUnavailable(format!(
                 "the GPU driver refused this reservation's memory limit ({reason}), and this \
                  gpud requires it ([isolation] require); nothing is reserved"
@@ -334,11 +340,24 @@ impl Executor {
     /// the next group), and into the answers as [`Fixups`].
     fn apply_limits(&mut self, effects: &mut Effects) -> Fixups {
         let mut fixups = Fixups::new();
-        if effects.limits.is_empty() && effects.ended_limited.is_empty() {
+        if effects.limits.is_empty()
+            && effects.ended_limited.is_empty()
+            && effects.mps_started.is_empty()
+        {
             return fixups;
         }
         let require = self.ledger.settings().config.isolation.require;
         let mut refused: Vec<(String, String)> = Vec::new();
+        for (id, e) in self.start_mps(std::mem::take(&mut effects.mps_started)) {
+            tracing::error!(reservation = %id, error = %e, "its MPS daemon could not start");
+            let fix = if require {
+                Fix::Refused(e.clone())
+            } else {
+                Fix::Advisory(format!("its MPS daemon could not start: {e}"))
+            };
+            fixups.insert(id.clone(), fix);
+            refused.push((id, e));
+        }
         let mut unreset: HashMap<(String, String), String> = HashMap::new();
         for (cgroup, uuid) in std::mem::take(&mut effects.limits) {
             let (soft, hard) = self.ledger.desired_limits(&cgroup, &uuid);
@@ -387,7 +406,13 @@ impl Executor {
             {
                 self.release_owned(cgroup, owned);
             }
-            cleared.push(r.id);
+            if r.isolation.is_mps() {
+                // Recorded as cleared once the daemon is gone, which may take its clients'
+                // grace: off this thread.
+                self.stop_mps(r.id);
+            } else {
+                cleared.push(r.id);
+            }
         }
         refused.sort();
         refused.dedup();
@@ -399,6 +424,84 @@ impl Executor {
             });
         }
         fixups
+    }
+
+    /// Starts (or adopts) the MPS daemons of `started`, at once, each with its reservation's
+    /// caps; returns those that could not start, with why.
+    fn start_mps(&self, started: Vec<Reservation>) -> Vec<(String, String)> {
+        if started.is_empty() {
+            return Vec::new();
+        }
+        let Some(mps) = &self.isolation.mps else {
+            let why = "gpud found no MPS control program".to_owned();
+            return started.into_iter().map(|r| (r.id, why.clone())).collect();
+        };
+        let specs: Vec<crate::isolation::mps::DaemonSpec> = started
+            .into_iter()
+            .map(|r| crate::isolation::mps::DaemonSpec {
+                gpus: r
+                    .units
+                    .iter()
+                    .map(|u| (u.uuid.clone(), u.memory_bytes))
+                    .collect(),
+                id: r.id,
+                uid: r.owner_uid,
+                gid: r.owner_gid,
+            })
+            .collect();
+        let started = std::time::Instant::now();
+        let results: Vec<(String, Result<bool, String>)> = std::thread::scope(|scope| {
+            let runs: Vec<_> = specs
+                .iter()
+                .map(|spec| scope.spawn(move || mps.start(spec).map_err(|e| e.to_string())))
+                .collect();
+            specs
+                .iter()
+                .zip(runs)
+                .map(|(spec, run)| {
+                    let result = run
+                        .join()
+                        .unwrap_or_else(|_| Err("starting it panicked".to_owned()));
+                    (spec.id.clone(), result)
+                })
+                .collect()
+        });
+        let mut failed = Vec::new();
+        for (id, result) in results {
+            match result {
+                Ok(adopted) => {
+                    tracing::debug!(reservation = %id, adopted, elapsed = ?started.elapsed(), "MPS daemon running");
+                }
+                Err(e) => failed.push((id, e)),
+            }
+        }
+        failed
+    }
+
+    /// Stops ended reservation `id`'s MPS daemon off this thread, then records it as
+    /// cleared (a command of its own).
+    fn stop_mps(&self, id: String) {
+        let mps = self.isolation.mps.clone();
+        let commands = self.commands.clone();
+        let stop = move || {
+            if let Some(mps) = mps
+                && let Err(e) = mps.stop(&id)
+            {
+                tracing::error!(reservation = %id, error = %e, "could not stop its MPS daemon; gpud tries again at its next start");
+                return;
+            }
+            let _ = commands.send(Command::LimitsSettled {
+                cleared: vec![id],
+                refused: Vec::new(),
+                unreset: Vec::new(),
+            });
+        };
+        let spawned = std::thread::Builder::new()
+            .name("gpud-mps-stop".to_owned())
+            .spawn(stop);
+        if let Err(e) = spawned {
+            tracing::error!(error = %e, "cannot start a thread to stop an MPS daemon; gpud tries again at its next start");
+        }
     }
 
     /// Writes the CDI specs of new reservations and removes those of ended ones, before

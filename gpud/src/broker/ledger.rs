@@ -529,7 +529,10 @@ impl Ledger {
         let (units, totals) = self.choose(caller, request, held)?;
         let isolation = self.isolation_for(&request.target, &units)?;
         let exclusive = request.memory == MemoryAsk::Exclusive;
+        let mps_dir = &settings.config.isolation.mps_dir;
+        let mps = isolation.is_mps();
         let env_for = |id: &str, units: &[ReservedUnit]| {
+            let pipe = mps.then(|| crate::isolation::mps::pipe_dir(mps_dir, id));
             workload_env(
                 id,
                 units,
@@ -537,6 +540,7 @@ impl Ledger {
                 exclusive,
                 self.machine.gpus(),
                 &settings.config.env,
+                pipe.as_deref(),
             )
         };
         let id = request.id.clone().unwrap_or_else(|| new_id(now));

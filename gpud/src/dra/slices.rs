@@ -195,7 +195,10 @@ fn device(
         ("mig".to_owned(), boolean(unit.mig_index.is_some())),
         (
             "memoryEnforced".to_owned(),
-            boolean(gpu.isolation.mode == gpud_schema::IsolationMode::Driver),
+            boolean(matches!(
+                gpu.isolation.mode,
+                gpud_schema::IsolationMode::Driver | gpud_schema::IsolationMode::Mps
+            )),
         ),
     ]);
     let optional = [

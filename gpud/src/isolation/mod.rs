@@ -19,6 +19,7 @@ use gpud_schema::{GpuIsolation, IsolationMode};
 use crate::model::{Gpu, OwnedCgroup, ReservationIsolation, ReservedUnit, Unit};
 
 pub mod cgroup;
+pub mod mps;
 pub mod systemd;
 pub mod workloads;
 
@@ -43,6 +44,8 @@ pub struct Enforcement {
     pub limiter: Option<std::sync::Arc<dyn Limiter>>,
     /// The host's workload cgroups.
     pub workloads: Option<std::sync::Arc<Workloads>>,
+    /// The MPS control program, where MPS holds reservations to their memory.
+    pub mps: Option<std::sync::Arc<mps::Mps>>,
 }
 
 /// The limits one cgroup is to have on one GPU: `(soft, hard)`.
@@ -192,6 +195,48 @@ pub fn enforceable(units: &[ReservedUnit], gpus: &[Gpu], all_units: &[Unit]) -> 
     Ok(())
 }
 
+/// Whether a reservation of `units` (of `gpus`, `all_units`) is held by an MPS daemon of its
+/// own: every unit is a whole GPU in MPS mode.
+pub fn mps_holds(units: &[ReservedUnit], gpus: &[Gpu], all_units: &[Unit]) -> bool {
+    !units.is_empty()
+        && units.iter().all(|u| {
+            !all_units.iter().any(|a| a.uuid == u.uuid && a.is_mig())
+                && gpus
+                    .iter()
+                    .find(|g| g.index == u.gpu_index)
+                    .is_some_and(|g| g.isolation.mode == IsolationMode::Mps)
+        })
+}
+
+/// The GPUs of `gpus` that MPS holds, given what the driver allows (`modes`, in order) and
+/// whether MPS can run here: every one the driver leaves advisory that is not in MIG mode.
+/// Where MPS cannot run, its reason joins the advisory one.
+pub fn with_mps(
+    modes: Vec<GpuIsolation>,
+    gpus: &[Gpu],
+    mps: &Result<mps::Mps, String>,
+) -> Vec<GpuIsolation> {
+    modes
+        .into_iter()
+        .zip(gpus)
+        .map(|(mode, gpu)| match (mode.mode, mps) {
+            (IsolationMode::Advisory, _) if gpu.mig_enabled => mode,
+            (IsolationMode::Advisory, Ok(_)) => GpuIsolation {
+                mode: IsolationMode::Mps,
+                reason: None,
+            },
+            (IsolationMode::Advisory, Err(why)) => GpuIsolation {
+                mode: IsolationMode::Advisory,
+                reason: Some(match mode.reason {
+                    Some(reason) => format!("{reason}; and MPS cannot hold it: {why}"),
+                    None => why.clone(),
+                }),
+            },
+            _ => mode,
+        })
+        .collect()
+}
+
 /// Whether the driver can hold a reservation of `units` (of `gpus`, `all_units`) to its
 /// memory on `target`'s cgroup: driver mode when every GPU allows it and there is a cgroup;
 /// pending when every GPU allows it and the cgroup is to be attached later; advisory, with
@@ -205,6 +250,14 @@ pub fn decide(
     let advisory = |reason: String| {
         ReservationIsolation::advisory(target.cgroup.clone(), target.owned.clone(), reason)
     };
+    if mps_holds(units, gpus, all_units) {
+        return ReservationIsolation {
+            mode: IsolationMode::Mps,
+            cgroup: target.cgroup.clone(),
+            reason: None,
+            owned: target.owned.clone(),
+        };
+    }
     if let Err(reason) = enforceable(units, gpus, all_units) {
         return advisory(reason);
     }
@@ -273,6 +326,66 @@ mod tests {
         let none = decide(&Target::none("root cgroup"), &on(0), &gpus, &units);
         assert_eq!(none.mode, IsolationMode::Advisory);
         assert_eq!(none.reason.as_deref(), Some("root cgroup"));
+    }
+
+    #[test]
+    fn mps_holds_what_the_driver_leaves_advisory_except_mig() {
+        let mut inventory = crate::model::GpuInventory::test_machine(3, 16);
+        inventory.gpus[2].mig_enabled = true;
+        let old = |reason: &str| GpuIsolation {
+            mode: IsolationMode::Advisory,
+            reason: Some(reason.to_owned()),
+        };
+        let modes = vec![GpuIsolation::driver(), old("old driver"), old("MIG mode")];
+        let mps = Ok(mps::Mps::at("/bin/sh".into(), "/run/gpud/mps".into()));
+        let got = with_mps(modes.clone(), &inventory.gpus, &mps);
+        assert_eq!(
+            got.iter().map(|m| m.mode).collect::<Vec<_>>(),
+            [
+                IsolationMode::Driver,
+                IsolationMode::Mps,
+                IsolationMode::Advisory
+            ]
+        );
+        // Without MPS, the reason says why it cannot step in.
+        let off = with_mps(modes, &inventory.gpus, &Err("not installed".to_owned()));
+        assert_eq!(off[0], GpuIsolation::driver());
+        assert_eq!(
+            off[1].reason.as_deref(),
+            Some("old driver; and MPS cannot hold it: not installed")
+        );
+        assert_eq!(off[2].reason.as_deref(), Some("MIG mode"));
+    }
+
+    #[test]
+    fn a_reservation_on_mps_gpus_alone_is_held_by_mps_wherever_its_processes_run() {
+        let inventory = crate::model::GpuInventory::test_machine(2, 16);
+        let mut gpus = inventory.gpus.clone();
+        gpus[0].isolation = GpuIsolation {
+            mode: IsolationMode::Mps,
+            reason: None,
+        };
+        let units = inventory.units();
+        let on = |gpu: u32| ReservedUnit {
+            uuid: units[gpu as usize].uuid.clone(),
+            gpu_index: gpu,
+            memory_bytes: GIB,
+        };
+        for target in [
+            Target::none("root cgroup"),
+            Target::awaiting_attach("later"),
+            Target::on("/sys/fs/cgroup/x"),
+        ] {
+            let held = decide(&target, &[on(0)], &gpus, &units);
+            assert_eq!(held.mode, IsolationMode::Mps, "{target:?}");
+            assert_eq!(held.reason, None);
+            assert_eq!(held.cgroup, target.cgroup);
+            assert!(held.is_mps() && held.is_enforced());
+        }
+        // One of its GPUs is not held by MPS: advisory, as before.
+        let mixed = decide(&Target::none("root cgroup"), &[on(0), on(1)], &gpus, &units);
+        assert_eq!(mixed.mode, IsolationMode::Advisory);
+        assert!(!mps_holds(&[], &gpus, &units));
     }
 
     #[test]

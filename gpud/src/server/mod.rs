@@ -173,9 +173,11 @@ async fn serve(config: Config, config_path: Option<PathBuf>) -> Result<(), Serve
     let nvml = tokio::task::spawn_blocking(move || Nvml::open(lib.as_deref())).await??;
     let nvml = Arc::new(nvml);
     let workloads = Arc::new(crate::isolation::Workloads::detect(&config.isolation));
+    let mps = crate::isolation::mps::Mps::detect(&config.isolation);
     let inventory = {
         let nvml = nvml.clone();
         let hierarchy = workloads.hierarchy().cloned();
+        let mps = mps.clone();
         tokio::task::spawn_blocking(move || {
             nvml.discover().map(|mut inventory| {
                 let modes = crate::isolation::probe(
@@ -184,6 +186,7 @@ async fn serve(config: Config, config_path: Option<PathBuf>) -> Result<(), Serve
                     inventory.driver_version.as_deref(),
                     hierarchy.as_ref(),
                 );
+                let modes = crate::isolation::with_mps(modes, &inventory.gpus, &mps);
                 for (gpu, mode) in inventory.gpus.iter_mut().zip(modes) {
                     gpu.isolation = mode;
                 }
@@ -222,6 +225,7 @@ async fn serve(config: Config, config_path: Option<PathBuf>) -> Result<(), Serve
         let isolation = crate::isolation::Enforcement {
             limiter: Some(limiter),
             workloads: Some(workloads.clone()),
+            mps: mps.as_ref().ok().cloned().map(Arc::new),
         };
         tokio::task::spawn_blocking(move || {
             Broker::start_with(store, &inventory, settings, crate::clock::wall(), isolation)
@@ -238,6 +242,20 @@ async fn serve(config: Config, config_path: Option<PathBuf>) -> Result<(), Serve
             .collect();
         let workloads = workloads.clone();
         tokio::task::spawn_blocking(move || workloads.sweep(&in_use)).await?;
+    }
+    if let Ok(mps) = mps {
+        // Daemons a crash left of reservations that have ended: their ends are being
+        // undone by the broker thread too, which finds nothing left of those it gets to.
+        let active: std::collections::HashSet<String> = broker
+            .snapshot()
+            .reservations
+            .iter()
+            .map(|r| r.id.clone())
+            .collect();
+        let stopped = tokio::task::spawn_blocking(move || mps.sweep(&active)).await?;
+        for id in stopped {
+            tracing::info!(reservation = %id, "stopped the MPS daemon of an ended reservation");
+        }
     }
     if config.cdi.enabled {
         let active: std::collections::HashSet<String> = broker

@@ -183,7 +183,7 @@ impl Txn<'_> {
                     .map(to_sql_int),
                 r.holder_cgroup,
                 isolation,
-                !r.isolation.is_driver(),
+                !r.isolation.is_enforced(),
             ])
         })?;
         Ok(inserted == 1)
@@ -203,7 +203,7 @@ impl Txn<'_> {
                      limits_cleared = CASE WHEN ?3 THEN 0 ELSE limits_cleared END
                  WHERE id = ?1",
             )?
-            .execute(params![id, json, isolation.is_driver()])
+            .execute(params![id, json, isolation.is_enforced()])
             .map(drop)
         })
     }

@@ -198,6 +198,9 @@ impl Ledger {
             )
         };
         let isolation = self.isolation_for(&target, &units)?;
+        let pipe = isolation
+            .is_mps()
+            .then(|| crate::isolation::mps::pipe_dir(&self.settings.config.isolation.mps_dir, &id));
         let env = workload_env(
             &id,
             &units,
@@ -205,6 +208,7 @@ impl Ledger {
             request.exclusive,
             self.machine.gpus(),
             &self.settings.config.env,
+            pipe.as_deref(),
         );
         let r = Reservation {
             id,

@@ -65,8 +65,12 @@ impl Ledger {
         }
     }
 
-    /// Records that `r` (now active) limits its pairs: they are set after the commit.
+    /// Records that `r` (now active) limits its pairs: they are set after the commit; and
+    /// that its MPS daemon, if it has one, is to run.
     pub(super) fn limits_added(&mut self, r: &Reservation) {
+        if r.isolation.is_mps() {
+            self.effects.mps_started.push(r.clone());
+        }
         let pairs = self.limits.claim(r);
         if let Some(cgroup) = &r.holder_cgroup {
             self.effects
@@ -89,8 +93,9 @@ impl Ledger {
     /// Records that `r` (now ended) no longer limits its pairs: they are set to what the
     /// others of its cgroup reserve, or reset, after the commit.
     pub(super) fn limits_removed(&mut self, r: &Reservation) {
-        // A cgroup gpud made goes too, limited or not (an advisory workload's as well).
-        if self.limits_released(r) || r.isolation.owned.is_some() {
+        // A cgroup gpud made goes too, limited or not (an advisory workload's as well), and
+        // an MPS daemon.
+        if self.limits_released(r) || r.isolation.owned.is_some() || r.isolation.is_mps() {
             self.effects.ended_limited.push(r.clone());
         }
     }
@@ -287,40 +292,46 @@ impl Ledger {
                 continue;
             };
             let cgroup = r.isolation.cgroup.as_deref().unwrap_or("its cgroup");
+            let (refusal, its) = if r.isolation.is_mps() {
+                (
+                    format!("reservation {id}'s MPS daemon could not start ({reason})"),
+                    format!("its MPS daemon could not start: {reason}"),
+                )
+            } else {
+                (
+                    format!(
+                        "the driver refused reservation {id}'s memory limit on {cgroup} \
+                         ({reason})"
+                    ),
+                    format!("the driver refused its memory limit: {reason}"),
+                )
+            };
             events.push(if require {
                 isolation_warning(
                     now,
                     id,
                     "ended",
-                    format!(
-                        "the driver refused reservation {id}'s memory limit on {cgroup} \
-                         ({reason}); ended, as [isolation] require says"
-                    ),
+                    format!("{refusal}; ended, as [isolation] require says"),
                 )
             } else {
                 isolation_warning(
                     now,
                     id,
                     "advisory",
-                    format!(
-                        "the driver refused reservation {id}'s memory limit on {cgroup} \
-                         ({reason}); it stays, advisory"
-                    ),
+                    format!("{refusal}; it stays, advisory"),
                 )
             });
             // Advisory first: its pairs are set to what the others of its cgroup hold
             // (the driver may have taken the limit on another of its GPUs).
-            let isolation = r
-                .isolation
-                .made_advisory(format!("the driver refused the memory limit: {reason}"));
+            let advisory = if r.isolation.is_mps() {
+                format!("its MPS daemon could not start: {reason}")
+            } else {
+                format!("the driver refused the memory limit: {reason}")
+            };
+            let isolation = r.isolation.made_advisory(advisory);
             self.change_isolation(txn, &r, isolation)?;
             if require {
-                self.end_by_gpud(
-                    txn,
-                    id,
-                    &format!("the driver refused its memory limit: {reason}"),
-                    now,
-                )?;
+                self.end_by_gpud(txn, id, &its, now)?;
             }
         }
         if !events.is_empty() {

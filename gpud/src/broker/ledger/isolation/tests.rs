@@ -71,6 +71,7 @@ fn start(store: Store, config: Config, limiter: &Arc<Recorder>) -> Arc<Broker> {
         crate::isolation::Enforcement {
             limiter: Some(limiter),
             workloads: None,
+            mps: None,
         },
     )
     .unwrap()
@@ -372,6 +373,7 @@ fn an_advisory_reservation_s_recorded_cgroup_does_not_hold_back_the_next_contain
         crate::isolation::Enforcement {
             limiter: Some(dyn_limiter),
             workloads: None,
+            mps: None,
         },
     )
     .unwrap();
