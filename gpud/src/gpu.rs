@@ -125,6 +125,8 @@ pub struct GpuProcess {
     pub used_bytes: Option<u64>,
     /// UUID of the unit it runs on: the GPU, or the MIG instance for a MIG-mode GPU.
     pub unit_uuid: String,
+    /// NVML lists it as a client of an MPS server (`nvidia-smi`'s `M+C`).
+    pub mps_client: bool,
 }
 
 /// A loaded and initialised NVML library.
@@ -584,6 +586,10 @@ impl Nvml {
         if let Ok(graphics) = device.running_graphics_processes() {
             seen.extend(graphics);
         }
+        // MPS clients have their own listing; a driver without it has none.
+        let mps = device.mps_running_compute_processes().unwrap_or_default();
+        let mps_clients: std::collections::HashSet<u32> = mps.iter().map(|p| p.pid).collect();
+        seen.extend(mps);
         let mut out: BTreeMap<(u32, String), GpuProcess> = BTreeMap::new();
         for p in seen {
             let unit_uuid = match (p.gpu_instance_id, p.compute_instance_id) {
@@ -598,13 +604,15 @@ impl Nvml {
                 UsedGpuMemory::Used(b) => Some(b),
                 UsedGpuMemory::Unavailable => None,
             };
-            // A process with both a compute and a graphics context is listed twice.
+            // A process with both a compute and a graphics context is listed twice, and so
+            // is an MPS client listed among the compute processes too.
             out.entry((p.pid, unit_uuid.clone()))
                 .and_modify(|e| e.used_bytes = e.used_bytes.max(used))
                 .or_insert(GpuProcess {
                     pid: p.pid,
                     used_bytes: used,
                     unit_uuid,
+                    mps_client: mps_clients.contains(&p.pid),
                 });
         }
         Ok(out.into_values().collect())

@@ -598,6 +598,12 @@ impl Default for EventFilter {
     }
 }
 
+/// The pipe directory of reservation `id`'s own MPS daemon under `mps_dir` (`[isolation]
+/// mps_dir`): what its workload's `CUDA_MPS_PIPE_DIRECTORY` says.
+pub fn mps_pipe_dir(mps_dir: &std::path::Path, id: &str) -> std::path::PathBuf {
+    mps_dir.join(id).join("pipe")
+}
+
 /// What the audit needs to know about one active reservation.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AuditedReservation {
@@ -618,12 +624,23 @@ pub struct AuditedReservation {
     /// the driver limits for it (none yet while it is `pending`); one outside is an
     /// `unlimited` finding.
     pub limit_required: bool,
+    /// The pipe directory of its own MPS daemon, when MPS holds it: each of its processes
+    /// must be a client of that daemon's server (one that is not is an `unlimited`
+    /// finding), and the daemon's servers are its.
+    pub mps_pipe: Option<std::path::PathBuf>,
 }
 
 impl AuditedReservation {
-    /// The part of `r` the audit reads; `burst` and `require`: `[isolation]`'s.
-    pub fn of(r: &Reservation, burst: u64, require: bool) -> AuditedReservation {
+    /// The part of `r` the audit reads; `burst` and `require`: `[isolation]`'s, and
+    /// `mps_dir` where its MPS daemons' directories are.
+    pub fn of(
+        r: &Reservation,
+        burst: u64,
+        require: bool,
+        mps_dir: &std::path::Path,
+    ) -> AuditedReservation {
         AuditedReservation {
+            mps_pipe: r.isolation.is_mps().then(|| mps_pipe_dir(mps_dir, &r.id)),
             // An MPS reservation's server holds it wherever its processes run.
             limit_required: require
                 && matches!(

@@ -33,6 +33,9 @@ pub(super) enum Attributed {
     Held(usize),
     /// Reservation `i`'s, on a unit it does not hold.
     WrongGpu(usize),
+    /// A server of reservation `i`'s own MPS daemon: gpud's doing, no finding. Its memory
+    /// is outside the reservation's cap, so it counts as used by no reservation.
+    MpsServer(usize),
 }
 
 /// A process as attributed in one pass.
@@ -99,6 +102,9 @@ pub(super) struct Facts {
     /// Each reservation's cgroup that the driver limits
     /// ([`cgroup_key`](super::cgroup_key)), by index in the view.
     pub(super) limited: Vec<Option<String>>,
+    /// The pid of each running MPS control daemon of a reservation, with the reservation's
+    /// index in the view.
+    pub(super) mps_daemons: HashMap<u32, usize>,
 }
 
 /// What attribution found: whose each process is, and the memory in use.
@@ -164,23 +170,36 @@ pub(super) fn attribute<'a>(
     for (gpu_index, procs) in listed {
         for p in procs {
             let known = facts.processes.get(&p.pid).unwrap_or(&unknown);
-            let owner = match owner_of(p, known, &holders, &by_cgroup, reservations) {
-                None => Attributed::Unreserved,
-                Some(o) if holds(&reservations[o], &p.unit_uuid) => Attributed::Held(o),
-                Some(o) => Attributed::WrongGpu(o),
+            let server = known
+                .ancestry
+                .first()
+                .and_then(|parent| facts.mps_daemons.get(parent).copied());
+            let owner = match (
+                server,
+                owner_of(p, known, &holders, &by_cgroup, reservations),
+            ) {
+                (Some(o), _) => Attributed::MpsServer(o),
+                (None, None) => Attributed::Unreserved,
+                (None, Some(o)) if holds(&reservations[o], &p.unit_uuid) => Attributed::Held(o),
+                (None, Some(o)) => Attributed::WrongGpu(o),
             };
             let outside_limit = match owner {
                 Attributed::Held(o) => {
-                    reservations[o].limit_required
-                        && known.cgroup.as_deref().is_some_and(|cg| {
-                            !facts
-                                .limited
-                                .get(o)
-                                .and_then(Option::as_deref)
-                                .is_some_and(|limited| is_within_key(cg, limited))
-                        })
+                    let r = &reservations[o];
+                    // Held by MPS: a process that is no client of its server bypassed it.
+                    (r.mps_pipe.is_some() && !p.mps_client)
+                        || (r.limit_required
+                            && known.cgroup.as_deref().is_some_and(|cg| {
+                                !facts
+                                    .limited
+                                    .get(o)
+                                    .and_then(Option::as_deref)
+                                    .is_some_and(|limited| is_within_key(cg, limited))
+                            }))
                 }
-                Attributed::Unreserved | Attributed::WrongGpu(_) => false,
+                Attributed::Unreserved | Attributed::WrongGpu(_) | Attributed::MpsServer(_) => {
+                    false
+                }
             };
             let s = Seen {
                 process: p,
@@ -197,17 +216,23 @@ pub(super) fn attribute<'a>(
             if let Some(i) = slot {
                 used[i] += bytes;
             }
-            if let Attributed::Held(o) = owner {
-                let entry = per_reservation.entry((o, p.unit_uuid.clone())).or_insert((
-                    0,
-                    *gpu_index,
-                    Vec::new(),
-                ));
-                entry.0 += bytes;
-                entry.2.push(s.target());
-            } else if let Some(i) = slot {
-                unaccounted[i].0 += bytes;
-                unaccounted[i].1 = true;
+            match (owner, slot) {
+                (Attributed::Held(o), _) => {
+                    let entry = per_reservation.entry((o, p.unit_uuid.clone())).or_insert((
+                        0,
+                        *gpu_index,
+                        Vec::new(),
+                    ));
+                    entry.0 += bytes;
+                    entry.2.push(s.target());
+                }
+                // Memory placement must not promise again, but nobody's finding.
+                (Attributed::MpsServer(_), Some(i)) => unaccounted[i].0 += bytes,
+                (_, Some(i)) => {
+                    unaccounted[i].0 += bytes;
+                    unaccounted[i].1 = true;
+                }
+                (_, None) => {}
             }
             seen.push(s);
         }

@@ -46,8 +46,19 @@ pub(super) fn findings(
                 (
                     EventKind::Unlimited,
                     Some(r.id.clone()),
-                    match &r.driver_limit {
-                        Some((limited, _)) => format!(
+                    match (&r.mps_pipe, &r.driver_limit) {
+                        (Some(pipe), _) => format!(
+                            "process {}{cgroup} uses {} on GPU {} for reservation {} but is no \
+                             client of the reservation's MPS server ({}): it bypassed MPS \
+                             (its CUDA_MPS_PIPE_DIRECTORY is missing or names another), and \
+                             nothing holds it to the reservation's memory",
+                            s.process.pid,
+                            format_bytes(bytes),
+                            s.gpu_index,
+                            r.id,
+                            pipe.display()
+                        ),
+                        (None, Some((limited, _))) => format!(
                             "process {}{cgroup} uses {} on GPU {} for reservation {}, outside \
                              {limited}, where the driver limits it; [isolation] require allows \
                              no process on it without its limit",
@@ -56,7 +67,7 @@ pub(super) fn findings(
                             s.gpu_index,
                             r.id
                         ),
-                        None => format!(
+                        (None, None) => format!(
                             "process {}{cgroup} uses {} on GPU {} for reservation {}, whose \
                              limit waits for its workload's cgroup to be attached (pending); \
                              [isolation] require allows no process on it without its limit",
@@ -68,7 +79,7 @@ pub(super) fn findings(
                     },
                 )
             }
-            Attributed::Held(_) => continue,
+            Attributed::Held(_) | Attributed::MpsServer(_) => continue,
             Attributed::Unreserved => (
                 EventKind::Unreserved,
                 None,

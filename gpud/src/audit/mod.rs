@@ -214,7 +214,7 @@ impl<S: ProcessSource, T: ProcessTable> Auditor<S, T> {
             .map(|seen| {
                 let (reservation, wrong_gpu) = match seen.owner {
                     Attributed::Unreserved => (None, false),
-                    Attributed::Held(i) => (Some(i), false),
+                    Attributed::Held(i) | Attributed::MpsServer(i) => (Some(i), false),
                     Attributed::WrongGpu(i) => (Some(i), true),
                 };
                 GpuProcessRow {

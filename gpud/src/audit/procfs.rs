@@ -205,6 +205,14 @@ pub(super) fn read_facts<T: ProcessTable>(
                 procs.key_of_cgroup(full)
             })
             .collect(),
+        mps_daemons: reservations
+            .iter()
+            .enumerate()
+            .filter_map(|(i, r)| {
+                let pid = crate::isolation::mps::daemon_pid(r.mps_pipe.as_deref()?)?;
+                Some((pid, i))
+            })
+            .collect(),
         ..Facts::default()
     };
     for &pid in &holders {

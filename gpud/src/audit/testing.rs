@@ -131,6 +131,7 @@ pub(super) fn process(pid: u32, unit: &str, gib: u64) -> GpuProcess {
         pid,
         used_bytes: Some(gib * GIB),
         unit_uuid: unit.to_owned(),
+        mps_client: false,
     }
 }
 
@@ -154,6 +155,7 @@ pub(super) fn audited(
         units: vec![(unit.to_owned(), gib * GIB)],
         driver_limit: None,
         limit_required: false,
+        mps_pipe: None,
     }
 }
 

@@ -532,7 +532,7 @@ impl Ledger {
         let mps_dir = &settings.config.isolation.mps_dir;
         let mps = isolation.is_mps();
         let env_for = |id: &str, units: &[ReservedUnit]| {
-            let pipe = mps.then(|| crate::isolation::mps::pipe_dir(mps_dir, id));
+            let pipe = mps.then(|| crate::model::mps_pipe_dir(mps_dir, id));
             workload_env(
                 id,
                 units,

@@ -292,7 +292,12 @@ impl Snapshot {
                 .iter()
                 .map(|r| {
                     let isolation = &self.settings.config.isolation;
-                    AuditedReservation::of(r, isolation.burst, isolation.require)
+                    AuditedReservation::of(
+                        r,
+                        isolation.burst,
+                        isolation.require,
+                        &isolation.mps_dir,
+                    )
                 })
                 .collect(),
         }

@@ -45,10 +45,14 @@ const START_TIMEOUT: Duration = Duration::from_secs(5);
 /// The pid file the control daemon writes in its pipe directory.
 const PID_FILE: &str = "nvidia-cuda-mps-control.pid";
 
-/// The pipe directory of reservation `id`'s daemon under `mps_dir`: what a workload's
-/// `CUDA_MPS_PIPE_DIRECTORY` says.
-pub fn pipe_dir(mps_dir: &Path, id: &str) -> PathBuf {
-    mps_dir.join(id).join("pipe")
+/// The pid of the control daemon whose pipe directory is `pipe`, from the file it writes
+/// there; `None` when there is none.
+pub fn daemon_pid(pipe: &Path) -> Option<u32> {
+    std::fs::read_to_string(pipe.join(PID_FILE))
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
 }
 
 /// Why a daemon could not be started, told its caps, or stopped.
@@ -239,7 +243,7 @@ impl<'a> Daemon<'a> {
         let root = mps.dir.join(id);
         Daemon {
             mps,
-            pipe: root.join("pipe"),
+            pipe: crate::model::mps_pipe_dir(&mps.dir, id),
             log: root.join("log"),
             root,
         }
@@ -379,11 +383,7 @@ impl<'a> Daemon<'a> {
 
     /// The daemon's pid, from the file it writes.
     fn pid(&self) -> Option<u32> {
-        std::fs::read_to_string(self.pipe.join(PID_FILE))
-            .ok()?
-            .trim()
-            .parse()
-            .ok()
+        daemon_pid(&self.pipe)
     }
 }
 

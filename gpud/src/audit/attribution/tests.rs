@@ -25,6 +25,7 @@ fn a_reservation_made_on_behalf_of_a_user_owns_that_users_processes_by_environme
         holder_cgroups: HashMap::new(),
         own_cgroup: None,
         limited: Vec::new(),
+        mps_daemons: HashMap::new(),
     };
     let attribution = attribute(&reservations, &inventory().units(), &listed, &facts);
     assert_eq!(
@@ -97,6 +98,7 @@ fn attribution_follows_holder_then_environment_then_cgroup_from_plain_data() {
         holder_cgroups: HashMap::from([(300, "/kubepods/pod-c/ctr".to_owned())]),
         own_cgroup: Some("/system.slice/gpud.service".into()),
         limited: Vec::new(),
+        mps_daemons: HashMap::new(),
     };
     let attribution = attribute(&reservations, &inventory().units(), &listed, &facts);
     assert_eq!(
@@ -168,6 +170,7 @@ fn attribution_ignores_a_cgroup_shared_with_gpud_and_pools_one_holders_reservati
         holder_cgroups: HashMap::from([(300, gpud.clone())]),
         own_cgroup: Some(gpud),
         limited: Vec::new(),
+        mps_daemons: HashMap::new(),
     };
     let attribution = attribute(&reservations, &inventory().units(), &listed, &facts);
     // The holder's process goes to one of its reservations (the last), and is found by
@@ -178,4 +181,78 @@ fn attribution_ignores_a_cgroup_shared_with_gpud_and_pools_one_holders_reservati
     );
     // 8 GiB used of the 4 + 4 GiB the holder reserved on GPU 0: none unaccounted.
     assert_eq!(attribution.unaccounted, [(0, false), (GIB, true)]);
+}
+
+#[test]
+fn under_mps_a_client_is_held_its_daemon_s_server_is_its_and_any_other_process_bypassed_it() {
+    let mut held = audited("m", None, "GPU-0", 4);
+    held.mps_pipe = Some("/run/gpud/mps/m/pipe".into());
+    let reservations = [held];
+    let client = GpuProcess {
+        mps_client: true,
+        ..process(700, "GPU-0", 3)
+    };
+    let listed = [(
+        0,
+        vec![client, process(701, "GPU-0", 1), process(800, "GPU-0", 1)],
+    )];
+    let with_env = |ancestry: Vec<u32>| ProcessFacts {
+        uid: Some(ME),
+        start_time: Some(1),
+        reservation_env: Some("m".into()),
+        ancestry,
+        ..ProcessFacts::default()
+    };
+    let facts = Facts {
+        processes: HashMap::from([
+            (700, with_env(vec![1])),
+            // Its reservation's environment, but no client: it made its own context.
+            (701, with_env(vec![1])),
+            // A child of the reservation's control daemon (pid 42): its server.
+            (
+                800,
+                ProcessFacts {
+                    uid: Some(ME),
+                    ancestry: vec![42],
+                    ..ProcessFacts::default()
+                },
+            ),
+        ]),
+        mps_daemons: HashMap::from([(42, 0)]),
+        ..Facts::default()
+    };
+    let attribution = attribute(&reservations, &inventory().units(), &listed, &facts);
+    assert_eq!(
+        owners(&attribution),
+        [
+            (700, Attributed::Held(0)),
+            (701, Attributed::Held(0)),
+            (800, Attributed::MpsServer(0))
+        ]
+    );
+    let outside: Vec<(u32, bool)> = attribution
+        .seen
+        .iter()
+        .map(|s| (s.process.pid, s.outside_limit))
+        .collect();
+    assert_eq!(outside, [(700, false), (701, true), (800, false)]);
+    // The server's memory is outside the cap: no reservation's, but not promised again.
+    assert_eq!(attribution.unaccounted[0], (GIB, false));
+    assert_eq!(
+        attribution.per_reservation[&(0, "GPU-0".to_owned())].0,
+        4 * GIB
+    );
+    // One finding: the bypassing process, named by pid, for the reservation.
+    let found: Vec<_> = findings(&reservations, &attribution, &AuditConfig::default(), 5)
+        .into_values()
+        .map(|(event, targets)| (event.kind, event.pid, event.message, targets.len()))
+        .collect();
+    assert_eq!(found.len(), 1, "{found:?}");
+    let (kind, pid, message, targets) = &found[0];
+    assert_eq!(
+        (*kind, *pid, *targets),
+        (EventKind::Unlimited, Some(701), 1)
+    );
+    assert!(message.contains("bypassed MPS"), "{message}");
+    assert!(message.contains("/run/gpud/mps/m/pipe"), "{message}");
 }

@@ -51,6 +51,7 @@ fn under_require_a_process_outside_its_reservations_limited_cgroup_is_unlimited(
     let limited = |id: &str, driver: Option<&str>| AuditedReservation {
         driver_limit: driver.map(|cg| (cg.to_owned(), 0)),
         limit_required: true,
+        mps_pipe: None,
         ..audited(id, None, "GPU-0", 4)
     };
     // p: pending (no cgroup yet); d: its container's cgroup attached; a: advisory.
@@ -116,6 +117,7 @@ fn under_require_a_process_outside_its_reservations_limited_cgroup_is_unlimited(
         .iter()
         .map(|r| AuditedReservation {
             limit_required: false,
+            mps_pipe: None,
             ..r.clone()
         })
         .collect();

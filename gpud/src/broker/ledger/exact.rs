@@ -200,7 +200,7 @@ impl Ledger {
         let isolation = self.isolation_for(&target, &units)?;
         let pipe = isolation
             .is_mps()
-            .then(|| crate::isolation::mps::pipe_dir(&self.settings.config.isolation.mps_dir, &id));
+            .then(|| crate::model::mps_pipe_dir(&self.settings.config.isolation.mps_dir, &id));
         let env = workload_env(
             &id,
             &units,
