@@ -285,6 +285,7 @@ def test_fixture_reads_back_exactly(machine_factory, fixture_path):
         assert pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU) == g.get("temperature_c", 40)
         assert pynvml.nvmlDeviceGetComputeRunningProcesses(h) == []
         assert pynvml.nvmlDeviceGetGraphicsRunningProcesses(h) == []
+        assert pynvml.nvmlDeviceGetMPSComputeRunningProcesses(h) == []
 
         if "mig" in g:
             enabled = g["mig"]["enabled"]
@@ -371,13 +372,45 @@ def test_processes_with_real_pids(machine_factory):
         child.wait()
 
 
+def test_mps_clients_with_real_pids(machine_factory):
+    """An MPS client (`"mps": true`) is in the MPS list and the compute list (nvidia-smi's
+    `M+C`); its server is an ordinary compute process (`C`)."""
+    data = load(FIXTURES_DIR / "t4-pair.json")
+    server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        data["gpus"][0]["processes"] = [
+            {"pid": server.pid, "used_memory_bytes": 66 << 20},
+            {"pid": os.getpid(), "used_memory_bytes": 1 << 30, "mps": True},
+        ]
+        m = machine_factory(data)
+        h0, h1 = m.handles()
+        mps = pynvml.nvmlDeviceGetMPSComputeRunningProcesses(h0)
+        assert [(p.pid, p.usedGpuMemory, p.gpuInstanceId, p.computeInstanceId) for p in mps] == [
+            (os.getpid(), 1 << 30, NO_INSTANCE, NO_INSTANCE)]
+        assert [p.pid for p in pynvml.nvmlDeviceGetMPSComputeRunningProcesses_v2(h0)] == [os.getpid()]
+        compute = pynvml.nvmlDeviceGetComputeRunningProcesses(h0)
+        assert [p.pid for p in compute] == [server.pid, os.getpid()]
+        assert pynvml.nvmlDeviceGetMPSComputeRunningProcesses(h1) == []
+
+        # The unversioned call fills 16-byte v1 entries.
+        count = ctypes.c_uint(0)
+        assert m.lib.nvmlDeviceGetMPSComputeRunningProcesses(h0, ctypes.byref(count), None) == pynvml.NVML_ERROR_INSUFFICIENT_SIZE
+        assert count.value == 1
+        v1_entries = (ProcessInfoV1 * 1)()
+        assert m.lib.nvmlDeviceGetMPSComputeRunningProcesses(h0, ctypes.byref(count), v1_entries) == 0
+        assert [(e.pid, e.usedGpuMemory) for e in v1_entries] == [(os.getpid(), 1 << 30)]
+    finally:
+        server.kill()
+        server.wait()
+
+
 def test_mig_instances(machine_factory):
     data = load(FIXTURES_DIR / "a100-mig.json")
     gpu0 = data["gpus"][0]
     instances = gpu0["mig"]["instances"]
     gpu0["processes"] = [
         {"pid": os.getpid(), "used_memory_bytes": 1 << 30, "mig_instance": 0},
-        {"pid": os.getppid(), "used_memory_bytes": 3 << 30, "mig_instance": 2},
+        {"pid": os.getppid(), "used_memory_bytes": 3 << 30, "mig_instance": 2, "mps": True},
     ]
     m = machine_factory(data)
     h0, h1 = m.handles()
@@ -416,11 +449,18 @@ def test_mig_instances(machine_factory):
         expected = [(p["pid"], p["used_memory_bytes"], inst["gpu_instance_id"], inst["compute_instance_id"])
                     for p in gpu0["processes"] if p["mig_instance"] == i]
         assert [(p.pid, p.usedGpuMemory, p.gpuInstanceId, p.computeInstanceId) for p in procs] == expected
+        mps = pynvml.nvmlDeviceGetMPSComputeRunningProcesses(mh)
+        assert [p.pid for p in mps] == [p["pid"] for p in gpu0["processes"]
+                                        if p["mig_instance"] == i and p.get("mps")]
 
     # The MIG-mode parent lists every instance's processes with their instance ids.
     procs = pynvml.nvmlDeviceGetComputeRunningProcesses(h0)
     assert [(p.pid, p.gpuInstanceId, p.computeInstanceId) for p in procs] == [
         (os.getpid(), instances[0]["gpu_instance_id"], instances[0]["compute_instance_id"]),
+        (os.getppid(), instances[2]["gpu_instance_id"], instances[2]["compute_instance_id"]),
+    ]
+    procs = pynvml.nvmlDeviceGetMPSComputeRunningProcesses(h0)
+    assert [(p.pid, p.gpuInstanceId, p.computeInstanceId) for p in procs] == [
         (os.getppid(), instances[2]["gpu_instance_id"], instances[2]["compute_instance_id"]),
     ]
     parent = pynvml.nvmlDeviceGetMemoryInfo(h0, version=pynvml.nvmlMemory_v2)

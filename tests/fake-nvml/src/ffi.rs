@@ -28,7 +28,8 @@ use crate::codes::{
 };
 use crate::events;
 use crate::fixture::{
-    BusId, Link, MAX_GPUS, MAX_MIG_DEVICES, Machine, NO_INSTANCE, ProcessEntry, Target, find_uuid,
+    BusId, Link, Listing, MAX_GPUS, MAX_MIG_DEVICES, Machine, NO_INSTANCE, ProcessEntry, Target,
+    find_uuid,
 };
 use crate::limits;
 use crate::state;
@@ -850,7 +851,7 @@ device_fn! {
         value.hard_limit = hard;
         let inside = limits::members_of(&cgroup);
         value.current_used = m
-            .processes(Target::Gpu(g), true)
+            .processes(Target::Gpu(g), Listing::Compute)
             .iter()
             .filter(|p| p.used_memory != u64::MAX && inside(p.pid))
             .map(|p| p.used_memory)
@@ -1014,7 +1015,7 @@ device_fn! {
     /// Compute processes (24-byte entries with MIG instance ids).
     fn nvmlDeviceGetComputeRunningProcesses_v3(device, count: *mut c_uint, infos: *mut NvmlProcessInfo) |m, t| {
         // SAFETY: module contract.
-        unsafe { put_list(count, infos, &m.processes(t, true), process_v2) }
+        unsafe { put_list(count, infos, &m.processes(t, Listing::Compute), process_v2) }
     }
 }
 
@@ -1022,7 +1023,7 @@ device_fn! {
     /// Same as `nvmlDeviceGetComputeRunningProcesses_v3`.
     fn nvmlDeviceGetComputeRunningProcesses_v2(device, count: *mut c_uint, infos: *mut NvmlProcessInfo) |m, t| {
         // SAFETY: module contract.
-        unsafe { put_list(count, infos, &m.processes(t, true), process_v2) }
+        unsafe { put_list(count, infos, &m.processes(t, Listing::Compute), process_v2) }
     }
 }
 
@@ -1030,7 +1031,7 @@ device_fn! {
     /// Compute processes (16-byte v1 entries).
     fn nvmlDeviceGetComputeRunningProcesses(device, count: *mut c_uint, infos: *mut NvmlProcessInfoV1) |m, t| {
         // SAFETY: module contract.
-        unsafe { put_list(count, infos, &m.processes(t, true), process_v1) }
+        unsafe { put_list(count, infos, &m.processes(t, Listing::Compute), process_v1) }
     }
 }
 
@@ -1038,7 +1039,7 @@ device_fn! {
     /// Graphics processes (24-byte entries with MIG instance ids).
     fn nvmlDeviceGetGraphicsRunningProcesses_v3(device, count: *mut c_uint, infos: *mut NvmlProcessInfo) |m, t| {
         // SAFETY: module contract.
-        unsafe { put_list(count, infos, &m.processes(t, false), process_v2) }
+        unsafe { put_list(count, infos, &m.processes(t, Listing::Graphics), process_v2) }
     }
 }
 
@@ -1046,7 +1047,7 @@ device_fn! {
     /// Same as `nvmlDeviceGetGraphicsRunningProcesses_v3`.
     fn nvmlDeviceGetGraphicsRunningProcesses_v2(device, count: *mut c_uint, infos: *mut NvmlProcessInfo) |m, t| {
         // SAFETY: module contract.
-        unsafe { put_list(count, infos, &m.processes(t, false), process_v2) }
+        unsafe { put_list(count, infos, &m.processes(t, Listing::Graphics), process_v2) }
     }
 }
 
@@ -1054,7 +1055,33 @@ device_fn! {
     /// Graphics processes (16-byte v1 entries).
     fn nvmlDeviceGetGraphicsRunningProcesses(device, count: *mut c_uint, infos: *mut NvmlProcessInfoV1) |m, t| {
         // SAFETY: module contract.
-        unsafe { put_list(count, infos, &m.processes(t, false), process_v1) }
+        unsafe { put_list(count, infos, &m.processes(t, Listing::Graphics), process_v1) }
+    }
+}
+
+device_fn! {
+    /// MPS clients (24-byte entries with MIG instance ids), as nvml-wrapper's
+    /// `mps_running_compute_processes` and pynvml's `nvmlDeviceGetMPSComputeRunningProcesses`
+    /// call it. Each is in the compute list as well (nvidia-smi's `M+C`).
+    fn nvmlDeviceGetMPSComputeRunningProcesses_v3(device, count: *mut c_uint, infos: *mut NvmlProcessInfo) |m, t| {
+        // SAFETY: module contract.
+        unsafe { put_list(count, infos, &m.processes(t, Listing::MpsCompute), process_v2) }
+    }
+}
+
+device_fn! {
+    /// Same as `nvmlDeviceGetMPSComputeRunningProcesses_v3`.
+    fn nvmlDeviceGetMPSComputeRunningProcesses_v2(device, count: *mut c_uint, infos: *mut NvmlProcessInfo) |m, t| {
+        // SAFETY: module contract.
+        unsafe { put_list(count, infos, &m.processes(t, Listing::MpsCompute), process_v2) }
+    }
+}
+
+device_fn! {
+    /// MPS clients (16-byte v1 entries).
+    fn nvmlDeviceGetMPSComputeRunningProcesses(device, count: *mut c_uint, infos: *mut NvmlProcessInfoV1) |m, t| {
+        // SAFETY: module contract.
+        unsafe { put_list(count, infos, &m.processes(t, Listing::MpsCompute), process_v1) }
     }
 }
 

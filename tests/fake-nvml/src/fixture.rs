@@ -200,6 +200,8 @@ struct RawProcess {
     kind: ProcessKind,
     #[serde(default)]
     mig_instance: Option<usize>,
+    #[serde(default)]
+    mps: bool,
 }
 
 #[derive(Deserialize, Default)]
@@ -319,12 +321,37 @@ pub enum ProcessKind {
 }
 
 impl ProcessKind {
-    /// Whether a process of this kind appears in the compute (or else graphics) list.
-    pub fn listed_in(self, compute: bool) -> bool {
+    /// Whether a process of this kind has a compute context.
+    pub fn compute(self) -> bool {
+        matches!(self, Self::Compute | Self::Both)
+    }
+
+    /// Whether a process of this kind has a graphics context.
+    pub fn graphics(self) -> bool {
+        matches!(self, Self::Graphics | Self::Both)
+    }
+}
+
+/// The running-process lists NVML keeps for a device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Listing {
+    /// `nvmlDeviceGetComputeRunningProcesses*`: every process with a compute context, MPS
+    /// clients included (nvidia-smi's `C` and `M+C`).
+    Compute,
+    /// `nvmlDeviceGetGraphicsRunningProcesses*`.
+    Graphics,
+    /// `nvmlDeviceGetMPSComputeRunningProcesses*`: MPS clients only (an MPS server is an
+    /// ordinary compute process).
+    MpsCompute,
+}
+
+impl Listing {
+    /// Whether `process` appears in this list.
+    pub fn lists(self, process: &Process) -> bool {
         match self {
-            Self::Compute => compute,
-            Self::Graphics => !compute,
-            Self::Both => true,
+            Self::Compute => process.kind.compute(),
+            Self::Graphics => process.kind.graphics(),
+            Self::MpsCompute => process.mps,
         }
     }
 }
@@ -340,6 +367,8 @@ pub struct Process {
     pub kind: ProcessKind,
     /// Index into the parent's MIG instances; required when MIG mode is on.
     pub mig_instance: Option<usize>,
+    /// A client of an MPS server: listed by the MPS query as well as the compute one.
+    pub mps: bool,
 }
 
 /// A MIG device (one compute instance inside one GPU instance).
@@ -568,8 +597,8 @@ impl Machine {
         })
     }
 
-    /// The running processes a compute (or graphics) query on `target` reports.
-    pub fn processes(&self, target: Target, compute: bool) -> Vec<ProcessEntry> {
+    /// The running processes a query of `listing` on `target` reports.
+    pub fn processes(&self, target: Target, listing: Listing) -> Vec<ProcessEntry> {
         let Some(gpu) = self.gpus.get(target.gpu()) else {
             return Vec::new();
         };
@@ -580,7 +609,7 @@ impl Machine {
             .map(|m| m.instances.as_slice());
         gpu.processes
             .iter()
-            .filter(|p| p.kind.listed_in(compute))
+            .filter(|p| listing.lists(p))
             .filter(|p| match target {
                 Target::Gpu(_) => true,
                 Target::Mig(_, m) => p.mig_instance == Some(m),
@@ -943,6 +972,11 @@ fn build_gpu(index: usize, raw: RawGpu, uuids: &mut HashSet<String>) -> Result<G
             }
             _ => {}
         }
+        if rp.mps && !rp.kind.compute() {
+            return bad(format!(
+                "{pfield}.mps: an MPS client has a compute context (type \"compute\" or \"both\")"
+            ));
+        }
         if rp.used_memory_bytes == Some(u64::MAX) {
             return bad(format!(
                 "{pfield}.used_memory_bytes: use null for \"not available\""
@@ -953,6 +987,7 @@ fn build_gpu(index: usize, raw: RawGpu, uuids: &mut HashSet<String>) -> Result<G
             used_memory: rp.used_memory_bytes,
             kind: rp.kind,
             mig_instance: rp.mig_instance,
+            mps: rp.mps,
         });
     }
 
@@ -1290,11 +1325,43 @@ mod tests {
                 used: 210
             }
         );
-        let compute = m.processes(Target::Gpu(0), true);
+        let compute = m.processes(Target::Gpu(0), Listing::Compute);
         assert_eq!(compute.len(), 1);
         assert_eq!(compute[0].gpu_instance_id, NO_INSTANCE);
-        let graphics = m.processes(Target::Gpu(0), false);
+        let graphics = m.processes(Target::Gpu(0), Listing::Graphics);
         assert_eq!(graphics[0].used_memory, u64::MAX);
+    }
+
+    #[test]
+    fn mps_clients_are_listed_by_the_mps_and_compute_queries() {
+        let m = Machine::from_json(&minimal(
+            r#", "processes": [{"pid": 1, "used_memory_bytes": 30},
+                              {"pid": 2, "used_memory_bytes": 100, "mps": true},
+                              {"pid": 3, "used_memory_bytes": 10, "type": "graphics"},
+                              {"pid": 4, "used_memory_bytes": 20, "type": "both", "mps": true}]"#,
+            "",
+        ))
+        .unwrap();
+        let pids = |listing| -> Vec<u32> {
+            m.processes(Target::Gpu(0), listing)
+                .iter()
+                .map(|p| p.pid)
+                .collect()
+        };
+        assert_eq!(pids(Listing::Compute), [1, 2, 4]);
+        assert_eq!(pids(Listing::MpsCompute), [2, 4]);
+        assert_eq!(pids(Listing::Graphics), [3, 4]);
+        assert_eq!(
+            m.memory(Target::Gpu(0)).unwrap().used,
+            160,
+            "counted once each"
+        );
+        let err = Machine::from_json(&minimal(
+            r#", "processes": [{"pid": 1, "type": "graphics", "mps": true}]"#,
+            "",
+        ))
+        .unwrap_err();
+        assert!(err.0.contains("gpus[0].processes[0].mps"), "{err}");
     }
 
     #[test]

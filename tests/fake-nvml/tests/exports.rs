@@ -356,6 +356,83 @@ fn mig_devices_answer_identity_memory_and_processes() {
     assert_eq!(unsafe { nvmlShutdown() }, SUCCESS);
 }
 
+#[test]
+fn mps_clients_are_listed_by_the_mps_query_and_the_compute_query() {
+    let _guard = lock();
+    let mut machine: serde_json::Value = serde_json::from_str(&fixture_text("t4-pair")).unwrap();
+    // An MPS server (an ordinary compute process), its client, and a graphics process.
+    machine["gpus"][0]["processes"] = serde_json::json!([
+        {"pid": 100, "used_memory_bytes": 66_u64 << 20},
+        {"pid": 101, "used_memory_bytes": 1_u64 << 30, "mps": true},
+        {"pid": 102, "used_memory_bytes": 8 << 20, "type": "graphics"},
+    ]);
+    let fixture = TempFixture::new("mps", &machine.to_string());
+    assert_eq!(init_with(&fixture.path), SUCCESS);
+    let (gpu0, gpu1) = (handle(0), handle(1));
+
+    // nvml-wrapper 0.13's protocol: count with null entries, then exactly that many.
+    let mut n: c_uint = 0;
+    assert_eq!(
+        unsafe { nvmlDeviceGetMPSComputeRunningProcesses_v3(gpu0, &mut n, std::ptr::null_mut()) },
+        INSUFFICIENT_SIZE
+    );
+    assert_eq!(n, 1);
+    let mut infos = vec![NvmlProcessInfo::default(); 1];
+    assert_eq!(
+        unsafe { nvmlDeviceGetMPSComputeRunningProcesses_v3(gpu0, &mut n, infos.as_mut_ptr()) },
+        SUCCESS
+    );
+    assert_eq!(
+        (n, infos[0].pid, infos[0].used_gpu_memory),
+        (1, 101, 1 << 30)
+    );
+    assert_eq!(
+        (infos[0].gpu_instance_id, infos[0].compute_instance_id),
+        (0xFFFF_FFFF, 0xFFFF_FFFF)
+    );
+    let mut infos = [NvmlProcessInfo::default(); 4];
+    n = 4;
+    assert_eq!(
+        unsafe { nvmlDeviceGetMPSComputeRunningProcesses_v2(gpu0, &mut n, infos.as_mut_ptr()) },
+        SUCCESS
+    );
+    assert_eq!((n, infos[0].pid), (1, 101));
+    let mut v1 = [NvmlProcessInfoV1::default(); 2];
+    n = 2;
+    assert_eq!(
+        unsafe { nvmlDeviceGetMPSComputeRunningProcesses(gpu0, &mut n, v1.as_mut_ptr()) },
+        SUCCESS
+    );
+    assert_eq!((n, v1[0].pid, v1[0].used_gpu_memory), (1, 101, 1 << 30));
+
+    // The client is a compute process too (nvidia-smi's M+C); the server only that (C).
+    n = 4;
+    assert_eq!(
+        unsafe { nvmlDeviceGetComputeRunningProcesses_v3(gpu0, &mut n, infos.as_mut_ptr()) },
+        SUCCESS
+    );
+    assert_eq!((n, infos[0].pid, infos[1].pid), (2, 100, 101));
+
+    // None: SUCCESS with 0, so the count query is the whole answer.
+    n = 0;
+    assert_eq!(
+        unsafe { nvmlDeviceGetMPSComputeRunningProcesses_v3(gpu1, &mut n, std::ptr::null_mut()) },
+        SUCCESS
+    );
+    assert_eq!(n, 0);
+    assert_eq!(
+        unsafe {
+            nvmlDeviceGetMPSComputeRunningProcesses_v3(
+                gpu0,
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+            )
+        },
+        INVALID_ARGUMENT
+    );
+    assert_eq!(unsafe { nvmlShutdown() }, SUCCESS);
+}
+
 // ---------------------------------------------------------------------------------------
 // Events: critical Xid errors.
 // ---------------------------------------------------------------------------------------
