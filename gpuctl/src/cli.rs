@@ -224,6 +224,13 @@ pub struct ReserveArgs {
     #[arg(long)]
     pub exclusive: bool,
 
+    /// Compute: this percentage of each GPU's SMs, 1 to 100 (25 or 25%). gpud never
+    /// promises more than 100% of a GPU; its MPS server enforces the share on GPUs in mps
+    /// mode. Not with --exclusive, nor on a MIG instance.
+    // allow_hyphen_values: `--compute -5` gets the percentage's error, not clap's tip.
+    #[arg(long, value_name = "PCT", value_parser = parse_compute, conflicts_with = "exclusive", allow_hyphen_values = true)]
+    pub compute: Option<u32>,
+
     /// Queue until capacity frees up, at most DURATION (without one: as long as gpud allows,
     /// its `[wait] max_wait_seconds`, 24h by default).
     #[arg(
@@ -396,7 +403,7 @@ pub enum EventKindArg {
     /// A memory limit the driver refused, or could not reset.
     Isolation,
     /// A process using a reservation outside the cgroup the driver limits for it, under
-    /// `[isolation] require`.
+    /// `[isolation] require`, or past its MPS server.
     Unlimited,
 }
 
@@ -526,6 +533,28 @@ pub fn parse_size(s: &str) -> Result<MemoryAmount, String> {
             ))
         }
         amount => Ok(amount),
+    }
+}
+
+/// `--compute`: a whole percentage of each GPU's SMs from 1 to 100, with or without `%`.
+pub fn parse_compute(s: &str) -> Result<u32, String> {
+    let plain = s.trim();
+    let digits = plain.strip_suffix('%').unwrap_or(plain).trim_end();
+    let whole = || {
+        format!(
+            "{plain:?} is not a whole percentage; give 1 to 100 of each GPU's SMs, e.g. 25 or 25%"
+        )
+    };
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(whole());
+    }
+    match digits.parse::<u64>() {
+        Ok(p @ 1..=100) => u32::try_from(p).map_err(|_| whole()),
+        Ok(0) => Err(
+            "0% of each GPU's SMs is no compute; give 1 to 100, or leave --compute out".to_owned(),
+        ),
+        Ok(p) => Err(format!("{p}% is more than a GPU has; give 1 to 100")),
+        Err(_) => Err(format!("{plain} is more than a GPU has; give 1 to 100")),
     }
 }
 

@@ -9,8 +9,8 @@
 //! and goes to clap, which gives the usual message: so this path never decides an error,
 //! and what it accepts, clap accepts the same way (a test checks both readings agree).
 //!
-//! Read here: `--mem`, `--exclusive`, `--gpus`, `--devices`, `--label`, `--policy`,
-//! `--ttl`, `--socket`. Left to clap: `--wait` and the flags that only go with it or that
+//! Read here: `--mem`, `--exclusive`, `--compute`, `--gpus`, `--devices`, `--label`,
+//! `--policy`, `--ttl`, `--socket`. Left to clap: `--wait` and the flags that only go with it or that
 //! conflict with a command, `--help`, and `--socket` before `reserve`.
 
 use std::ffi::{OsStr, OsString};
@@ -20,7 +20,9 @@ use std::time::Duration;
 use clap::ValueEnum;
 use gpud_schema::DEFAULT_SOCKET;
 
-use crate::cli::{Policy, ReserveArgs, ReserveOutput, parse_duration, parse_label, parse_size};
+use crate::cli::{
+    Policy, ReserveArgs, ReserveOutput, parse_compute, parse_duration, parse_label, parse_size,
+};
 
 /// The socket and the arguments of `gpuctl reserve FLAGS -- COMMAND`, when `args` (the
 /// whole command line, program name first) is one this reads; `None` for anything else.
@@ -35,6 +37,7 @@ pub fn parse(args: &[OsString], env_socket: Option<&OsStr>) -> Option<(PathBuf, 
         devices: Vec::new(),
         mem: None,
         exclusive: false,
+        compute: None,
         wait: None,
         // Unused without `--wait`: clap's default (cli::STATUS_EVERY, "30s"), so that both
         // readings are equal, without reading it (humantime) at every start.
@@ -73,6 +76,7 @@ pub fn parse(args: &[OsString], env_socket: Option<&OsStr>) -> Option<(PathBuf, 
         }
         match flag {
             "--mem" => set_once(&mut reserve.mem, parse_size(value).ok()?)?,
+            "--compute" => set_once(&mut reserve.compute, parse_compute(value).ok()?)?,
             "--gpus" => set_once(&mut reserve.gpus, count(value)?)?,
             "--devices" => reserve.devices.extend(value.split(',').map(str::to_owned)),
             "--label" => reserve.labels.push(parse_label(value).ok()?),
@@ -82,8 +86,11 @@ pub fn parse(args: &[OsString], env_socket: Option<&OsStr>) -> Option<(PathBuf, 
             _ => return None,
         }
     }
-    // `--mem` or `--exclusive`, exactly one (clap's group "size").
-    if reserve.mem.is_some() == reserve.exclusive {
+    // `--mem` or `--exclusive`, exactly one (clap's group "size"); `--compute` not with
+    // `--exclusive`.
+    if reserve.mem.is_some() == reserve.exclusive
+        || (reserve.exclusive && reserve.compute.is_some())
+    {
         return None;
     }
     for word in words {
@@ -157,6 +164,8 @@ mod tests {
             "reserve --mem 4G --policy spread --devices 0,GPU-1 --ttl 2h -- sleep 1",
             "reserve --socket /tmp/g.sock --mem 512MiB --label=a=b=c -- env -- x",
             "reserve --mem 1.5G --devices 0 --devices 1 -- -dash-command",
+            "reserve --mem 8GiB --compute 25 -- python serve.py",
+            "reserve --compute=50% --mem=25% --gpus 2 -- ./train.sh",
         ] {
             let args = words(line);
             let fast = parse(&args, None);
@@ -211,6 +220,11 @@ mod tests {
             "reserve --mem 1GiB --ttl soon -- true",
             "reserve --exclusive=true -- true",
             "reserve --exclusive --exclusive -- true",
+            "reserve --exclusive --compute 25 -- true",
+            "reserve --mem 1GiB --compute 0 -- true",
+            "reserve --mem 1GiB --compute 101 -- true",
+            "reserve --mem 1GiB --compute 12.5 -- true",
+            "reserve --mem 1GiB --compute 25 --compute 30 -- true",
             "reserve --mem 1GiB python",
             "--socket /tmp/g.sock reserve --mem 1GiB -- true",
             "ls",
@@ -237,6 +251,8 @@ mod tests {
             "--socket /s",
             "--mem 1GiB",
             "--exclusive",
+            "--compute 25",
+            "--compute=50%",
         ]);
         let other = prop::sample::select(vec![
             "--mem=25%",
@@ -247,6 +263,9 @@ mod tests {
             "--policy Spread",
             "--ttl=-5",
             "--socket=",
+            "--compute 0",
+            "--compute=101%",
+            "--compute 2.5",
             "--wait",
             "--wait 5m",
             "-o json",

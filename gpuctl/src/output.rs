@@ -195,6 +195,30 @@ fn memory_cell(r: &Reservation) -> String {
     }
 }
 
+/// A reservation's compute share for a table cell: `25%`, or `-` when none is promised.
+fn compute_cell(r: &Reservation) -> String {
+    if r.compute == 0 {
+        "-".to_owned()
+    } else {
+        format!("{}%", r.compute)
+    }
+}
+
+/// A reservation's compute share for `gpuctl show`, with whether anything enforces it.
+pub fn compute_text(r: &Reservation) -> String {
+    match (r.compute, r.exclusive, r.isolation.mode) {
+        (0, _, _) => "none promised".to_owned(),
+        (_, true, _) => "100% of each GPU's SMs (whole GPUs)".to_owned(),
+        (p, false, IsolationMode::Mps) => {
+            format!("{p}% of each GPU's SMs, enforced by its MPS server")
+        }
+        (p, false, _) => format!(
+            "{p}% of each GPU's SMs, promised but not enforced here (only an MPS server \
+             enforces a compute share, on GPUs in mps mode)"
+        ),
+    }
+}
+
 /// `driver-enforced on CGROUP`, `pending: REASON` or `advisory: REASON`.
 pub fn isolation_text(i: &Isolation) -> String {
     match (i.mode, &i.cgroup, &i.reason) {
@@ -299,6 +323,7 @@ pub fn reservations_table(
         ("OWNER", Align::Left),
         ("GPUS", Align::Left),
         ("MEMORY/GPU", Align::Right),
+        ("COMPUTE", Align::Right),
         ("LIMIT", Align::Left),
         ("HELD BY", Align::Left),
         ("AGE", Align::Right),
@@ -311,6 +336,7 @@ pub fn reservations_table(
             owner_name(r.owner_uid).into(),
             gpu_cell_named(r, mig_names).into(),
             memory_cell(r).into(),
+            compute_cell(r).into(),
             r.isolation.mode.as_str().into(),
             lifetime_cell(r, now).into(),
             age_cell(&r.created_at, now).into(),
@@ -321,8 +347,25 @@ pub fn reservations_table(
 }
 
 /// What the request asks for, for the status line and `gpuctl waiters`: `4 GiB on 1 GPU`,
-/// `2 whole GPUs`.
+/// `2 whole GPUs`, `4 GiB on 1 GPU with 25% of its SMs`.
 pub fn describe(request: &ReservationRequest) -> String {
+    let memory = describe_memory(request);
+    match request.compute {
+        Some(p) => {
+            let named = u32::try_from(request.devices.len()).unwrap_or(u32::MAX);
+            let its = if request.gpus.unwrap_or(named.max(1)) == 1 {
+                "its"
+            } else {
+                "their"
+            };
+            format!("{memory} with {p}% of {its} SMs")
+        }
+        None => memory,
+    }
+}
+
+/// [`describe`]'s memory part.
+fn describe_memory(request: &ReservationRequest) -> String {
     let named = u32::try_from(request.devices.len()).unwrap_or(u32::MAX);
     let n = request.gpus.unwrap_or(named.max(1));
     let gpus = if n == 1 {
@@ -419,6 +462,7 @@ fn asked(w: &Waiter) -> ReservationRequest {
         gpus: Some(w.gpus),
         memory: w.memory.clone(),
         exclusive: w.exclusive,
+        compute: w.compute,
         ..ReservationRequest::default()
     }
 }
@@ -463,6 +507,7 @@ pub fn reservation_details(
         field("ended", format!("{ended} ({why})"));
     }
     field("memory", format!("{} per GPU", memory_cell(r)));
+    field("compute", compute_text(r));
     field("isolation", isolation_text(&r.isolation));
     field("labels", labels_cell(&r.labels));
     let _ = writeln!(out, "gpus:");
@@ -611,6 +656,7 @@ pub fn gpus_table(list: &GpuList, colour: bool, bars: bool) -> String {
     }
     columns.extend([
         ("RESV", Align::Right),
+        ("COMPUTE", Align::Right),
         ("HEALTH", Align::Left),
         ("ISOLATION", Align::Left),
     ]);
@@ -651,8 +697,13 @@ pub fn gpus_table(list: &GpuList, colour: bool, bars: bool) -> String {
         if bars {
             row.push(memory_bar(g, free).into());
         }
+        // What of its SMs is promised; a GPU in MIG mode (or an older gpud) does not say.
+        let compute = g
+            .compute_promised
+            .map_or_else(|| "-".to_owned(), |p| format!("{p}%"));
         row.extend([
             g.reservations.to_string().into(),
+            compute.into(),
             health,
             g.isolation.mode.as_str().into(),
         ]);
@@ -679,7 +730,12 @@ pub fn gpus_table(list: &GpuList, colour: bool, bars: bool) -> String {
             if bars {
                 row.push("".into());
             }
-            row.extend([m.reservations.to_string().into(), "".into(), "".into()]);
+            row.extend([
+                m.reservations.to_string().into(),
+                "".into(),
+                "".into(),
+                "".into(),
+            ]);
             t.row(row);
         }
     }
@@ -812,6 +868,7 @@ pub(crate) mod tests {
             labels: BTreeMap::from([("job".to_owned(), "asr".to_owned())]),
             holder_cgroup: None,
             isolation: Default::default(),
+            compute: 0,
         }
     }
 
@@ -897,6 +954,49 @@ pub(crate) mod tests {
         assert!(
             details.contains("isolation: driver-enforced on /sys/fs/cgroup/gpud/r1"),
             "{details}"
+        );
+    }
+
+    #[test]
+    fn a_compute_share_is_shown_with_what_enforces_it() {
+        let now = at("2024-05-01T12:05:00Z");
+        let names = |_: u32| "alice".to_owned();
+        let shown = |r: &Reservation| reservation_details(r, now, &names, None);
+        assert!(
+            shown(&reservation()).contains("compute:   none promised\n"),
+            "{}",
+            shown(&reservation())
+        );
+        let mut r = reservation();
+        r.compute = 30;
+        let table = reservations_table(std::slice::from_ref(&r), now, &names, &HashMap::new());
+        assert!(table.lines().next().unwrap().contains("COMPUTE"), "{table}");
+        assert!(table.lines().nth(1).unwrap().contains(" 30% "), "{table}");
+        assert!(
+            shown(&r).contains("compute:   30% of each GPU's SMs, promised but not enforced here"),
+            "{}",
+            shown(&r)
+        );
+        r.isolation.mode = IsolationMode::Mps;
+        assert!(
+            shown(&r).contains("compute:   30% of each GPU's SMs, enforced by its MPS server\n"),
+            "{}",
+            shown(&r)
+        );
+        // What a waiter asked.
+        let asked = |gpus, compute| {
+            describe(&ReservationRequest {
+                gpus: Some(gpus),
+                memory: Some(MemorySpec::Bytes(4 * GIB)),
+                compute,
+                ..ReservationRequest::default()
+            })
+        };
+        assert_eq!(asked(1, None), "4 GiB on 1 GPU");
+        assert_eq!(asked(1, Some(25)), "4 GiB on 1 GPU with 25% of its SMs");
+        assert_eq!(
+            asked(2, Some(25)),
+            "4 GiB on each of 2 GPUs with 25% of their SMs"
         );
     }
 
@@ -987,6 +1087,7 @@ pub(crate) mod tests {
             memory_unaccounted_bytes: 0,
             memory_free_bytes: None,
             reservations: u32::from(reserved > 0),
+            compute_promised: (index == 0).then_some(75),
             healthy: index == 0,
             mig_instances: mig,
             links: vec![],
@@ -1024,11 +1125,12 @@ pub(crate) mod tests {
         assert_eq!(lines.len(), 6, "{text}");
         assert!(lines[1].starts_with("0    NVIDIA A100-SXM4-80GB"), "{text}");
         assert!(
-            lines[1].ends_with("40 GiB    40 GiB  12 GiB  80 GiB     1  ok         driver"),
+            lines[1]
+                .ends_with("40 GiB    40 GiB  12 GiB  80 GiB     1      75%  ok         driver"),
             "{text}"
         );
         assert!(lines[2].contains("MIG 3g.40gb"), "{text}");
-        assert!(lines[3].ends_with("UNHEALTHY  advisory"), "{text}");
+        assert!(lines[3].ends_with("      -  UNHEALTHY  advisory"), "{text}");
         assert_eq!(
             lines[4],
             "TOTAL  reserved 40 GiB / 160 GiB (25%), used 12 GiB (8%); 1 reservation"

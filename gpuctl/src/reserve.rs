@@ -155,6 +155,7 @@ pub fn request(args: &ReserveArgs, holder: Holder, wait: Option<Duration>) -> Re
             MemoryAmount::BasisPoints(bp) => MemorySpec::Text(format_basis_points(bp)),
         }),
         exclusive: args.exclusive,
+        compute: args.compute,
         wait_seconds: wait.map(whole_seconds),
         ttl_seconds: args.ttl.map(whole_seconds),
         holder_pid: holder.pid(),
@@ -679,6 +680,7 @@ mod tests {
     #[test]
     fn the_status_line_names_this_requests_place_or_the_queues_length() {
         let waiter = |position, pid| gpud_schema::Waiter {
+            compute: None,
             position,
             owner_uid: 7,
             owner_gid: 0,

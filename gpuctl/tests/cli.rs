@@ -56,6 +56,48 @@ fn usage_errors_exit_2_before_anything_is_sent() {
         assert_eq!(out.status.code(), Some(2), "{args:?}: {}", stderr(&out));
         assert!(!stderr(&out).is_empty(), "{args:?}");
     }
+    // A compute share: a whole percentage of each GPU's SMs, not with whole GPUs; each
+    // refusal one line that says what is accepted.
+    for (args, needle) in [
+        (
+            &["reserve", "--mem", "1GiB", "--compute", "0"][..],
+            "give 1 to 100",
+        ),
+        (
+            &["reserve", "--mem", "1GiB", "--compute", "101"],
+            "more than a GPU has",
+        ),
+        (
+            &["reserve", "--mem", "1GiB", "--compute", "250%"],
+            "more than a GPU has",
+        ),
+        (
+            &["reserve", "--mem", "1GiB", "--compute", "12.5"],
+            "not a whole percentage",
+        ),
+        (
+            &["reserve", "--mem", "1GiB", "--compute", "-5"],
+            "not a whole percentage",
+        ),
+        (
+            &["reserve", "--mem", "1GiB", "--compute", "half"],
+            "not a whole percentage",
+        ),
+        (
+            &["reserve", "--exclusive", "--compute", "50"],
+            "cannot be used with",
+        ),
+        (
+            &["reserve", "--exclusive", "--compute", "50", "--", "true"],
+            "cannot be used with",
+        ),
+    ] {
+        let out = gpuctl(args);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {}", stderr(&out));
+        let err = stderr(&out);
+        assert_eq!(err.lines().count(), 1, "{args:?}: {err}");
+        assert!(err.contains(needle), "{args:?}: {err}");
+    }
     // The size error says what is accepted, in the schema crate's words.
     let out = gpuctl(&["reserve", "--mem", "4 parsecs"]);
     assert!(stderr(&out).contains("G means GiB"), "{}", stderr(&out));

@@ -25,7 +25,7 @@ use std::hint::black_box;
 use criterion::{Criterion, criterion_group, criterion_main};
 
 use gpud::model::{Link, MemoryAsk, PcieLevel, Policy, Topology, Unit};
-use gpud::placement::{PlacementRequest, PlacementState, UnitLoad, place};
+use gpud::placement::{ComputeAsk, PlacementRequest, PlacementState, UnitLoad, place};
 
 const GIB: u64 = 1 << 30;
 
@@ -211,6 +211,7 @@ fn request(gpus: u32, memory: MemoryAsk, policy: Policy) -> PlacementRequest {
         gpus,
         memory,
         policy,
+        compute: ComputeAsk::Implied,
     }
 }
 

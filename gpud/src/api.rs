@@ -349,6 +349,7 @@ impl Api {
                 gpus: w.gpus,
                 memory: memory_spec(w.memory),
                 exclusive: w.memory == MemoryAsk::Exclusive,
+                compute: w.compute.percent(),
                 waiting_since: rfc3339(w.since),
                 gives_up_at: rfc3339(w.gives_up_at),
                 reason: Some(w.reason.to_string()),

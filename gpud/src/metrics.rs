@@ -76,6 +76,7 @@ pub struct Metrics {
     memory_unaccounted: Family<GpuLabels, Gauge>,
     healthy: Family<GpuLabels, Gauge>,
     isolation: Family<GpuLabels, Gauge>,
+    compute_promised: Family<GpuLabels, Gauge>,
     isolated: Family<ModeLabels, Gauge>,
     reservations: Family<StateLabels, Gauge>,
     waiting: Gauge,
@@ -160,6 +161,12 @@ impl Metrics {
             "gpu_memory_isolation_driver",
             "1 when the driver enforces reservations' memory on this GPU (R615 limits), 0 when advisory",
             isolation.clone(),
+        );
+        let compute_promised = Family::<GpuLabels, Gauge>::default();
+        registry.register(
+            "gpu_compute_promised_percent",
+            "Percentage of the GPU's SMs promised to active reservations (their compute shares added up, at most 100; not for a GPU in MIG mode)",
+            compute_promised.clone(),
         );
         let isolated = Family::<ModeLabels, Gauge>::default();
         registry.register(
@@ -246,6 +253,7 @@ impl Metrics {
             memory_unaccounted,
             healthy,
             isolation,
+            compute_promised,
             isolated,
             reservations,
             waiting,
@@ -343,12 +351,22 @@ impl Metrics {
                 uuid: gpu.uuid.clone(),
             };
             let (mut reserved, mut used, mut unaccounted) = (0u64, 0u64, 0u64);
+            let mut compute = None;
             for ((unit, load), u) in snap.units.iter().zip(&snap.loads).zip(&snap.used) {
                 if unit.gpu_index == gpu.index {
                     reserved += load.reserved_bytes;
                     used += u;
                     unaccounted += load.unaccounted_bytes;
+                    if !unit.is_mig() {
+                        compute = Some(load.compute_promised);
+                    }
                 }
+            }
+            // A GPU in MIG mode has no compute of its own to promise: no series.
+            if let Some(compute) = compute {
+                self.compute_promised
+                    .get_or_create(&labels)
+                    .set(i64::from(compute));
             }
             self.memory_total
                 .get_or_create(&labels)

@@ -323,6 +323,29 @@ impl MemoryAsk {
     }
 }
 
+/// How much of each GPU's compute (its SMs) a request asks for.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ComputeAsk {
+    /// No share of its own: all of it when exclusive; on GPUs in MPS mode, a share in
+    /// proportion to the memory (`floor(100 × memory / total)`, at least 1 %); none
+    /// elsewhere.
+    #[default]
+    Implied,
+    /// This percentage (1–100) of each chosen GPU's SMs.
+    Percent(u32),
+}
+
+impl ComputeAsk {
+    /// The percentage asked, when one is.
+    pub fn percent(self) -> Option<u32> {
+        match self {
+            ComputeAsk::Implied => None,
+            ComputeAsk::Percent(p) => Some(p),
+        }
+    }
+}
+
 /// Which feasible choice placement prefers.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -416,6 +439,10 @@ pub struct Reservation {
     pub holder_cgroup: Option<String>,
     /// Whether the driver enforces its memory, and where.
     pub isolation: ReservationIsolation,
+    /// Its compute share: the percentage of each of its GPUs' SMs promised to it (0:
+    /// none). Placement never promises more than 100 % of a GPU; an MPS daemon enforces it.
+    #[serde(default)]
+    pub compute: u32,
 }
 
 impl Reservation {
@@ -448,6 +475,7 @@ impl Reservation {
             env: gpud_schema::Env::default(),
             holder_cgroup: None,
             isolation: ReservationIsolation::default(),
+            compute: 0,
         }
     }
 }

@@ -17,6 +17,15 @@
 //! - **A MIG instance** is always allocated whole (its memory is hard-isolated, so sharing
 //!   it would only invite out-of-memory errors): it is feasible only when completely free
 //!   and its total is at least the need, and the assignment reserves its full memory.
+//! - **Compute** is a second capacity beside memory: the compute shares promised on a
+//!   unit ([`UnitLoad::compute_promised`]) plus the request's share there must not pass
+//!   100 %. A request's share on a unit ([`compute_need`]) is what it asks
+//!   ([`ComputeAsk::Percent`]); 100 when exclusive; otherwise, on a unit whose GPU is in
+//!   MPS mode ([`UnitLoad::compute_by_memory`]), `floor(100 × need / total)`, at least 1;
+//!   elsewhere 0. A MIG instance takes no asked share (its compute is its own). The
+//!   placement's share ([`Placement::compute`]) is one number for all its units: the ask,
+//!   100 when exclusive, or the smallest proportional share over its units when all of them
+//!   are in MPS mode (0 otherwise); never more than what was checked on any of them.
 //!
 //! # One unit (binpack, the default)
 //!
@@ -84,10 +93,13 @@
 use std::cmp::Reverse;
 use std::collections::BTreeSet;
 
+pub use crate::model::ComputeAsk;
 use crate::model::{MemoryAsk, Policy, Topology, Unit};
 
+mod compute;
 mod explain;
 
+pub use compute::{compute_free, compute_need, compute_share};
 use explain::*;
 
 #[cfg(test)]
@@ -102,6 +114,8 @@ pub struct PlacementRequest {
     pub memory: MemoryAsk,
     /// Which feasible choice to prefer.
     pub policy: Policy,
+    /// Share of each unit's SMs.
+    pub compute: ComputeAsk,
 }
 
 /// What is already taken on one unit.
@@ -120,6 +134,13 @@ pub struct UnitLoad {
     pub foreign_processes: bool,
     /// Whether the unit may receive new placements.
     pub healthy: bool,
+    /// Percentage of the unit's SMs promised to its active reservations: their compute
+    /// shares added up (at most 100).
+    pub compute_promised: u32,
+    /// Whether a share of the unit's memory comes with the same share of its SMs (its GPU is
+    /// in MPS mode, whose daemon enforces both): a request that asks no compute share gets
+    /// one in proportion to its memory here.
+    pub compute_by_memory: bool,
 }
 
 /// The machine as placement sees it. `units` and `loads` are aligned by position.
@@ -147,6 +168,9 @@ pub struct Assignment {
 pub struct Placement {
     /// One entry per requested GPU.
     pub assignments: Vec<Assignment>,
+    /// The reservation's compute share: the percentage of each of its units' SMs promised
+    /// to it ([`compute_share`]).
+    pub compute: u32,
 }
 
 /// Why a request cannot be placed. Messages are for people: they say what was asked and
@@ -207,12 +231,16 @@ fn place_explained(
     explain: bool,
 ) -> Result<Placement, PlacementError> {
     check_possible(request, state)?;
-    let views = assess_all(request.memory, state);
+    let views = assess_all(request, state);
     let placed = if request.gpus == 1 {
         place_single(request, state, &views)
     } else {
         place_multi(request, state, &views)
     };
+    let placed = placed.map(|mut p| {
+        p.compute = compute::share_of(request, state, &p);
+        p
+    });
     placed.ok_or_else(|| {
         PlacementError::NoCapacity(if explain {
             shortfall(request, &views)
@@ -275,6 +303,16 @@ enum Blocker {
         /// Free bytes now.
         free: u64,
     },
+    /// The memory fits, but not the compute share: less of the unit's SMs is unpromised
+    /// than the request's share there.
+    NotEnoughCompute {
+        /// Percent of its SMs unpromised now.
+        free: u32,
+        /// The request's share there.
+        asked: u32,
+    },
+    /// A compute share asked of a MIG instance, whose compute is its own.
+    MigCompute,
 }
 
 /// One unit with its verdict for the request.
@@ -306,11 +344,17 @@ pub fn is_completely_free(load: &UnitLoad) -> bool {
     load.reservations == 0
         && load.reserved_bytes == 0
         && load.unaccounted_bytes == 0
+        && load.compute_promised == 0
         && !load.foreign_processes
         && !load.exclusive
 }
 
-fn assess(unit: &Unit, load: Option<&UnitLoad>, ask: MemoryAsk) -> Result<Fit, Blocker> {
+fn assess(
+    unit: &Unit,
+    load: Option<&UnitLoad>,
+    request: &PlacementRequest,
+) -> Result<Fit, Blocker> {
+    let ask = request.memory;
     let load = load.ok_or(Blocker::NoLoad)?;
     if !load.healthy {
         return Err(Blocker::Unhealthy);
@@ -318,39 +362,49 @@ fn assess(unit: &Unit, load: Option<&UnitLoad>, ask: MemoryAsk) -> Result<Fit, B
     if load.exclusive {
         return Err(Blocker::HeldExclusively);
     }
+    if unit.is_mig() && matches!(request.compute, ComputeAsk::Percent(_)) {
+        return Err(Blocker::MigCompute);
+    }
     let total = unit.memory_total_bytes;
     let need = need_on(ask, total);
     let completely_free = is_completely_free(load);
-    if matches!(ask, MemoryAsk::Exclusive) || unit.is_mig() {
+    let fit = if matches!(ask, MemoryAsk::Exclusive) || unit.is_mig() {
         if !completely_free {
             return Err(Blocker::Occupied);
         }
         if need > total {
             return Err(Blocker::TooSmall);
         }
-        return Ok(Fit {
+        Fit {
             assigned: total,
             leftover: total - need,
             free_after: 0,
             completely_free: true,
-        });
+        }
+    } else {
+        if need > total {
+            return Err(Blocker::TooSmall);
+        }
+        let free = free_bytes(unit, load);
+        if free < need {
+            return Err(Blocker::NotEnoughFree { free });
+        }
+        Fit {
+            assigned: need,
+            leftover: free - need,
+            free_after: free - need,
+            completely_free,
+        }
+    };
+    let asked = compute_need(unit, load, ask, request.compute);
+    let free = compute_free(load);
+    if asked > free {
+        return Err(Blocker::NotEnoughCompute { free, asked });
     }
-    if need > total {
-        return Err(Blocker::TooSmall);
-    }
-    let free = free_bytes(unit, load);
-    if free < need {
-        return Err(Blocker::NotEnoughFree { free });
-    }
-    Ok(Fit {
-        assigned: need,
-        leftover: free - need,
-        free_after: free - need,
-        completely_free,
-    })
+    Ok(fit)
 }
 
-fn assess_all<'a>(ask: MemoryAsk, state: &PlacementState<'a>) -> Vec<View<'a>> {
+fn assess_all<'a>(request: &PlacementRequest, state: &PlacementState<'a>) -> Vec<View<'a>> {
     state
         .units
         .iter()
@@ -361,7 +415,7 @@ fn assess_all<'a>(ask: MemoryAsk, state: &PlacementState<'a>) -> Vec<View<'a>> {
                 pos,
                 unit,
                 load,
-                verdict: assess(unit, load, ask),
+                verdict: assess(unit, load, request),
             }
         })
         .collect()
@@ -398,6 +452,7 @@ fn check_possible(
         }
         _ => {}
     }
+    compute::check_possible(request, state)?;
     if state.units.is_empty() {
         return impossible("this machine has no GPUs".to_owned());
     }
@@ -540,6 +595,7 @@ fn place_single(
             unit: v.pos,
             memory_bytes: fit.assigned,
         }],
+        compute: 0,
     })
 }
 
@@ -599,6 +655,7 @@ fn place_multi(
                 memory_bytes: c.fit.assigned,
             })
             .collect(),
+        compute: 0,
     })
 }
 

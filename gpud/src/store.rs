@@ -47,6 +47,10 @@ const MIGRATIONS: &[(&str, &str)] = &[
         "0006_ended_index",
         include_str!("../../schema/migrations/0006_ended_index.sql"),
     ),
+    (
+        "0007_compute",
+        include_str!("../../schema/migrations/0007_compute.sql"),
+    ),
 ];
 
 /// Bits of a row's `seq` below its creation millisecond (see migration 0003).
@@ -556,7 +560,7 @@ impl Store {
             "SELECT r.id, r.state, r.owner_uid, r.owner_gid, r.holder_pid, r.holder_start_time,
                     r.holder_boot_id, r.exclusive, r.ttl_seconds, r.expires_at, r.created_at,
                     r.ended_at, r.end_reason, r.labels, r.env, r.units, r.holder_pidfs_inode,
-                    r.holder_cgroup, r.isolation
+                    r.holder_cgroup, r.isolation, r.compute
              FROM reservations r {clause}"
         );
         let mut stmt = self
@@ -602,12 +606,13 @@ impl Store {
             let text: String = row.get(i).map_err(get)?;
             serde_json::from_str(&text).map_err(|e| corrupt(format!("{id}: column {i}: {e}")))
         };
+        let exclusive: bool = row.get(7).map_err(get)?;
         Ok(Reservation {
             state,
             owner_uid: row.get(2).map_err(get)?,
             owner_gid: row.get(3).map_err(get)?,
             holder,
-            exclusive: row.get(7).map_err(get)?,
+            exclusive,
             units: units_from_json(&row.get::<_, String>(15).map_err(get)?)
                 .map_err(|e| corrupt(format!("{id}: units: {e}")))?,
             ttl_seconds: row.get::<_, Option<i64>>(8).map_err(get)?.map(from_sql_int),
@@ -629,6 +634,12 @@ impl Store {
                     .map_err(|e| corrupt(format!("{id}: isolation: {e}")))?,
                 None => ReservationIsolation::default(),
             },
+            // A row from before migration 0007: all of its GPUs when exclusive, else none
+            // here (the ledger derives an MPS reservation's share from its GPUs at start).
+            compute: row
+                .get::<_, Option<u32>>(19)
+                .map_err(get)?
+                .unwrap_or(if exclusive { 100 } else { 0 }),
             id,
         })
     }

@@ -124,6 +124,18 @@ pub struct ReservationRequest {
     /// Whole GPUs: nothing else may share them.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub exclusive: bool,
+    /// Compute: this whole percentage (1–100) of each chosen GPU's SMs. gpud never promises
+    /// more than 100 % of a GPU's SMs; on GPUs in `mps` mode the reservation's MPS server
+    /// enforces the share (elsewhere it is bookkeeping). Not with `exclusive` (whole GPUs
+    /// have all their compute), nor on a MIG instance (whose compute is its own). Without
+    /// it, a reservation gets a share in proportion to its memory on GPUs in `mps` mode.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "compute_percent"
+    )]
+    #[schemars(range(min = 1, max = 100))]
+    pub compute: Option<u32>,
     /// Wait up to this long for capacity (long-poll) instead of failing at once.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub wait_seconds: Option<u64>,
@@ -168,6 +180,43 @@ pub struct ReservationRequest {
     /// chooses among them.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub devices: Vec<String>,
+}
+
+/// `compute`: a whole percentage from 1 to 100. By hand, so that a wrong value says what is
+/// expected (`invalid type: floating point `12.5`, expected a whole percentage of each
+/// GPU's SMs from 1 to 100, like 25`).
+fn compute_percent<'de, D: serde::Deserializer<'de>>(
+    deserializer: D,
+) -> Result<Option<u32>, D::Error> {
+    struct Visitor;
+    impl<'de> serde::de::Visitor<'de> for Visitor {
+        type Value = Option<u32>;
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("a whole percentage of each GPU's SMs from 1 to 100, like 25")
+        }
+        fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Option<u32>, E> {
+            match u32::try_from(v) {
+                Ok(p @ 1..=100) => Ok(Some(p)),
+                _ => Err(E::invalid_value(serde::de::Unexpected::Unsigned(v), &self)),
+            }
+        }
+        fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Option<u32>, E> {
+            match u64::try_from(v) {
+                Ok(v) => self.visit_u64(v),
+                Err(_) => Err(E::invalid_value(serde::de::Unexpected::Signed(v), &self)),
+            }
+        }
+        fn visit_none<E: serde::de::Error>(self) -> Result<Option<u32>, E> {
+            Ok(None)
+        }
+        fn visit_unit<E: serde::de::Error>(self) -> Result<Option<u32>, E> {
+            Ok(None)
+        }
+        fn visit_some<D: serde::Deserializer<'de>>(self, d: D) -> Result<Option<u32>, D::Error> {
+            d.deserialize_any(Visitor)
+        }
+    }
+    deserializer.deserialize_option(Visitor)
 }
 
 /// `POST /v1/reservations/{id}/cgroup` body: the cgroup whose processes the reservation is
@@ -333,6 +382,15 @@ pub struct Reservation {
     /// Whether the driver enforces its memory, and on which cgroup.
     #[serde(default)]
     pub isolation: Isolation,
+    /// Its compute share: the percentage of each of its GPUs' SMs promised to it (0: none).
+    /// What it asked (`compute`); 100 when exclusive; otherwise, when all its GPUs are in
+    /// `mps` mode, in proportion to its memory (`floor(100 × memory / total)` on the
+    /// tightest of its GPUs, at least 1). Enforced by its MPS server when `isolation.mode`
+    /// is `mps`; elsewhere only counted (no GPU is promised past 100 %). Absent from gpuds
+    /// before it was added.
+    #[serde(default)]
+    #[schemars(range(max = 100))]
+    pub compute: u32,
 }
 
 /// `GET /v1/reservations` response.
@@ -390,11 +448,17 @@ pub struct GpuStatus {
     pub memory_unaccounted_bytes: u64,
     /// The most one request could reserve here now: total less reserved and unaccounted
     /// memory (the largest free MIG instance in MIG mode; 0 when held exclusively or
-    /// unhealthy). Absent from gpuds before it was added.
+    /// unhealthy, or in `mps` mode when all its compute is promised). Absent from gpuds
+    /// before it was added.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub memory_free_bytes: Option<u64>,
     /// Active reservations on it (or its MIG instances).
     pub reservations: u32,
+    /// Percentage of its SMs promised to active reservations (their compute shares added
+    /// up, at most 100). Absent for a GPU in MIG mode (each instance's compute is its own)
+    /// and from gpuds before it was added.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compute_promised: Option<u32>,
     /// Whether it may receive new placements.
     pub healthy: bool,
     /// MIG instances (empty when not in MIG mode).
@@ -623,6 +687,10 @@ pub struct Waiter {
     pub memory: Option<MemorySpec>,
     /// Whole GPUs.
     pub exclusive: bool,
+    /// The percentage of each GPU's SMs it asked for (`compute`); absent when it asked none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 100))]
+    pub compute: Option<u32>,
     /// When it began to wait, RFC 3339 UTC.
     pub waiting_since: String,
     /// When it gives up unless served, RFC 3339 UTC.
@@ -718,6 +786,28 @@ pub mod codes {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn compute_is_a_whole_percentage_and_anything_else_says_so() {
+        let compute = |json: &str| {
+            serde_json::from_str::<ReservationRequest>(&format!(
+                r#"{{"memory": "1GiB", "compute": {json}}}"#
+            ))
+            .map(|r| r.compute)
+        };
+        assert_eq!(compute("25").unwrap(), Some(25));
+        assert_eq!(compute("100").unwrap(), Some(100));
+        assert_eq!(compute("null").unwrap(), None);
+        for bad in ["0", "101", "-1", "12.5", r#""25%""#, "true"] {
+            let e = compute(bad).unwrap_err().to_string();
+            assert!(
+                e.contains("expected a whole percentage of each GPU's SMs from 1 to 100"),
+                "{bad}: {e}"
+            );
+        }
+        let absent: ReservationRequest = serde_json::from_str(r#"{"memory": "1GiB"}"#).unwrap();
+        assert_eq!(absent.compute, None);
+    }
 
     #[test]
     fn memory_is_bytes_or_a_size_string_and_anything_else_says_so() {

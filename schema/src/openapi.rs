@@ -255,7 +255,15 @@ fn add_rules_serde_cannot_say(components: &mut serde_json::Map<String, Value>) {
                 {"required": ["holder_pid"]}
             ]},
             // A holder cgroup is the holder: no process beside it.
-            {"not": {"required": ["holder_cgroup", "holder_pid"]}}
+            {"not": {"required": ["holder_cgroup", "holder_pid"]}},
+            // A compute share is a part of a shared GPU: not with whole GPUs, which have
+            // all their compute.
+            {"anyOf": [
+                {"not": {"required": ["compute"]}},
+                {"properties": {"compute": {"enum": [null]}}},
+                {"not": {"required": ["exclusive"]}},
+                {"properties": {"exclusive": {"enum": [false]}}}
+            ]}
         ]);
         let id = &mut request["properties"]["id"];
         for (key, value) in id_schema().as_object().into_iter().flatten() {

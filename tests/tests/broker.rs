@@ -1049,3 +1049,245 @@ fn a_gpu_lost_while_gpud_is_down_keeps_its_reservations() {
         "active"
     );
 }
+
+#[test]
+fn compute_is_a_capacity_a_second_60_percent_on_one_gpu_is_refused_or_waits() {
+    let d = Daemon::start("t4-pair", "");
+    let on_0 = |extra: Value| {
+        let mut body = json!({"memory": "1GiB", "devices": ["0"], "ttl_seconds": 600});
+        if let (Some(body), Some(extra)) = (body.as_object_mut(), extra.as_object()) {
+            body.extend(extra.clone());
+        }
+        body
+    };
+    let first = reserve(&d, on_0(json!({"compute": 60})));
+    assert_eq!(first.status, 201, "{}", first.text);
+    assert_eq!(first.body["compute"], 60);
+    // The memory is free, the compute is not.
+    let second = reserve(&d, on_0(json!({"compute": 60})));
+    assert_eq!(second.status, 409, "{}", second.text);
+    assert_eq!(second.body["error"]["code"], "no_capacity");
+    assert_eq!(
+        second.body["error"]["message"],
+        "compute does not fit: GPU 0 has 40% of its compute unpromised; asked 60%"
+    );
+    let gpus = d.get("/v1/gpus").body;
+    assert_eq!(gpus["gpus"][0]["compute_promised"], 60, "{gpus}");
+    assert_eq!(gpus["gpus"][1]["compute_promised"], 0, "{gpus}");
+    // Asked to wait, it waits, is listed with its share, and is served when the first ends.
+    let waiter = queue(&d, on_0(json!({"compute": 60, "wait_seconds": 30})));
+    let listed = d.get("/v1/waiters").body;
+    assert_eq!(listed["waiters"][0]["compute"], 60, "{listed}");
+    assert!(
+        listed["waiters"][0]["reason"]
+            .as_str()
+            .unwrap()
+            .contains("GPU 0 has 40% of its compute unpromised"),
+        "{listed}"
+    );
+    assert_eq!(
+        d.delete(&format!("/v1/reservations/{}", id(&first))).status,
+        200
+    );
+    let served = waiter.join().unwrap();
+    assert_eq!(served.status, 201, "{}", served.text);
+    assert_eq!(served.body["compute"], 60);
+    assert_eq!(served.gpu_indices(), [0]);
+    // Each share is a series, and so is each GPU's promised compute.
+    let series = d.reservation_series("gpud_reservation_compute_percent", &id(&served));
+    assert!(series.ends_with(" 60"), "{series}");
+    let metrics = d.get("/metrics").text;
+    let gpu0 = metrics
+        .lines()
+        .find(|l| l.starts_with("gpud_gpu_compute_promised_percent{") && l.contains("gpu=\"0\""))
+        .unwrap_or_else(|| panic!("no promised compute of GPU 0 in\n{metrics}"));
+    assert!(gpu0.ends_with(" 60"), "{gpu0}");
+    // Bad asks change nothing and say why.
+    for (body, needle) in [
+        (on_0(json!({"compute": 0})), "from 1 to 100"),
+        (on_0(json!({"compute": 101})), "from 1 to 100"),
+        (on_0(json!({"compute": 12.5})), "a whole percentage"),
+        (
+            json!({"exclusive": true, "compute": 50, "ttl_seconds": 600}),
+            "not both",
+        ),
+    ] {
+        let r = reserve(&d, body.clone());
+        assert_eq!(r.status, 400, "{body}: {}", r.text);
+        assert!(
+            r.body["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains(needle),
+            "{body}: {}",
+            r.text
+        );
+    }
+    assert_eq!(d.active().len(), 1);
+    assert_eq!(d.get("/v1/gpus").body["gpus"][0]["compute_promised"], 60);
+}
+
+#[test]
+fn compute_shares_are_kept_across_a_restart() {
+    let mut d = Daemon::start("t4-pair", "");
+    let asked = reserve(
+        &d,
+        json!({"memory": "1GiB", "compute": 70, "devices": ["1"], "ttl_seconds": 600}),
+    );
+    assert_eq!(asked.status, 201, "{}", asked.text);
+    let whole = reserve(
+        &d,
+        json!({"exclusive": true, "devices": ["0"], "ttl_seconds": 600}),
+    );
+    assert_eq!(whole.body["compute"], 100, "{}", whole.text);
+    d.kill9();
+    d.spawn();
+    let gpus = d.get("/v1/gpus").body;
+    let promised: Vec<&Value> = gpus["gpus"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|g| &g["compute_promised"])
+        .collect();
+    assert_eq!(promised, [&json!(100), &json!(70)], "{gpus}");
+    let r = reserve(
+        &d,
+        json!({"memory": "1GiB", "compute": 40, "ttl_seconds": 600}),
+    );
+    assert_eq!(r.status, 409, "{}", r.text);
+    assert!(
+        r.text
+            .contains("GPU 1 has 30% of its compute unpromised; asked 40%"),
+        "{}",
+        r.text
+    );
+}
+
+/// Under MPS (the fake MPS control program as `[isolation] mps_control`, which needs
+/// root), each reservation's daemon is told its compute share before gpud answers: the
+/// memory's share, or the share asked; a whole GPU is left whole.
+#[test]
+fn under_mps_each_reservation_s_daemon_is_held_to_its_compute_share() {
+    if !is_root() {
+        missing_prerequisite("root (gpud runs one MPS daemon per user's reservation as root)");
+        return;
+    }
+    let control = gpud_tests::target_dir().join("nvidia-cuda-mps-control");
+    assert!(
+        control.exists(),
+        "{} is missing: `cargo build --workspace` builds it",
+        control.display()
+    );
+    let mps = tempfile::Builder::new()
+        .prefix("gpud-mps")
+        .tempdir()
+        .unwrap();
+    let config = format!(
+        "[isolation]\nmps_control = \"{}\"\nmps_dir = \"{}\"\n",
+        control.display(),
+        mps.path().display()
+    );
+    let d = Daemon::start("t4-pair", &config);
+    // What the fake daemon of reservation `id` was told (f64: MPS takes fractions).
+    let told = |id: &str| -> Value {
+        let path = mps.path().join(id).join("log/fake-mps-state.json");
+        let state: Value = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
+        state["default_active_thread_percentage"].clone()
+    };
+    // 4 GiB of a 15 GiB T4: 26 % of its SMs.
+    let implied = reserve(
+        &d,
+        json!({"memory": "4GiB", "devices": ["0"], "ttl_seconds": 300}),
+    );
+    assert_eq!(implied.status, 201, "{}", implied.text);
+    assert_eq!(implied.body["isolation"]["mode"], "mps", "{}", implied.text);
+    assert_eq!(implied.body["compute"], 26);
+    assert_eq!(told(&id(&implied)).as_f64(), Some(26.0));
+    let asked = reserve(
+        &d,
+        json!({"memory": "1GiB", "compute": 40, "devices": ["0"], "ttl_seconds": 300}),
+    );
+    assert_eq!(asked.status, 201, "{}", asked.text);
+    assert_eq!(told(&id(&asked)).as_f64(), Some(40.0));
+    assert_eq!(d.get("/v1/gpus").body["gpus"][0]["compute_promised"], 66);
+    // 40 % more does not fit beside 66 %, whatever memory is left.
+    let over = reserve(
+        &d,
+        json!({"memory": "1GiB", "compute": 40, "devices": ["0"], "ttl_seconds": 300}),
+    );
+    assert_eq!(over.status, 409, "{}", over.text);
+    assert!(
+        over.text
+            .contains("GPU 0 has 34% of its compute unpromised; asked 40%"),
+        "{}",
+        over.text
+    );
+    // 34 % more fills it: memory is left, but no request could have any of it now.
+    let fill = reserve(
+        &d,
+        json!({"memory": "1GiB", "compute": 34, "devices": ["0"], "ttl_seconds": 300}),
+    );
+    assert_eq!(fill.status, 201, "{}", fill.text);
+    let gpu0 = &d.get("/v1/gpus").body["gpus"][0];
+    assert_eq!(
+        (&gpu0["compute_promised"], &gpu0["memory_free_bytes"]),
+        (&json!(100), &json!(0)),
+        "{gpu0}"
+    );
+    // A whole GPU's daemon keeps all of it.
+    let whole = reserve(
+        &d,
+        json!({"exclusive": true, "devices": ["1"], "ttl_seconds": 300}),
+    );
+    assert_eq!(whole.status, 201, "{}", whole.text);
+    assert_eq!(whole.body["compute"], 100);
+    assert_eq!(told(&id(&whole)).as_f64(), Some(100.0));
+    for r in [implied, asked, fill, whole] {
+        assert_eq!(
+            d.delete(&format!("/v1/reservations/{}", id(&r))).status,
+            200
+        );
+    }
+    // Their daemons quit, and their directories go, before the test's does.
+    wait_for(PATIENCE, || {
+        (std::fs::read_dir(mps.path()).unwrap().count() == 0).then_some(())
+    })
+    .unwrap_or_else(|| {
+        let left: Vec<_> = std::fs::read_dir(mps.path())
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .collect();
+        panic!("daemons left: {left:?}")
+    });
+}
+
+#[test]
+fn a_compute_share_of_a_mig_instance_is_refused_as_its_own() {
+    let d = Daemon::start("a100-mig", "");
+    let gpus = d.get("/v1/gpus").body;
+    let mig = gpus["gpus"][0]["mig_instances"][0]["uuid"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert_eq!(gpus["gpus"][0].get("compute_promised"), None, "{gpus}");
+    let r = reserve(
+        &d,
+        json!({"memory": "1GiB", "compute": 30, "devices": [mig], "ttl_seconds": 600}),
+    );
+    assert_eq!(r.status, 422, "{}", r.text);
+    assert_eq!(r.body["error"]["code"], "unsatisfiable");
+    assert!(
+        r.text.contains("a MIG instance's compute is its own"),
+        "{}",
+        r.text
+    );
+    assert!(d.active().is_empty());
+    // Left to placement, an asked share goes to the whole GPU.
+    let r = reserve(
+        &d,
+        json!({"memory": "1GiB", "compute": 30, "ttl_seconds": 600}),
+    );
+    assert_eq!(r.status, 201, "{}", r.text);
+    assert_eq!(r.gpu_indices(), [1]);
+    assert_eq!(d.get("/v1/gpus").body["gpus"][1]["compute_promised"], 30);
+}

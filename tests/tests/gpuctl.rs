@@ -492,18 +492,19 @@ fn gpus_shows_reserved_and_used_memory_that_match_the_fixture() {
             "USED",
             "TOTAL",
             "RESV",
+            "COMPUTE",
             "HEALTH",
             "ISOLATION"
         ]
     );
     assert_eq!(
         squeezed(&table, "0"),
-        "0 Tesla T4 7 GiB 5 GiB 3 GiB 15 GiB 2 ok advisory",
+        "0 Tesla T4 7 GiB 5 GiB 3 GiB 15 GiB 2 0% ok advisory",
         "{table}"
     );
     assert_eq!(
         squeezed(&table, "1"),
-        "1 Tesla T4 13.5 GiB 0 B 1.5 GiB 15 GiB 0 ok advisory",
+        "1 Tesla T4 13.5 GiB 0 B 1.5 GiB 15 GiB 0 0% ok advisory",
         "{table}"
     );
     assert_eq!(
@@ -561,11 +562,18 @@ fn gpus_lists_mig_instances_under_their_gpu() {
         "{table}"
     );
     // Its driver (550) has no per-cgroup limits, and GPU 0 is in MIG mode: one line each.
+    // GPU 1's says why MPS cannot hold it either (no control program installed here).
+    let lines: Vec<&str> = table.lines().collect();
+    assert_eq!(
+        lines[lines.len() - 2],
+        "advisory on GPU 0: MIG mode: the driver does not limit memory per cgroup on MIG \
+         instances",
+        "{table}"
+    );
     assert!(
-        table.ends_with(
-            "advisory on GPU 0: MIG mode: the driver does not limit memory per cgroup on MIG \
-             instances\nadvisory on GPU 1: NVIDIA driver 550.54.15 does not support per-cgroup \
-             memory limits on this GPU (R615 or later does, except on MIG)\n"
+        lines[lines.len() - 1].starts_with(
+            "advisory on GPU 1: NVIDIA driver 550.54.15 does not support per-cgroup memory \
+             limits on this GPU (R615 or later does, except on MIG); and MPS cannot hold it: "
         ),
         "{table}"
     );
@@ -1144,4 +1152,171 @@ fn a_container_with_its_own_pid_namespace_holds_its_reservation() {
         wait_for(PATIENCE, || d.active().is_empty().then_some(()))
             .unwrap_or_else(|| panic!("{script}: released when the holder exits"));
     }
+}
+
+#[test]
+fn compute_is_asked_as_a_percentage_and_every_table_shows_it() {
+    let d = Daemon::start("t4-pair", "");
+    let r: Reservation = serde_json::from_str(&expect(
+        &d,
+        &[
+            "reserve",
+            "--mem",
+            "1GiB",
+            "--compute",
+            "60%",
+            "--devices",
+            "0",
+            "--ttl",
+            "5m",
+            "-o",
+            "json",
+        ],
+        0,
+    ))
+    .unwrap();
+    assert_eq!(r.compute, 60);
+    // The exec form (read without clap) asks the same.
+    let out = expect(
+        &d,
+        &[
+            "reserve",
+            "--mem",
+            "1GiB",
+            "--compute",
+            "15",
+            "--devices",
+            "1",
+            "--",
+            "sh",
+            "-c",
+            "echo $GPUD_RESERVATION_ID",
+        ],
+        0,
+    );
+    let ran = reservation(&d, out.trim());
+    assert_eq!(ran["compute"], 15, "{ran}");
+
+    // Per GPU: what of its SMs is promised.
+    let table = expect(&d, &["gpus"], 0);
+    let header: Vec<&str> = table.lines().next().unwrap().split_whitespace().collect();
+    assert_eq!(
+        header,
+        [
+            "GPU",
+            "NAME",
+            "FREE",
+            "RESERVED",
+            "USED",
+            "TOTAL",
+            "RESV",
+            "COMPUTE",
+            "HEALTH",
+            "ISOLATION"
+        ]
+    );
+    assert!(
+        squeezed(&table, "0").ends_with(" 1 60% ok advisory"),
+        "{table}"
+    );
+    assert!(
+        squeezed(&table, "1").ends_with(" 0 0% ok advisory"),
+        "{table}"
+    );
+    // Per reservation: its share, and that nothing enforces it on these GPUs.
+    let table = expect(&d, &["ls"], 0);
+    assert!(table.lines().next().unwrap().contains("COMPUTE"), "{table}");
+    assert!(
+        squeezed(&table, &r.id).contains(" 1 GiB 60% advisory "),
+        "{table}"
+    );
+    let details = expect(&d, &["show", &r.id], 0);
+    assert!(
+        details.contains("compute:   60% of each GPU's SMs, promised but not enforced here"),
+        "{details}"
+    );
+
+    // A second 60 % on GPU 0 does not fit now (exit 4), and says why in one line.
+    let err = expect_err(
+        &d,
+        &[
+            "reserve",
+            "--mem",
+            "1GiB",
+            "--compute",
+            "60",
+            "--devices",
+            "0",
+            "--ttl",
+            "5m",
+        ],
+        4,
+    );
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(
+        err.contains("compute does not fit: GPU 0 has 40% of its compute unpromised; asked 60%"),
+        "{err}"
+    );
+    // Waiting, the queue shows what it asks.
+    let mut waiter = d
+        .gpuctl()
+        .args([
+            "reserve",
+            "--mem",
+            "1GiB",
+            "--compute",
+            "60",
+            "--devices",
+            "0",
+            "--wait",
+            "30s",
+            "--",
+            "true",
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_for(PATIENCE, || (waiting(&d) == 1).then_some(())).expect("queued");
+    let queue = expect(&d, &["waiters"], 0);
+    assert!(
+        queue.contains("1 GiB on 1 GPU with 60% of its SMs"),
+        "{queue}"
+    );
+    expect(&d, &["release", &r.id], 0);
+    assert!(waiter.wait().unwrap().success());
+
+    // Bad asks are usage errors, and nothing is reserved for them.
+    let before = active_ids(&d);
+    for args in [
+        &["reserve", "--mem", "1GiB", "--compute", "0", "--ttl", "1m"][..],
+        &[
+            "reserve",
+            "--mem",
+            "1GiB",
+            "--compute",
+            "101%",
+            "--ttl",
+            "1m",
+        ],
+        &[
+            "reserve",
+            "--mem",
+            "1GiB",
+            "--compute",
+            "12.5",
+            "--ttl",
+            "1m",
+        ],
+        &["reserve", "--exclusive", "--compute", "50", "--ttl", "1m"],
+        &["reserve", "--exclusive", "--compute", "50", "--", "true"],
+    ] {
+        let err = expect_err(&d, args, 2);
+        assert_eq!(err.lines().count(), 1, "{args:?}: {err}");
+        assert!(
+            err.contains("--compute") || err.contains('%'),
+            "{args:?}: {err}"
+        );
+    }
+    assert_eq!(active_ids(&d), before);
 }

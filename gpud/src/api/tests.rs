@@ -167,6 +167,39 @@ fn requests_are_checked_before_they_reach_the_broker() {
 }
 
 #[test]
+fn a_compute_share_is_a_whole_percentage_and_not_with_exclusive() {
+    use crate::model::ComputeAsk;
+    let compute = |body: &str| wire(body).map(|r| r.compute);
+    assert_eq!(compute(r#"{"memory": "4G"}"#), Ok(ComputeAsk::Implied));
+    assert_eq!(
+        compute(r#"{"memory": "4G", "compute": 25}"#),
+        Ok(ComputeAsk::Percent(25))
+    );
+    assert_eq!(
+        compute(r#"{"memory": "4G", "compute": 100}"#),
+        Ok(ComputeAsk::Percent(100))
+    );
+    assert_eq!(
+        compute(r#"{"memory": "4G", "compute": null}"#),
+        Ok(ComputeAsk::Implied)
+    );
+    for (body, needle) in [
+        (r#"{"memory": "4G", "compute": 0}"#, "from 1 to 100"),
+        (r#"{"memory": "4G", "compute": 101}"#, "from 1 to 100"),
+        (r#"{"memory": "4G", "compute": -5}"#, "from 1 to 100"),
+        (r#"{"memory": "4G", "compute": 12.5}"#, "a whole percentage"),
+        (
+            r#"{"memory": "4G", "compute": "25%"}"#,
+            "a whole percentage",
+        ),
+        (r#"{"exclusive": true, "compute": 50}"#, "not both"),
+    ] {
+        let e = compute(body).unwrap_err();
+        assert!(e.contains(needle), "{body}: {e}");
+    }
+}
+
+#[test]
 fn ids_in_paths_are_plain() {
     assert!(valid_id("3f2a9c0d1e2b4a5c").is_ok());
     for bad in ["", "..", "a/b", "a%2Fb", &"x".repeat(200), "a b"] {

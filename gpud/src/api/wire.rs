@@ -13,7 +13,7 @@ use gpud_schema::{self as schema, MemoryAmount, MemorySpec};
 use super::ApiError;
 use crate::broker::{Broker, ReserveRequest};
 use crate::clock::rfc3339;
-use crate::model::{self, MemoryAsk, Millis, Policy, Topology};
+use crate::model::{self, ComputeAsk, MemoryAsk, Millis, Policy, Topology};
 use crate::probe::link_cell;
 
 /// `value` with its `%XX` escapes decoded; `None` for a broken escape or invalid UTF-8.
@@ -148,6 +148,21 @@ pub fn to_request(wire: schema::ReservationRequest) -> Result<ReserveRequest, Ap
             Err(e) => return Err(ApiError::invalid(e.to_string())),
         },
     };
+    let compute = match (wire.compute, memory) {
+        (None, _) => ComputeAsk::Implied,
+        (Some(_), MemoryAsk::Exclusive) => {
+            return Err(ApiError::invalid(
+                "give either compute (a share of each GPU's SMs) or exclusive: true (whole \
+                 GPUs, all their compute), not both",
+            ));
+        }
+        (Some(p @ 1..=100), _) => ComputeAsk::Percent(p),
+        (Some(p), _) => {
+            return Err(ApiError::invalid(format!(
+                "compute is a whole percentage of each GPU's SMs from 1 to 100; got {p}"
+            )));
+        }
+    };
     if wire.labels.len() > MAX_LABELS {
         return Err(ApiError::invalid(format!("at most {MAX_LABELS} labels")));
     }
@@ -170,6 +185,7 @@ pub fn to_request(wire: schema::ReservationRequest) -> Result<ReserveRequest, Ap
     Ok(ReserveRequest {
         gpus,
         memory,
+        compute,
         policy: wire.policy.map(|p| match p {
             schema::PolicyName::Binpack => Policy::Binpack,
             schema::PolicyName::Spread => Policy::Spread,
@@ -231,6 +247,7 @@ pub fn to_wire(r: model::Reservation) -> schema::Reservation {
             cgroup: r.isolation.cgroup,
             reason: r.isolation.reason,
         },
+        compute: r.compute,
         id: r.id,
     }
 }
@@ -246,6 +263,8 @@ pub fn gpu_list(broker: &Broker) -> schema::GpuList {
     };
     let mut per_gpu: BTreeMap<u32, (u64, u64, u64, u32)> = BTreeMap::new();
     let mut free: BTreeMap<u32, u64> = BTreeMap::new();
+    // A whole GPU's promised compute; a GPU in MIG mode has none of its own.
+    let mut compute: BTreeMap<u32, u32> = BTreeMap::new();
     let mut migs: BTreeMap<u32, Vec<schema::MigStatus>> = BTreeMap::new();
     for ((unit, load), used) in snap.units.iter().zip(&snap.loads).zip(&snap.used) {
         let entry = per_gpu.entry(unit.gpu_index).or_default();
@@ -253,15 +272,24 @@ pub fn gpu_list(broker: &Broker) -> schema::GpuList {
         entry.1 += used;
         entry.2 += load.unaccounted_bytes;
         entry.3 += load.reservations;
-        // What one request could get: a MIG instance only whole.
+        // What one request could get: a MIG instance only whole; nothing where MPS has
+        // promised all the SMs (every request there needs some).
         let here = match (load.healthy && !load.exclusive, unit.is_mig()) {
             (false, _) => 0,
             (true, true) if crate::placement::is_completely_free(load) => unit.memory_total_bytes,
             (true, true) => 0,
+            (true, false)
+                if load.compute_by_memory && crate::placement::compute_free(load) == 0 =>
+            {
+                0
+            }
             (true, false) => crate::placement::free_bytes(unit, load),
         };
         let slot = free.entry(unit.gpu_index).or_default();
         *slot = (*slot).max(here);
+        if !unit.is_mig() {
+            compute.insert(unit.gpu_index, load.compute_promised);
+        }
         if unit.is_mig() {
             let name = snap
                 .gpus
@@ -302,6 +330,7 @@ pub fn gpu_list(broker: &Broker) -> schema::GpuList {
                     memory_unaccounted_bytes: unaccounted,
                     memory_free_bytes: Some(free.get(&g.index).copied().unwrap_or(0)),
                     reservations,
+                    compute_promised: compute.get(&g.index).copied(),
                     healthy: g.healthy,
                     mig_instances: migs.remove(&g.index).unwrap_or_default(),
                     isolation: g.isolation.clone(),

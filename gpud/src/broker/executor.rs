@@ -444,6 +444,8 @@ impl Executor {
                     .iter()
                     .map(|u| (u.uuid.clone(), u.memory_bytes))
                     .collect(),
+                // A share below the whole GPU holds its clients to that part of the SMs.
+                active_thread_percentage: (1..100).contains(&r.compute).then_some(r.compute),
                 id: r.id,
                 uid: r.owner_uid,
                 gid: r.owner_gid,

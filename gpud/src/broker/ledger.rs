@@ -197,6 +197,7 @@ impl Ledger {
                     }
                 }
             }
+            let r = self.with_compute(r);
             self.add_active(r);
         }
         self.reset_pending(txn)?;
@@ -255,9 +256,34 @@ impl Ledger {
         self.leases.clear();
         self.machine.clear_reserved();
         for r in loaded {
+            let r = self.with_compute(r);
             self.add_active(r);
         }
         Ok(())
+    }
+
+    /// `r` as read from the database, with the compute share placement gives a reservation
+    /// that asked none on GPUs in MPS mode (in proportion to its memory) where it has none:
+    /// a row written before the share was stored (migration 0007). Any other share stays.
+    fn with_compute(&self, mut r: Reservation) -> Reservation {
+        if r.compute == 0 && !r.exclusive {
+            let held: Vec<(&Unit, &UnitLoad, u64)> = r
+                .units
+                .iter()
+                .filter_map(|u| {
+                    let i = self.unit_index(&u.uuid)?;
+                    Some((self.units().get(i)?, self.loads().get(i)?, u.memory_bytes))
+                })
+                .collect();
+            if held.len() == r.units.len() {
+                r.compute = crate::placement::compute_share(
+                    MemoryAsk::Bytes(1),
+                    crate::model::ComputeAsk::Implied,
+                    held,
+                );
+            }
+        }
+        r
     }
 
     /// The state as it is now, for readers. `counters`: group commits and the commands
@@ -526,7 +552,11 @@ impl Ledger {
         held: Option<&[bool]>,
     ) -> Result<Reservation, BrokerError> {
         let settings = self.settings.clone();
-        let (units, totals) = self.choose(caller, request, held)?;
+        let place::Chosen {
+            units,
+            totals,
+            compute,
+        } = self.choose(caller, request, held)?;
         let isolation = self.isolation_for(&request.target, &units)?;
         let exclusive = request.memory == MemoryAsk::Exclusive;
         let mps_dir = &settings.config.isolation.mps_dir;
@@ -567,6 +597,7 @@ impl Ledger {
                 .then(|| request.target.cgroup.clone())
                 .flatten(),
             isolation,
+            compute,
         };
         // A chosen id that is taken by now (another request with the same id got there
         // first) is refused; a generated one that is taken (someone chose it) is made anew.

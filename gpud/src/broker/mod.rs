@@ -43,8 +43,8 @@ use crate::clock::Clock;
 use crate::config::Config;
 use crate::holder::PinnedProcess;
 use crate::model::{
-    AuditView, AuditedReservation, Event, EventFilter, Gpu, GpuInventory, Holder, MemoryAsk,
-    Millis, Page, Policy, Reservation, ReservationState, Topology, Unit,
+    AuditView, AuditedReservation, ComputeAsk, Event, EventFilter, Gpu, GpuInventory, Holder,
+    MemoryAsk, Millis, Page, Policy, Reservation, ReservationState, Topology, Unit,
 };
 use crate::placement::UnitLoad;
 use crate::store::{Store, StoreError};
@@ -75,6 +75,8 @@ pub struct ReserveRequest {
     pub gpus: u32,
     /// Memory per unit, or exclusive.
     pub memory: MemoryAsk,
+    /// Share of each unit's SMs (`Implied` unless the request asked one).
+    pub compute: ComputeAsk,
     /// Policy (the configured default when the request named none).
     pub policy: Option<Policy>,
     /// How long to wait for capacity; `None` fails at once.
@@ -102,6 +104,7 @@ impl ReserveRequest {
         ReserveRequest {
             gpus: 1,
             memory,
+            compute: ComputeAsk::Implied,
             policy: None,
             wait: None,
             ttl_seconds: Some(ttl_seconds),
@@ -124,6 +127,8 @@ pub struct WaitingRequest {
     pub gpus: u32,
     /// Memory per unit, or exclusive.
     pub memory: MemoryAsk,
+    /// The compute share it asked for, if any.
+    pub compute: ComputeAsk,
     /// When it began to wait.
     pub since: Millis,
     /// When it gives up unless served.

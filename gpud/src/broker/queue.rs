@@ -18,7 +18,7 @@ use tokio::sync::oneshot;
 
 use super::{BrokerError, Caller, ReserveRequest, WaitingRequest};
 use crate::holder::PinnedProcess;
-use crate::model::{MemoryAsk, Millis, Policy, Reservation};
+use crate::model::{ComputeAsk, MemoryAsk, Millis, Policy, Reservation};
 
 /// When a waiter is expected to start and what it waits for, or why no start is planned.
 pub(super) type PlannedStart = Result<(Millis, Arc<str>), Arc<str>>;
@@ -30,6 +30,7 @@ pub(super) type PlannedStart = Result<(Millis, Arc<str>), Arc<str>>;
 pub(super) struct Kind {
     gpus: u32,
     memory: MemoryAsk,
+    compute: ComputeAsk,
     policy: Option<Policy>,
     devices: Vec<String>,
     ttl_seconds: Option<u64>,
@@ -43,6 +44,7 @@ impl Kind {
         Kind {
             gpus: request.gpus,
             memory: request.memory,
+            compute: request.compute,
             policy: request.policy,
             devices: request.devices.clone(),
             ttl_seconds: request.ttl_seconds,
@@ -150,6 +152,7 @@ struct Entry {
     caller: Caller,
     gpus: u32,
     memory: MemoryAsk,
+    compute: ComputeAsk,
     since: Millis,
     gives_up_at: Millis,
     kind: Arc<Kind>,
@@ -192,6 +195,7 @@ impl Waiting {
                 caller: e.caller,
                 gpus: e.gpus,
                 memory: e.memory,
+                compute: e.compute,
                 since: e.since,
                 gives_up_at: e.gives_up_at,
                 reason: self
@@ -387,6 +391,7 @@ impl WaitQueue {
             caller,
             gpus: request.gpus,
             memory: request.memory,
+            compute: request.compute,
             since: now,
             gives_up_at,
             kind: kind.clone(),

@@ -1602,3 +1602,282 @@ fn a_waiter_whose_holder_exited_leaves_at_the_next_audit_pass() {
     assert!(told.contains("exited while waiting"), "{told}");
     assert_eq!(rules.ledger.snapshot((0, 0)).waiters.len(), 1);
 }
+
+// ---------------------------------------------------------------------------------------
+// Compute shares
+// ---------------------------------------------------------------------------------------
+
+/// A lease of `memory` on one GPU asking `pct` % of its SMs.
+fn computing(memory: MemoryAsk, pct: u32) -> ReserveRequest {
+    ReserveRequest {
+        compute: ComputeAsk::Percent(pct),
+        ..lease(memory, 600)
+    }
+}
+
+/// The promised compute of each unit, as the snapshot publishes it.
+fn promised(rules: &mut Rules) -> Vec<u32> {
+    rules
+        .ledger
+        .snapshot((0, 0))
+        .loads
+        .iter()
+        .map(|l| l.compute_promised)
+        .collect()
+}
+
+/// `gpus` 16 GiB GPUs in MPS mode, with the default configuration.
+fn mps_machine(gpus: u32) -> GpuInventory {
+    let mut inventory = GpuInventory::test_machine(gpus, 16);
+    for gpu in &mut inventory.gpus {
+        gpu.isolation.mode = gpud_schema::IsolationMode::Mps;
+    }
+    inventory
+}
+
+fn default_settings() -> BrokerSettings {
+    BrokerSettings {
+        admin_gids: vec![],
+        config: Config::default(),
+        groups: GroupLookup::default(),
+    }
+}
+
+#[test]
+fn compute_shares_add_up_to_a_whole_gpu_at_most_and_a_release_frees_them() {
+    let mut rules = Rules::plain(1);
+    let first = rules.reserved(ALICE, computing(gib(1), 60), 0);
+    assert_eq!(first.compute, 60);
+    assert_eq!(promised(&mut rules), [60]);
+    // Memory is plentiful; compute is not.
+    let e = rules
+        .reserve(BOB, computing(gib(1), 60), 1_000)
+        .unwrap_err();
+    assert!(matches!(e, BrokerError::NoCapacity(_)), "{e:?}");
+    assert_eq!(
+        e.to_string(),
+        "compute does not fit: GPU 0 has 40% of its compute unpromised; asked 60%"
+    );
+    assert_eq!(promised(&mut rules), [60], "a refusal changes nothing");
+    let second = rules.reserved(BOB, computing(gib(1), 40), 2_000);
+    assert_eq!(promised(&mut rules), [100]);
+    // Not promised on a GPU outside MPS unless asked: a plain request still fits.
+    let plain = rules.reserved(CAROL, lease(gib(1), 600), 3_000);
+    assert_eq!(plain.compute, 0);
+    assert_eq!(promised(&mut rules), [100]);
+    rules.release(ALICE, &first.id, 4_000).unwrap();
+    assert_eq!(promised(&mut rules), [40]);
+    rules.reserved(BOB, computing(gib(1), 60), 5_000);
+    assert_eq!(promised(&mut rules), [100]);
+    rules.release(BOB, &second.id, 6_000).unwrap();
+    assert_eq!(promised(&mut rules), [60]);
+}
+
+#[test]
+fn a_request_whose_compute_does_not_fit_waits_for_it_and_is_listed_with_it() {
+    let mut rules = Rules::plain(1);
+    let first = rules.reserved(ALICE, computing(gib(1), 60), 0);
+    let request = ReserveRequest {
+        wait: Some(Duration::from_secs(60)),
+        ..computing(gib(1), 60)
+    };
+    let Admitted::Queued { mut rx, .. } = rules.reserve(BOB, request, 1_000).unwrap() else {
+        panic!("60 % does not fit beside 60 %: it waits");
+    };
+    let snap = rules.ledger.snapshot((0, 0));
+    let listed: Vec<(ComputeAsk, String)> = snap
+        .waiters
+        .iter()
+        .map(|w| (w.compute, w.reason.to_string()))
+        .collect();
+    assert_eq!(listed.len(), 1);
+    assert_eq!(listed[0].0, ComputeAsk::Percent(60));
+    assert!(
+        listed[0].1.contains("40% of its compute unpromised"),
+        "{listed:?}"
+    );
+    rules.release(ALICE, &first.id, 2_000).unwrap();
+    assert_eq!(rules.tell_served(), 1);
+    let served = rx.try_recv().unwrap().unwrap();
+    assert_eq!(served.compute, 60);
+    assert_eq!(promised(&mut rules), [60]);
+}
+
+#[test]
+fn an_exclusive_reservation_is_all_of_its_gpus_compute() {
+    let mut rules = Rules::plain(2);
+    let whole = rules.reserved(
+        ALICE,
+        ReserveRequest {
+            gpus: 2,
+            ..lease(MemoryAsk::Exclusive, 600)
+        },
+        0,
+    );
+    assert_eq!(whole.compute, 100);
+    assert_eq!(promised(&mut rules), [100, 100]);
+    rules.release(ALICE, &whole.id, 1_000).unwrap();
+    assert_eq!(promised(&mut rules), [0, 0]);
+    // An exclusive request does not go where any compute is promised.
+    rules.reserved(BOB, computing(gib(1), 1), 2_000);
+    let only = rules.reserved(ALICE, lease(MemoryAsk::Exclusive, 600), 3_000);
+    assert_eq!(only.units[0].uuid, "GPU-1");
+}
+
+#[test]
+fn compute_shares_are_loaded_again_after_a_restart() {
+    let mut rules = Rules::plain(2);
+    rules.reserved(ALICE, computing(gib(1), 30), 0);
+    rules.reserved(
+        BOB,
+        ReserveRequest {
+            devices: vec!["1".to_owned()],
+            ..lease(MemoryAsk::Exclusive, 600)
+        },
+        1_000,
+    );
+    assert_eq!(promised(&mut rules), [30, 100]);
+    rules.restart(2, 2_000);
+    assert_eq!(promised(&mut rules), [30, 100]);
+    let snap = rules.ledger.snapshot((0, 0));
+    let mut shares: Vec<u32> = snap.reservations.iter().map(|r| r.compute).collect();
+    shares.sort_unstable();
+    assert_eq!(shares, [30, 100]);
+    let e = rules
+        .reserve(CAROL, computing(gib(1), 80), 3_000)
+        .unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("GPU 0 has 70% of its compute unpromised; asked 80%"),
+        "{e}"
+    );
+}
+
+#[test]
+fn under_mps_a_reservation_is_promised_compute_in_proportion_to_its_memory() {
+    let mut rules = Rules::on(mps_machine(1), default_settings());
+    let quarter = rules.reserved(ALICE, lease(gib(4), 600), 0);
+    assert_eq!(quarter.compute, 25);
+    assert!(quarter.isolation.is_mps(), "{:?}", quarter.isolation);
+    let half = rules.reserved(BOB, lease(MemoryAsk::BasisPoints(5000), 600), 1_000);
+    assert_eq!(half.compute, 50);
+    let tiny = rules.reserved(CAROL, lease(MemoryAsk::Bytes(1 << 20), 600), 2_000);
+    assert_eq!(tiny.compute, 1, "at least 1 %");
+    assert_eq!(promised(&mut rules), [76]);
+    // An asked share counts the same: 30 % does not fit in the 24 % left, even with the
+    // memory free; 24 % does.
+    let e = rules
+        .reserve(ALICE, computing(gib(1), 30), 3_000)
+        .unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("GPU 0 has 24% of its compute unpromised; asked 30%"),
+        "{e}"
+    );
+    let asked = rules.reserved(ALICE, computing(gib(1), 24), 4_000);
+    assert_eq!(asked.compute, 24);
+    assert_eq!(promised(&mut rules), [100]);
+    // Memory is left (about 3 GiB) but no compute: even a small request is refused.
+    let e = rules
+        .reserve(BOB, lease(gib(1), 600), 5_000)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("GPU 0 has 0% of its compute unpromised; asked 6%"),
+        "{e}"
+    );
+    // Released, the share is free again; and it is the same after a restart.
+    rules.release(ALICE, &quarter.id, 6_000).unwrap();
+    assert_eq!(promised(&mut rules), [75]);
+    rules.ledger = Ledger::new(&mps_machine(1), default_settings());
+    rules.run(|l, t| l.load(t, 7_000)).unwrap();
+    assert_eq!(promised(&mut rules), [75]);
+}
+
+#[test]
+fn a_reservation_stored_without_a_share_gets_its_memory_s_share_under_mps_at_start() {
+    // As a gpud before compute shares wrote it (the store reads such a row as 0).
+    let mut rules = Rules::on(mps_machine(2), default_settings());
+    let mut old = Reservation::for_test("old", 1000, &[("GPU-0", 4 * GIB)]);
+    old.ttl_seconds = Some(600);
+    old.expires_at = Some(600_000);
+    rules.run(|_, t| t.insert(&old).unwrap());
+    rules.ledger = Ledger::new(&mps_machine(2), default_settings());
+    rules.run(|l, t| l.load(t, 1_000)).unwrap();
+    assert_eq!(promised(&mut rules), [25, 0]);
+    let snap = rules.ledger.snapshot((0, 0));
+    assert_eq!(snap.reservation("old").map(|r| r.compute), Some(25));
+    // Outside MPS it stays without one.
+    rules.ledger = Ledger::new(&GpuInventory::test_machine(2, 16), default_settings());
+    rules.run(|l, t| l.load(t, 1_000)).unwrap();
+    assert_eq!(promised(&mut rules), [0, 0]);
+}
+
+#[test]
+fn a_retry_must_ask_the_same_compute_share() {
+    let mut rules = Rules::plain(1);
+    let first = ReserveRequest {
+        id: Some("job-7".to_owned()),
+        ..computing(gib(1), 20)
+    };
+    rules.reserved(ALICE, first.clone(), 0);
+    assert!(matches!(
+        rules.reserve(ALICE, first.clone(), 1_000),
+        Ok(Admitted::Existing(_))
+    ));
+    let other = ReserveRequest {
+        compute: ComputeAsk::Percent(30),
+        ..first
+    };
+    assert!(matches!(
+        rules.reserve(ALICE, other, 2_000),
+        Err(BrokerError::Conflict(_))
+    ));
+}
+
+#[test]
+fn a_kubelet_allocation_under_mps_is_promised_its_memory_s_share_and_no_more_than_a_gpu() {
+    let mut rules = Rules::on(mps_machine(1), default_settings());
+    let container = |id: &str, gib: u64| ExactRequest {
+        ids: vec![id.to_owned()],
+        units: vec![("GPU-0".to_owned(), gib * GIB)],
+        exclusive: false,
+        retire_ended: false,
+        labels: BTreeMap::new(),
+    };
+    let made = rules
+        .run(|l, t| {
+            l.allocate(
+                t,
+                ROOT,
+                AllocateRequest {
+                    end: vec![],
+                    containers: vec![container("k8s-a", 8)],
+                },
+                0,
+            )
+        })
+        .unwrap();
+    assert_eq!(made[0].compute, 50);
+    // 45 % more leaves 5 %: a 1 GiB container's share (6 %) does not fit, with the memory
+    // free.
+    rules.reserved(ALICE, computing(gib(1), 45), 1);
+    let e = rules
+        .run(|l, t| {
+            l.allocate(
+                t,
+                ROOT,
+                AllocateRequest {
+                    end: vec![],
+                    containers: vec![container("k8s-b", 1)],
+                },
+                2,
+            )
+        })
+        .unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "GPU 0 has 5% of its compute unpromised; asked 6%"
+    );
+    assert_eq!(promised(&mut rules), [95]);
+}

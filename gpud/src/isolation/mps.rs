@@ -92,6 +92,9 @@ pub struct DaemonSpec {
     pub gid: u32,
     /// Per GPU, in the daemon's device order: its UUID and the pinned-memory cap in bytes.
     pub gpus: Vec<(String, u64)>,
+    /// The reservation's compute share below 100 %: the percentage of each GPU's SMs its
+    /// clients may use (`set_default_active_thread_percentage`); `None`: all of them.
+    pub active_thread_percentage: Option<u32>,
 }
 
 /// The MPS control program and where the daemons' directories go.
@@ -151,7 +154,7 @@ impl Mps {
                 return Err(e);
             }
         }
-        let caps: String = spec
+        let mut caps: String = spec
             .gpus
             .iter()
             .enumerate()
@@ -162,6 +165,10 @@ impl Mps {
                 )
             })
             .collect();
+        // One value for the daemon, for all its devices: the reservation's share.
+        if let Some(pct) = spec.active_thread_percentage {
+            caps.push_str(&format!("set_default_active_thread_percentage {pct}\n"));
+        }
         if let Err(e) = daemon.call(&caps) {
             if !adopted {
                 let _ = self.stop(&spec.id);

@@ -16,7 +16,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use crate::gpu::format_ranges;
 use crate::metrics::PodName;
 use crate::model::{Gpu, MemoryAsk, Policy, Reservation, Topology, Unit};
-use crate::placement::{self, PlacementRequest, PlacementState, UnitLoad};
+use crate::placement::{self, ComputeAsk, PlacementRequest, PlacementState, UnitLoad};
 
 /// The memory resource.
 pub const RESOURCE_MEM: &str = "gpud.io/gpu-mem";
@@ -483,6 +483,7 @@ fn preferred_memory(
                 .saturating_mul(unit_bytes),
         ),
         policy: Policy::Binpack,
+        compute: ComputeAsk::Implied,
     };
     let state = PlacementState {
         units: &units,
@@ -532,6 +533,7 @@ fn preferred_whole(
         gpus: u32::try_from(size).unwrap_or(u32::MAX),
         memory: MemoryAsk::Exclusive,
         policy: Policy::Binpack,
+        compute: ComputeAsk::Implied,
     };
     if let Ok(p) = placement::place(&request, &state) {
         let chosen: Vec<String> = p

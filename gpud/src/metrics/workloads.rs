@@ -1,5 +1,6 @@
 //! Per-workload series: for each active reservation and unit (GPU or MIG instance), what
-//! it reserved, what its processes use, the limit the driver holds it to and its isolation;
+//! it reserved, what its processes use, the limit the driver holds it to, its compute
+//! share and its isolation;
 //! and per unit and user, the memory processes outside every reservation use.
 //!
 //! They are made anew from the snapshot at every scrape, so an ended reservation's series
@@ -165,7 +166,8 @@ impl State {
         let mut reservations_shown = 0;
         for r in snap.reservations.iter() {
             let enforced = r.isolation.mode == IsolationMode::Driver;
-            if room.take(r.units.len() * (3 + usize::from(enforced))) {
+            let computed = r.compute > 0;
+            if room.take(r.units.len() * (3 + usize::from(enforced) + usize::from(computed))) {
                 reservations_shown += 1;
             }
         }
@@ -280,6 +282,8 @@ impl State {
                             crate::isolation::limits_for(reserved, burst, total).1
                         }
                         Series::Limit => continue,
+                        Series::Compute if r.compute > 0 => u64::from(r.compute),
+                        Series::Compute => continue,
                         Series::Isolation => 1,
                     };
                     let labels = SeriesLabels {
@@ -302,14 +306,16 @@ enum Series {
     Reserved,
     Used,
     Limit,
+    Compute,
     Isolation,
 }
 
 impl Series {
-    const ALL: [Series; 4] = [
+    const ALL: [Series; 5] = [
         Series::Reserved,
         Series::Used,
         Series::Limit,
+        Series::Compute,
         Series::Isolation,
     ];
 
@@ -318,6 +324,7 @@ impl Series {
             Series::Reserved => "reservation_memory_reserved_bytes",
             Series::Used => "reservation_memory_used_bytes",
             Series::Limit => "reservation_memory_limit_bytes",
+            Series::Compute => "reservation_compute_percent",
             Series::Isolation => "reservation_isolation",
         }
     }
@@ -328,6 +335,9 @@ impl Series {
             Series::Used => "GPU memory a reservation's processes use there (last audit pass)",
             Series::Limit => {
                 "The hard limit the driver enforces for a reservation there (only where it enforces one)"
+            }
+            Series::Compute => {
+                "A reservation's compute share: the percentage of the GPU's SMs promised to it (only where it has one; its MPS server enforces it in mps mode)"
             }
             Series::Isolation => {
                 "1 for a reservation's isolation mode there: driver, pending or advisory"

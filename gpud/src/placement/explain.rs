@@ -71,6 +71,11 @@ pub(super) fn unavailable_summary<'v>(
             "has no load information",
             "have no load information",
         ),
+        (
+            Blocker::MigCompute,
+            "takes no compute share (a MIG instance's compute is its own)",
+            "take no compute share (a MIG instance's compute is its own)",
+        ),
     ];
     let mut parts = Vec::new();
     for (blocker, one, many) in groups {
@@ -138,11 +143,61 @@ pub(super) fn blocker_text(view: &View<'_>) -> Option<String> {
             format_bytes(view.unit.memory_total_bytes)
         ),
         Blocker::NotEnoughFree { free } => format!("{name} has {} free", format_bytes(free)),
+        Blocker::NotEnoughCompute { free, asked } => {
+            format!("{name} has {free}% of its compute unpromised; asked {asked}%")
+        }
+        Blocker::MigCompute => {
+            format!("{name} takes no compute share (a MIG instance's compute is its own)")
+        }
     })
+}
+
+/// The units whose memory would take the request but whose compute would not, in words:
+/// `GPU 0 has 10% of its compute unpromised; asked 50%` (the share asked said once when it
+/// is the same everywhere, as it is unless it comes from the memory of GPUs of different
+/// sizes). `None` when compute blocks no unit.
+pub(super) fn compute_summary(request: &PlacementRequest, views: &[View<'_>]) -> Option<String> {
+    let blocked: Vec<(&View<'_>, u32, u32)> = views
+        .iter()
+        .filter_map(|v| match v.verdict {
+            Err(Blocker::NotEnoughCompute { free, asked }) => Some((v, free, asked)),
+            _ => None,
+        })
+        .collect();
+    let (_, _, first_asked) = *blocked.first()?;
+    let implied = match request.compute {
+        ComputeAsk::Implied => " (its memory's share, which MPS enforces)",
+        ComputeAsk::Percent(_) => "",
+    };
+    let same = blocked.iter().all(|&(_, _, asked)| asked == first_asked);
+    let parts: Vec<String> = blocked
+        .iter()
+        .map(|&(v, free, asked)| {
+            let name = unit_name(v.unit);
+            if same {
+                format!("{name} has {free}% of its compute unpromised")
+            } else {
+                format!("{name} has {free}% of its compute unpromised (asked {asked}%)")
+            }
+        })
+        .collect();
+    let mut text = join_limited(&parts, "; ");
+    if same {
+        text.push_str(&format!("; asked {first_asked}%{implied}"));
+    } else {
+        text.push_str(implied);
+    }
+    Some(text)
 }
 
 /// Free memory a unit could offer a shareable ask now (`None` when it cannot take any).
 pub(super) fn offerable(view: &View<'_>) -> Option<u64> {
+    if matches!(
+        view.verdict,
+        Err(Blocker::MigCompute | Blocker::NotEnoughCompute { .. })
+    ) {
+        return None;
+    }
     let load = view.load?;
     if !load.healthy || load.exclusive {
         return None;
@@ -180,6 +235,21 @@ pub(super) fn single_shortfall(request: &PlacementRequest, views: &[View<'_>]) -
         .iter()
         .filter_map(|v| offerable(v).map(|free| (v, free)))
         .min_by_key(|(v, free)| (Reverse(*free), v.pos));
+    if let Some(compute) = compute_summary(request, views) {
+        let mut message = format!("compute does not fit: {compute}");
+        if let Some((view, free)) = largest.filter(|(_, free)| *free > 0) {
+            message.push_str(&format!(
+                "; elsewhere the largest free block is {} on {}",
+                format_bytes(free),
+                unit_name(view.unit)
+            ));
+        }
+        if let Some(unavailable) = unavailable {
+            message.push_str("; ");
+            message.push_str(&unavailable);
+        }
+        return message;
+    }
     let Some((view, free)) = largest else {
         return format!(
             "no GPU can take a new reservation: {}",
@@ -230,7 +300,20 @@ pub(super) fn multi_shortfall(
         ),
         ask => {
             let asked = ask_text(ask, true);
-            if names.is_empty() {
+            if let Some(compute) = compute_summary(request, views) {
+                let can = if names.is_empty() {
+                    "none can take it now".to_owned()
+                } else {
+                    format!(
+                        "only {} can take it now ({})",
+                        names.len(),
+                        join_names(&names)
+                    )
+                };
+                format!(
+                    "asked for {k} GPUs with {asked} each; {can}; compute does not fit: {compute}"
+                )
+            } else if names.is_empty() {
                 let largest = whole
                     .clone()
                     .filter_map(|v| offerable(v).map(|free| (v, free)))

@@ -21,6 +21,17 @@ struct Machine {
     topology: Topology,
 }
 
+/// One GPU of `memory`, by binpack, asking no compute share: what the views of a memory
+/// ask are made for.
+fn asking(memory: MemoryAsk) -> PlacementRequest {
+    PlacementRequest {
+        gpus: 1,
+        memory,
+        policy: Policy::Binpack,
+        compute: ComputeAsk::Implied,
+    }
+}
+
 fn healthy() -> UnitLoad {
     UnitLoad {
         healthy: true,
@@ -79,6 +90,7 @@ impl Machine {
                 gpus,
                 memory,
                 policy,
+                compute: ComputeAsk::Implied,
             },
             &self.state(),
         )
@@ -941,6 +953,7 @@ fn beyond_sixteen_returns_a_good_valid_set() {
                 gpus: 4,
                 memory: EXCL,
                 policy: Policy::Binpack,
+                compute: ComputeAsk::Implied,
             },
             &m.place(4, EXCL, Policy::Binpack).unwrap(),
         );
@@ -950,7 +963,7 @@ fn beyond_sixteen_returns_a_good_valid_set() {
 #[test]
 fn heuristic_matches_exact_on_islands() {
     let m = dgx1_islands(3);
-    let views = assess_all(EXCL, &m.state());
+    let views = assess_all(&asking(EXCL), &m.state());
     let n = views.len();
     let mut scores = vec![0u64; n * n];
     for a in 0..n {
@@ -991,6 +1004,7 @@ fn thirty_two_random_gpus_valid() {
                 gpus: k,
                 memory,
                 policy: Policy::Binpack,
+                compute: ComputeAsk::Implied,
             };
             // Too many GPUs to enumerate the sets: any `k` distinct feasible GPUs make one.
             let feasible = feasible_units(&m, k, memory).len();
@@ -1082,7 +1096,7 @@ fn feasible_sets(m: &Machine, k: usize, memory: MemoryAsk) -> Vec<Vec<usize>> {
 /// module's own cost function: pins down the tie-breaks, not only the score.
 fn brute_force(m: &Machine, k: u32, memory: MemoryAsk, policy: Policy) -> Option<Vec<usize>> {
     let k = k as usize;
-    let views = assess_all(memory, &m.state());
+    let views = assess_all(&asking(memory), &m.state());
     let sets = feasible_sets(m, k, memory);
     sets.into_iter()
         .map(|set| {
@@ -1253,6 +1267,7 @@ fn request_strategy(max_gpus: u32) -> impl Strategy<Value = PlacementRequest> {
             gpus,
             memory,
             policy,
+            compute: ComputeAsk::Implied,
         })
 }
 
@@ -1309,7 +1324,7 @@ proptest! {
             (1u32..=10_000).prop_map(MemoryAsk::BasisPoints),
         ],
     ) {
-        let request = PlacementRequest { gpus: 1, memory, policy: Policy::Binpack };
+        let request = PlacementRequest { gpus: 1, memory, policy: Policy::Binpack, compute: ComputeAsk::Implied };
         let feasible = feasible_units(&m, 1, memory);
         match place(&request, &m.state()) {
             Ok(p) => {
@@ -1343,7 +1358,7 @@ proptest! {
             (1u64..=24).prop_map(|g| MemoryAsk::Bytes(g * GIB)),
         ],
     ) {
-        let request = PlacementRequest { gpus: k, memory, policy: Policy::Binpack };
+        let request = PlacementRequest { gpus: k, memory, policy: Policy::Binpack, compute: ComputeAsk::Implied };
         let expected = brute_force(&m, k, memory, Policy::Binpack);
         match place(&request, &m.state()) {
             Ok(p) => {
@@ -1358,7 +1373,7 @@ proptest! {
 
 /// Scores and binpack costs of the multi-GPU candidates, as `place_multi` builds them.
 fn search_inputs(m: &Machine, memory: MemoryAsk) -> (Vec<u64>, Vec<u128>) {
-    let views = assess_all(memory, &m.state());
+    let views = assess_all(&asking(memory), &m.state());
     let candidates: Vec<&View<'_>> = views
         .iter()
         .filter(|v| !v.unit.is_mig() && v.verdict.is_ok())
@@ -1433,4 +1448,347 @@ fn long_reason_lists_are_shortened() {
         "no GPU can take a new reservation: GPU 0, GPU 1, GPU 2, GPU 3, GPU 4, GPU 5, GPU 6, \
          GPU 7, and 2 more are unhealthy"
     );
+}
+
+// ---------------------------------------------------------------------------------------
+// Compute: a second capacity beside memory
+// ---------------------------------------------------------------------------------------
+
+impl Machine {
+    fn place_computing(
+        &self,
+        gpus: u32,
+        memory: MemoryAsk,
+        compute: ComputeAsk,
+    ) -> Result<Placement, PlacementError> {
+        place(
+            &PlacementRequest {
+                gpus,
+                memory,
+                policy: Policy::Binpack,
+                compute,
+            },
+            &self.state(),
+        )
+    }
+
+    /// Every whole GPU in MPS mode: a share of memory promises that share of the SMs.
+    fn under_mps(mut self) -> Machine {
+        for (unit, load) in self.units.iter().zip(&mut self.loads) {
+            load.compute_by_memory = !unit.is_mig();
+        }
+        self
+    }
+}
+
+#[test]
+fn compute_alone_can_make_a_request_not_fit_and_the_message_says_so() {
+    let mut m = t4_pair();
+    // Plenty of memory on both; GPU 0 has 10 % of its SMs left, GPU 1 40 %.
+    m.loads[0].reservations = 1;
+    m.loads[0].reserved_bytes = GIB;
+    m.loads[0].compute_promised = 90;
+    m.loads[1].reservations = 2;
+    m.loads[1].reserved_bytes = GIB;
+    m.loads[1].compute_promised = 60;
+    let half = ComputeAsk::Percent(50);
+    assert_eq!(
+        m.place_computing(1, MemoryAsk::Bytes(GIB), half),
+        Err(PlacementError::NoCapacity(
+            "compute does not fit: GPU 0 has 10% of its compute unpromised; GPU 1 has 40% of \
+             its compute unpromised; asked 50%"
+                .to_owned()
+        ))
+    );
+    // 40 % fits where 40 % is left, and the placement's share is what was asked.
+    let p = m
+        .place_computing(1, MemoryAsk::Bytes(GIB), ComputeAsk::Percent(40))
+        .unwrap();
+    assert_eq!((p.assignments[0].unit, p.compute), (1, 40));
+    // Two GPUs: neither has half its SMs left.
+    let e = m
+        .place_computing(2, MemoryAsk::Bytes(GIB), half)
+        .unwrap_err()
+        .to_string();
+    assert_eq!(
+        e,
+        "asked for 2 GPUs with 1 GiB each; none can take it now; compute does not fit: GPU 0 \
+         has 10% of its compute unpromised; GPU 1 has 40% of its compute unpromised; asked 50%"
+    );
+    // What memory alone blocks is still said as before, beside what compute blocks.
+    m.loads[1].reserved_bytes = 15 * GIB;
+    let e = m
+        .place_computing(1, MemoryAsk::Bytes(GIB), half)
+        .unwrap_err()
+        .to_string();
+    assert_eq!(
+        e,
+        "compute does not fit: GPU 0 has 10% of its compute unpromised; asked 50%"
+    );
+}
+
+#[test]
+fn under_mps_a_share_of_memory_is_a_share_of_compute() {
+    let m = t4_pair().under_mps();
+    let share = |gpus, memory| {
+        m.place_computing(gpus, memory, ComputeAsk::Implied)
+            .unwrap()
+            .compute
+    };
+    // T4s of 15 GiB: 4 GiB is 26.6 %, rounded down.
+    assert_eq!(share(1, MemoryAsk::Bytes(4 * GIB)), 26);
+    assert_eq!(share(1, MemoryAsk::BasisPoints(2500)), 25);
+    assert_eq!(share(1, MemoryAsk::Bytes(1)), 1, "at least 1 %");
+    assert_eq!(share(1, EXCL), 100);
+    assert_eq!(share(2, MemoryAsk::Bytes(15 * GIB)), 100);
+    // An ask of its own wins.
+    let p = m
+        .place_computing(1, MemoryAsk::Bytes(4 * GIB), ComputeAsk::Percent(5))
+        .unwrap();
+    assert_eq!(p.compute, 5);
+    // Without MPS, nothing is promised unless asked; exclusive is all of it anyway.
+    let plain = t4_pair();
+    let p = plain
+        .place_computing(1, MemoryAsk::Bytes(4 * GIB), ComputeAsk::Implied)
+        .unwrap();
+    assert_eq!(p.compute, 0);
+    assert_eq!(
+        plain
+            .place_computing(1, EXCL, ComputeAsk::Implied)
+            .unwrap()
+            .compute,
+        100
+    );
+    // A share in proportion to memory counts like an asked one: 80 % promised on GPU 0
+    // leaves no room for 4 GiB (26 %) there, so it goes to GPU 1, and once GPU 1 has 80 %
+    // promised as well, it does not fit at all.
+    let mut m = t4_pair().under_mps();
+    for load in &mut m.loads {
+        load.reservations = 1;
+        load.reserved_bytes = GIB;
+    }
+    m.loads[0].compute_promised = 80;
+    let p = m
+        .place_computing(1, MemoryAsk::Bytes(4 * GIB), ComputeAsk::Implied)
+        .unwrap();
+    assert_eq!((p.assignments[0].unit, p.compute), (1, 26));
+    m.loads[1].compute_promised = 80;
+    assert_eq!(
+        m.place_computing(1, MemoryAsk::Bytes(4 * GIB), ComputeAsk::Implied)
+            .unwrap_err()
+            .to_string(),
+        "compute does not fit: GPU 0 has 20% of its compute unpromised; GPU 1 has 20% of its \
+         compute unpromised; asked 26% (its memory's share, which MPS enforces)"
+    );
+}
+
+#[test]
+fn a_reservation_over_gpus_of_several_sizes_gets_the_smallest_share() {
+    let m = mixed_a100().under_mps();
+    let sizes: Vec<u64> = m.units.iter().map(|u| u.memory_total_bytes).collect();
+    let p = m
+        .place_computing(2, MemoryAsk::Bytes(20 * GIB), ComputeAsk::Implied)
+        .unwrap();
+    let shares: Vec<u64> = p
+        .assignments
+        .iter()
+        .map(|a| 100 * a.memory_bytes / sizes[a.unit])
+        .collect();
+    assert_eq!(u64::from(p.compute), *shares.iter().min().unwrap());
+    // One of its GPUs outside MPS: nothing promised.
+    let mut mixed = mixed_a100().under_mps();
+    mixed.loads[1].compute_by_memory = false;
+    let p = mixed
+        .place_computing(2, MemoryAsk::Bytes(20 * GIB), ComputeAsk::Implied)
+        .unwrap();
+    assert!(p.assignments.iter().any(|a| a.unit == 1), "{p:?}");
+    assert_eq!(p.compute, 0);
+}
+
+#[test]
+fn a_mig_instance_s_compute_is_its_own() {
+    let m = a100_mig();
+    // Placement skips the instances for an asked share, and takes a whole GPU.
+    let p = m
+        .place_computing(1, MemoryAsk::Bytes(GIB), ComputeAsk::Percent(30))
+        .unwrap();
+    assert!(!m.units[p.assignments[0].unit].is_mig(), "{p:?}");
+    // Only instances: never.
+    let only_mig = Machine {
+        units: m.units.iter().filter(|u| u.is_mig()).cloned().collect(),
+        loads: m
+            .units
+            .iter()
+            .zip(&m.loads)
+            .filter(|(u, _)| u.is_mig())
+            .map(|(_, l)| *l)
+            .collect(),
+        topology: m.topology.clone(),
+    };
+    assert_eq!(
+        only_mig.place_computing(1, MemoryAsk::Bytes(GIB), ComputeAsk::Percent(30)),
+        Err(PlacementError::Impossible(
+            "asked for a compute share of a MIG instance; a MIG instance's compute is its own: \
+             leave the compute share out"
+                .to_owned()
+        ))
+    );
+    // Without an ask, an instance is placed as before and promises nothing of the GPU.
+    let p = only_mig
+        .place_computing(1, MemoryAsk::Bytes(GIB), ComputeAsk::Implied)
+        .unwrap();
+    assert_eq!(p.compute, 0);
+}
+
+#[test]
+fn impossible_compute_asks() {
+    let m = t4_pair();
+    for (memory, compute, message) in [
+        (
+            MemoryAsk::Bytes(GIB),
+            ComputeAsk::Percent(0),
+            "asked for 0% of each GPU's compute; ask for 1% to 100%",
+        ),
+        (
+            MemoryAsk::Bytes(GIB),
+            ComputeAsk::Percent(101),
+            "asked for 101% of each GPU's compute; ask for 1% to 100%",
+        ),
+        (
+            EXCL,
+            ComputeAsk::Percent(50),
+            "asked for a compute share and exclusive use; exclusive GPUs have all their \
+             compute: leave the compute share out",
+        ),
+    ] {
+        assert_eq!(
+            m.place_computing(1, memory, compute),
+            Err(PlacementError::Impossible(message.to_owned()))
+        );
+    }
+}
+
+/// The compute share a request needs on a unit, by the rules as docs/api.md states them.
+fn oracle_compute(unit: &Unit, load: &UnitLoad, memory: MemoryAsk, compute: ComputeAsk) -> u32 {
+    match (compute, memory) {
+        (ComputeAsk::Percent(p), _) => p,
+        (ComputeAsk::Implied, MemoryAsk::Exclusive) => 100,
+        (ComputeAsk::Implied, _) if load.compute_by_memory && !unit.is_mig() => {
+            let total = unit.memory_total_bytes;
+            let need = memory.bytes_on(total).max(1);
+            u32::try_from(u128::from(need) * 100 / u128::from(total))
+                .unwrap()
+                .clamp(1, 100)
+        }
+        (ComputeAsk::Implied, _) => 0,
+    }
+}
+
+/// Whether `unit` can take the request, memory and compute, by the oracles.
+fn oracle_fits(unit: &Unit, load: &UnitLoad, request: &PlacementRequest) -> bool {
+    let asked = oracle_compute(unit, load, request.memory, request.compute);
+    oracle_fit(unit, load, request.memory).is_some()
+        && !(unit.is_mig() && matches!(request.compute, ComputeAsk::Percent(_)))
+        && load.compute_promised + asked <= 100
+}
+
+/// Random machines whose reserved units have some of their SMs promised, some GPUs in MPS
+/// mode, and requests that ask a compute share, or none.
+fn computing_strategy() -> impl Strategy<Value = (Machine, PlacementRequest)> {
+    (
+        machine_strategy(2..=6, true),
+        prop::collection::vec((0u32..=100, prop::bool::weighted(0.6)), 18),
+        request_strategy(6),
+        prop_oneof![
+            2 => Just(ComputeAsk::Implied),
+            2 => (1u32..=100).prop_map(ComputeAsk::Percent),
+        ],
+    )
+        .prop_map(|(mut m, shares, mut request, compute)| {
+            for ((unit, load), (share, mps)) in m.units.iter().zip(&mut m.loads).zip(shares) {
+                load.compute_by_memory = mps && !unit.is_mig();
+                load.compute_promised = if load.exclusive {
+                    100
+                } else if load.reservations > 0 {
+                    share
+                } else {
+                    0
+                };
+            }
+            if request.memory != MemoryAsk::Exclusive {
+                request.compute = compute;
+            }
+            (m, request)
+        })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(2000))]
+
+    /// A placement never promises more than 100 % of a unit's SMs, its share is never more
+    /// than what was checked on any of its units, and when it finds nothing, no unit could
+    /// take a single-GPU request (memory and compute alike).
+    #[test]
+    fn compute_is_never_promised_past_a_whole_gpu((m, request) in computing_strategy()) {
+        match place(&request, &m.state()) {
+            Ok(p) => {
+                check_valid(&m, &request, &p);
+                for a in &p.assignments {
+                    let (unit, load) = (&m.units[a.unit], &m.loads[a.unit]);
+                    prop_assert!(oracle_fits(unit, load, &request), "unit {} cannot take it", a.unit);
+                    prop_assert!(load.compute_promised + p.compute <= 100,
+                        "unit {}: {}% promised + {}%", a.unit, load.compute_promised, p.compute);
+                    prop_assert!(p.compute <= oracle_compute(unit, load, request.memory, request.compute));
+                }
+                if let ComputeAsk::Percent(asked) = request.compute {
+                    prop_assert_eq!(p.compute, asked);
+                }
+            }
+            Err(PlacementError::NoCapacity(message)) if request.gpus == 1 => {
+                let fits: Vec<usize> = (0..m.units.len())
+                    .filter(|&i| oracle_fits(&m.units[i], &m.loads[i], &request))
+                    .collect();
+                prop_assert!(fits.is_empty(), "{} but {:?} can take it", message, fits);
+                // Where compute is what keeps a unit out, the message says so.
+                let compute_only = (0..m.units.len()).any(|i| {
+                    let (unit, load) = (&m.units[i], &m.loads[i]);
+                    oracle_fit(unit, load, request.memory).is_some()
+                        && !(unit.is_mig() && matches!(request.compute, ComputeAsk::Percent(_)))
+                        && load.compute_promised
+                            + oracle_compute(unit, load, request.memory, request.compute)
+                            > 100
+                });
+                prop_assert_eq!(message.contains("compute does not fit"), compute_only, "{}", message);
+            }
+            Err(_) => {}
+        }
+    }
+
+    /// Reserving again and again until nothing fits, the promises on each unit never pass
+    /// 100 %.
+    #[test]
+    fn repeated_placements_never_overcommit_compute(
+        (m, request) in computing_strategy(),
+        asks in prop::collection::vec(prop_oneof![
+            Just(ComputeAsk::Implied),
+            (1u32..=100).prop_map(ComputeAsk::Percent),
+        ], 1..12),
+    ) {
+        let mut m = m;
+        for compute in asks {
+            let request = PlacementRequest {
+                compute: if request.memory == MemoryAsk::Exclusive { ComputeAsk::Implied } else { compute },
+                ..request
+            };
+            let Ok(p) = place(&request, &m.state()) else { continue };
+            m.apply(&p, request.memory);
+            for a in &p.assignments {
+                m.loads[a.unit].compute_promised += p.compute;
+            }
+            for (i, load) in m.loads.iter().enumerate() {
+                prop_assert!(load.compute_promised <= 100,
+                    "unit {} has {}% promised", i, load.compute_promised);
+            }
+        }
+    }
 }

@@ -79,6 +79,7 @@ fn sample(id: &str, created_at: Millis) -> Reservation {
         created_at,
         holder_cgroup: None,
         isolation: ReservationIsolation::default(),
+        compute: 25,
         ended_at: None,
         end_reason: None,
         labels: BTreeMap::from([("job".to_owned(), "asr".to_owned())]),
@@ -255,6 +256,43 @@ fn migration_3_keeps_every_reservation_of_version_2() {
         !store.insert(&sample("two", 60)).unwrap(),
         "a migrated id stays taken"
     );
+    store.integrity_check().unwrap();
+}
+
+#[test]
+fn migration_7_reads_rows_from_before_compute_shares_as_placement_made_them() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let conn = database_at_version(dir.path(), 6);
+        conn.execute_batch(
+            r#"INSERT INTO reservations (seq, id, state, owner_uid, owner_gid, exclusive,
+                   created_at, labels, env, units)
+               VALUES (1, 'whole', 'active', 7, 7, 1, 100, '{}', '{}', '[["GPU-a",0,17179869184]]'),
+                      (2, 'shared', 'active', 7, 7, 0, 200, '{}', '{}', '[["GPU-b",1,4294967296]]');"#,
+        )
+        .unwrap();
+    }
+    let mut store = Store::open(dir.path()).unwrap();
+    assert_eq!(store.version().unwrap() as usize, MIGRATIONS.len());
+    let shares: Vec<(String, u32)> = store
+        .active()
+        .unwrap()
+        .into_iter()
+        .map(|r| (r.id, r.compute))
+        .collect();
+    // An exclusive reservation had all of its GPUs; a shared one's share, if MPS gave it
+    // one, is the ledger's to derive from its GPUs.
+    assert_eq!(
+        shares,
+        [("whole".to_owned(), 100), ("shared".to_owned(), 0)]
+    );
+    // New rows keep theirs, and the column refuses a share past a whole GPU.
+    store.insert(&sample("new", 300)).unwrap();
+    assert_eq!(store.get("new").unwrap().unwrap().compute, 25);
+    let mut over = sample("over", 400);
+    over.compute = 101;
+    assert!(store.insert(&over).is_err());
+    assert!(store.get("over").unwrap().is_none());
     store.integrity_check().unwrap();
 }
 

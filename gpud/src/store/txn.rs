@@ -154,9 +154,9 @@ impl Txn<'_> {
                 "INSERT INTO reservations (seq, id, state, owner_uid, owner_gid, holder_pid,
                  holder_start_time, holder_boot_id, exclusive, ttl_seconds, expires_at,
                  created_at, ended_at, end_reason, labels, env, units, holder_pidfs_inode,
-                 holder_cgroup, isolation, limits_cleared)
+                 holder_cgroup, isolation, limits_cleared, compute)
              VALUES (?16, ?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?17,
-                     ?18, ?19, ?20, ?21)
+                     ?18, ?19, ?20, ?21, ?22)
              ON CONFLICT (id) DO NOTHING",
             )?
             .execute(params![
@@ -184,6 +184,7 @@ impl Txn<'_> {
                 r.holder_cgroup,
                 isolation,
                 !r.isolation.is_enforced(),
+                r.compute,
             ])
         })?;
         Ok(inserted == 1)

@@ -813,6 +813,7 @@ impl Sim {
                     gpus: w.ask.gpus,
                     memory: w.ask.memory,
                     policy: self.ledger.default_policy(),
+                    compute: placement::ComputeAsk::Implied,
                 };
                 w.room = placement::place(&request, &state).is_ok();
             }

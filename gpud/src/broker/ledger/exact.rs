@@ -9,7 +9,10 @@ use gpud_schema::format_bytes;
 use super::Ledger;
 use crate::broker::{BrokerError, Caller};
 use crate::isolation::Target;
-use crate::model::{Millis, Reservation, ReservationState, ReservedUnit};
+use crate::model::{
+    ComputeAsk, MemoryAsk, Millis, Reservation, ReservationState, ReservedUnit, Unit,
+};
+use crate::placement::{self, UnitLoad};
 use crate::store::Txn;
 use crate::workload_env::workload_env;
 
@@ -43,6 +46,35 @@ pub struct AllocateRequest {
 }
 
 impl Ledger {
+    /// The compute share of an exact reservation of `units` (as placement would give it:
+    /// 100 when `exclusive`, in proportion to the memory on GPUs in MPS mode, else none),
+    /// or why it does not fit: a unit with less of its compute unpromised.
+    fn exact_compute(&self, units: &[ReservedUnit], exclusive: bool) -> Result<u32, BrokerError> {
+        let held: Vec<(&Unit, &UnitLoad, u64)> = units
+            .iter()
+            .filter_map(|u| {
+                let i = self.unit_index(&u.uuid)?;
+                Some((self.units().get(i)?, self.loads().get(i)?, u.memory_bytes))
+            })
+            .collect();
+        let memory = if exclusive {
+            MemoryAsk::Exclusive
+        } else {
+            MemoryAsk::Bytes(1)
+        };
+        let share = placement::compute_share(memory, ComputeAsk::Implied, held.iter().copied());
+        for (unit, load, _) in held {
+            let free = placement::compute_free(load);
+            if share > free {
+                return Err(BrokerError::NoCapacity(format!(
+                    "GPU {} has {free}% of its compute unpromised; asked {share}%",
+                    unit.gpu_index
+                )));
+            }
+        }
+        Ok(share)
+    }
+
     /// Ends `request.end` and reserves every container's units, or, when anything fails,
     /// changes nothing (in memory as on disk) and says why.
     pub fn allocate(
@@ -183,6 +215,7 @@ impl Ledger {
         }
         chosen.sort_by(|(a, _), (b, _)| (a.gpu_index, &a.uuid).cmp(&(b.gpu_index, &b.uuid)));
         let (units, totals): (Vec<ReservedUnit>, Vec<u64>) = chosen.into_iter().unzip();
+        let compute = self.exact_compute(&units, request.exclusive)?;
         self.quotas.check_units(&self.settings, &caller, &units)?;
         // The container's cgroup is attached by its CDI hook when it starts, if the kubelet
         // plugin names the CDI device: without one nothing attaches it, and under
@@ -227,6 +260,7 @@ impl Ledger {
             env,
             holder_cgroup: None,
             isolation,
+            compute,
         };
         if !txn.insert(&r)? {
             return Err(BrokerError::Invalid(format!(

@@ -6,6 +6,8 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use gpud_schema::IsolationMode;
+
 use crate::broker::{BrokerError, GpuProcessRow};
 use crate::model::{Gpu, GpuInventory, Reservation, Topology, Unit};
 use crate::placement::UnitLoad;
@@ -36,12 +38,18 @@ impl Machine {
             .collect();
         let loads = units
             .iter()
-            .map(|u| UnitLoad {
-                healthy: inventory
+            .map(|u| {
+                let gpu = inventory
                     .gpus
-                    .get(usize::try_from(u.gpu_index).unwrap_or(usize::MAX))
-                    .is_some_and(|g| g.healthy),
-                ..UnitLoad::default()
+                    .get(usize::try_from(u.gpu_index).unwrap_or(usize::MAX));
+                UnitLoad {
+                    healthy: gpu.is_some_and(|g| g.healthy),
+                    // MPS holds a reservation's memory and SMs alike on a whole GPU in
+                    // MPS mode: there a share of one is a share of the other.
+                    compute_by_memory: !u.is_mig()
+                        && gpu.is_some_and(|g| g.isolation.mode == IsolationMode::Mps),
+                    ..UnitLoad::default()
+                }
             })
             .collect();
         Machine {
@@ -120,6 +128,7 @@ impl Machine {
                 load.reserved_bytes = load.reserved_bytes.saturating_add(u.memory_bytes);
                 load.reservations += 1;
                 load.exclusive |= r.exclusive;
+                load.compute_promised = load.compute_promised.saturating_add(r.compute);
             }
         }
     }
@@ -134,6 +143,7 @@ impl Machine {
                 if r.exclusive {
                     load.exclusive = false;
                 }
+                load.compute_promised = load.compute_promised.saturating_sub(r.compute);
             }
         }
     }
@@ -144,6 +154,7 @@ impl Machine {
             load.reserved_bytes = 0;
             load.reservations = 0;
             load.exclusive = false;
+            load.compute_promised = 0;
         }
     }
 

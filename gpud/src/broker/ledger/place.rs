@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use super::Ledger;
 use crate::broker::{BrokerError, Caller, ReserveRequest};
 use crate::holder::PinnedProcess;
-use crate::model::{MemoryAsk, Policy, Reservation, ReservedUnit, Unit};
+use crate::model::{ComputeAsk, MemoryAsk, Policy, Reservation, ReservedUnit, Unit};
 use crate::placement::{self, PlacementError, PlacementRequest, PlacementState, UnitLoad};
 
 /// What placement decides a request's units by: its shape, and the loads it is placed on.
@@ -15,6 +15,7 @@ use crate::placement::{self, PlacementError, PlacementRequest, PlacementState, U
 struct PlaceKey {
     gpus: u32,
     memory: MemoryAsk,
+    compute: ComputeAsk,
     policy: Option<Policy>,
     devices: Vec<String>,
     loads: Vec<UnitLoad>,
@@ -25,7 +26,24 @@ struct PlaceKey {
 /// one is served: the others get the answer from here. Kept only during such a pass.
 #[derive(Debug, Default)]
 pub(super) struct PlacementMemo {
-    answers: HashMap<PlaceKey, Result<Vec<(usize, u64)>, BrokerError>>,
+    answers: HashMap<PlaceKey, Result<Placed, BrokerError>>,
+}
+
+/// Where placement puts a request: each unit's position with the bytes it gets there, and
+/// the reservation's compute share (the percentage of each unit's SMs promised to it).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct Placed {
+    pub units: Vec<(usize, u64)>,
+    pub compute: u32,
+}
+
+/// The units a request would get now: each with its size, the units' totals (in the same
+/// order), and the compute share.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct Chosen {
+    pub units: Vec<ReservedUnit>,
+    pub totals: Vec<u64>,
+    pub compute: u32,
 }
 
 impl Ledger {
@@ -45,6 +63,20 @@ impl Ledger {
                 ask => !r.exclusive && u.memory_bytes == ask.bytes_on(total),
             }
         });
+        let compute_matches = match request.compute {
+            ComputeAsk::Percent(p) => r.compute == p,
+            ComputeAsk::Implied => {
+                let held: Vec<(&Unit, &UnitLoad, u64)> = r
+                    .units
+                    .iter()
+                    .filter_map(|u| {
+                        let i = self.machine.unit_index(&u.uuid)?;
+                        Some((self.units().get(i)?, self.loads().get(i)?, u.memory_bytes))
+                    })
+                    .collect();
+                r.compute == placement::compute_share(request.memory, request.compute, held)
+            }
+        };
         let devices_match = request.devices.is_empty()
             || self
                 .machine
@@ -58,6 +90,7 @@ impl Ledger {
             && devices_match
             && r.units.len() == request.gpus as usize
             && memory_matches
+            && compute_matches
             && r.ttl_seconds == request.ttl_seconds
             && r.holder.as_ref().map(|h| h.pid) == holder.map(|h| h.holder.pid)
             && r.labels == request.labels
@@ -75,7 +108,7 @@ impl Ledger {
         &self,
         request: &ReserveRequest,
         loads: &[UnitLoad],
-    ) -> Result<Vec<(usize, u64)>, BrokerError> {
+    ) -> Result<Placed, BrokerError> {
         self.place_on_explained(request, loads, true)
     }
 
@@ -85,7 +118,7 @@ impl Ledger {
         &self,
         request: &ReserveRequest,
         loads: &[UnitLoad],
-    ) -> Result<Vec<(usize, u64)>, BrokerError> {
+    ) -> Result<Placed, BrokerError> {
         self.place_on_explained(request, loads, false)
     }
 
@@ -94,10 +127,11 @@ impl Ledger {
         request: &ReserveRequest,
         loads: &[UnitLoad],
         explain: bool,
-    ) -> Result<Vec<(usize, u64)>, BrokerError> {
+    ) -> Result<Placed, BrokerError> {
         let placement_request = PlacementRequest {
             gpus: request.gpus,
             memory: request.memory,
+            compute: request.compute,
             policy: request
                 .policy
                 .unwrap_or(self.settings.config.placement.default_policy),
@@ -131,7 +165,7 @@ impl Ledger {
             PlacementError::Impossible(m) => BrokerError::Unsatisfiable(m),
             PlacementError::NoCapacity(m) => BrokerError::NoCapacity(m),
         })?;
-        placement
+        let placed = placement
             .assignments
             .iter()
             .map(|a| {
@@ -145,7 +179,11 @@ impl Ledger {
                     .map(|p| (p, a.memory_bytes))
                     .ok_or(BrokerError::Internal("placement chose an unknown unit"))
             })
-            .collect()
+            .collect::<Result<Vec<_>, BrokerError>>()?;
+        Ok(Placed {
+            units: placed,
+            compute: placement.compute,
+        })
     }
 
     /// Runs `pass` (a pass over the queue) with placements remembered: waiters of the same
@@ -164,7 +202,7 @@ impl Ledger {
         caller: &Caller,
         request: &ReserveRequest,
         held: Option<&[bool]>,
-    ) -> Result<(Vec<ReservedUnit>, Vec<u64>), BrokerError> {
+    ) -> Result<Chosen, BrokerError> {
         let memo = self.memo.take();
         // Units held back for a waiter are out of reach, as if unhealthy.
         let masked: Vec<UnitLoad>;
@@ -189,6 +227,7 @@ impl Ledger {
                 let key = PlaceKey {
                     gpus: request.gpus,
                     memory: request.memory,
+                    compute: request.compute,
                     policy: request.policy,
                     devices: request.devices.clone(),
                     loads: loads.to_vec(),
@@ -205,9 +244,10 @@ impl Ledger {
             }
         };
         self.memo = memo;
+        let placed = placed?;
         let mut units: Vec<ReservedUnit> = Vec::new();
         let mut totals = Vec::new();
-        for (p, memory_bytes) in placed? {
+        for (p, memory_bytes) in placed.units {
             let unit = &self.units()[p];
             units.push(ReservedUnit {
                 uuid: unit.uuid.clone(),
@@ -217,6 +257,10 @@ impl Ledger {
             totals.push(unit.memory_total_bytes);
         }
         self.quotas.check_units(&self.settings, caller, &units)?;
-        Ok((units, totals))
+        Ok(Chosen {
+            units,
+            totals,
+            compute: placed.compute,
+        })
     }
 }

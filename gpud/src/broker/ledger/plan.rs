@@ -129,11 +129,13 @@ struct Ending {
     seq: usize,
 }
 
-/// What ends at an [`Ending`]: the units it frees, and whose they are.
+/// What ends at an [`Ending`]: the units it frees (and its compute share there), and whose
+/// they are.
 #[derive(Debug)]
 struct Freed {
     units: Vec<(usize, u64)>,
     exclusive: bool,
+    compute: u32,
     whose: Whose,
 }
 
@@ -168,17 +170,18 @@ impl Whose {
     }
 }
 
-fn add(loads: &mut [UnitLoad], units: &[(usize, u64)], exclusive: bool) {
+fn add(loads: &mut [UnitLoad], units: &[(usize, u64)], exclusive: bool, compute: u32) {
     for &(i, bytes) in units {
         if let Some(load) = loads.get_mut(i) {
             load.reserved_bytes = load.reserved_bytes.saturating_add(bytes);
             load.reservations += 1;
             load.exclusive |= exclusive;
+            load.compute_promised = load.compute_promised.saturating_add(compute);
         }
     }
 }
 
-fn remove(loads: &mut [UnitLoad], units: &[(usize, u64)], exclusive: bool) {
+fn remove(loads: &mut [UnitLoad], units: &[(usize, u64)], exclusive: bool, compute: u32) {
     for &(i, bytes) in units {
         if let Some(load) = loads.get_mut(i) {
             load.reserved_bytes = load.reserved_bytes.saturating_sub(bytes);
@@ -186,6 +189,7 @@ fn remove(loads: &mut [UnitLoad], units: &[(usize, u64)], exclusive: bool) {
             if exclusive {
                 load.exclusive = false;
             }
+            load.compute_promised = load.compute_promised.saturating_sub(compute);
         }
     }
 }
@@ -309,6 +313,7 @@ impl Ledger {
             freed.push(Freed {
                 units: self.positions(&r.units),
                 exclusive: r.exclusive,
+                compute: r.compute,
                 whose: Whose::Reservation(r.clone()),
             });
         }
@@ -360,7 +365,7 @@ impl Ledger {
                         }
                         for seq in seqs {
                             if let Some(f) = freed.get(seq) {
-                                remove(&mut loads, &f.units, f.exclusive);
+                                remove(&mut loads, &f.units, f.exclusive, f.compute);
                                 last = Some(f.whose.clone());
                             }
                         }
@@ -368,14 +373,15 @@ impl Ledger {
                 }
             };
             match placed {
-                Ok(units) => {
+                Ok(placed) => {
+                    let (units, compute) = (placed.units, placed.compute);
                     let before = if out.is_empty() {
                         loads.clone()
                     } else {
                         Vec::new()
                     };
                     let exclusive = request.memory == crate::model::MemoryAsk::Exclusive;
-                    add(&mut loads, &units, exclusive);
+                    add(&mut loads, &units, exclusive, compute);
                     heap.push(Reverse(Ending {
                         at: t.saturating_add(self.expected_hold(caller.uid, &request)),
                         seq: freed.len(),
@@ -383,6 +389,7 @@ impl Ledger {
                     freed.push(Freed {
                         units: units.clone(),
                         exclusive,
+                        compute,
                         whose: Whose::Waiter(caller.uid),
                     });
                     let because = match &last {
@@ -496,7 +503,7 @@ impl Ledger {
                 if self.choose(caller, request, Some(units)).is_ok() {
                     return Ok(Some(units.clone()));
                 }
-                let (chosen, _) = self.choose(caller, request, None)?;
+                let chosen = self.choose(caller, request, None)?;
                 // Only a lease is a bound on when it ends; an estimate could be trained.
                 if request.ttl_seconds.is_some()
                     && now.saturating_add(self.expected_hold(caller.uid, request)) <= *start
@@ -506,8 +513,9 @@ impl Ledger {
                 let mut then = at_start.clone();
                 add(
                     &mut then,
-                    &self.positions(&chosen),
+                    &self.positions(&chosen.units),
                     request.memory == crate::model::MemoryAsk::Exclusive,
+                    chosen.compute,
                 );
                 if self.fits_on(first, &then).is_ok() {
                     return Ok(None);
@@ -540,12 +548,12 @@ impl Ledger {
         } = gate
             && self.expected_end(r, now) > *start
         {
-            add(at_start, &self.positions(&r.units), r.exclusive);
+            add(at_start, &self.positions(&r.units), r.exclusive, r.compute);
             // It may have taken the first waiter's planned GPUs, leaving it room elsewhere
             // at its start: those are the ones to keep free of what outlasts the start.
             if let Ok(placed) = self.fits_on(request, at_start) {
                 units.iter_mut().for_each(|u| *u = false);
-                for (p, _) in placed {
+                for (p, _) in placed.units {
                     if let Some(u) = units.get_mut(p) {
                         *u = true;
                     }
