@@ -1,0 +1,404 @@
+//! MPS isolation as `gpud run` does it: the real gpud on the fake NVML (a driver before R615,
+//! so the GPUs are advisory to the driver) with the fake MPS programs (`tests/fake-mps`)
+//! as its `[isolation] mps_control`. One control daemon per reservation, its caps set
+//! before the reservation is answered, nothing left when it ends, a crash undone at the
+//! next start, and a process that bypasses its server found and ended. Needs root (MPS
+//! runs a daemon per user's reservation, as root).
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step should stop with its line
+
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+use std::process::{Command, Stdio};
+
+use gpud_tests::{Daemon, GIB, PATIENCE, curl_as, is_root, missing_prerequisite, wait_for};
+use serde_json::{Value, json};
+
+/// A fake MPS program (`nvidia-cuda-mps-control`, `fake-cuda-client`).
+fn fake(name: &str) -> PathBuf {
+    let path = gpud_tests::target_dir().join(name);
+    assert!(
+        path.exists(),
+        "{} is missing: `cargo build --workspace` builds it",
+        path.display()
+    );
+    path
+}
+
+/// gpud with MPS through the fake control program, its daemons under `<dir>/mps`, plus
+/// `extra` TOML; `None` when the tests cannot run here (not root).
+fn start(extra: &str) -> Option<(Daemon, MpsDir)> {
+    if !is_root() {
+        missing_prerequisite("root (gpud runs one MPS daemon per user's reservation as root)");
+        return None;
+    }
+    let mps = MpsDir(
+        tempfile::Builder::new()
+            .prefix("gpud-mps")
+            .tempdir()
+            .unwrap(),
+    );
+    let config = format!(
+        "[isolation]\nmps_control = \"{}\"\nmps_dir = \"{}\"\n{extra}",
+        fake("nvidia-cuda-mps-control").display(),
+        mps.display()
+    );
+    Some((Daemon::start("t4-pair", &config), mps))
+}
+
+/// The daemons' directory, removed when the test ends.
+struct MpsDir(tempfile::TempDir);
+
+impl std::ops::Deref for MpsDir {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        self.0.path()
+    }
+}
+
+/// What the fake daemon of reservation `id` says about itself.
+fn state(mps: &Path, id: &str) -> Value {
+    let path = mps.join(id).join("log/fake-mps-state.json");
+    serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap()
+}
+
+/// The pid of reservation `id`'s control daemon.
+fn daemon_pid(mps: &Path, id: &str) -> u32 {
+    let text =
+        std::fs::read_to_string(mps.join(id).join("pipe/nvidia-cuda-mps-control.pid")).unwrap();
+    text.trim().parse().unwrap()
+}
+
+fn alive(pid: u32) -> bool {
+    Path::new(&format!("/proc/{pid}")).exists()
+        && !std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .unwrap_or_default()
+            .contains(") Z ")
+}
+
+/// Processes whose environment names a pipe directory under `mps` (daemons, servers).
+fn processes_under(mps: &Path) -> Vec<u32> {
+    let needle = format!("CUDA_MPS_PIPE_DIRECTORY={}", mps.display());
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/environ"))
+                .is_ok_and(|env| String::from_utf8_lossy(&env).contains(&needle))
+        })
+        .filter(|pid| alive(*pid))
+        .collect()
+}
+
+/// Waits until nothing of `mps`'s daemons is left: no directory, no process.
+fn wait_all_gone(mps: &Path) {
+    let gone = wait_for(PATIENCE, || {
+        let dirs = std::fs::read_dir(mps).map_or(0, |d| d.count());
+        (dirs == 0 && processes_under(mps).is_empty()).then_some(())
+    });
+    assert!(
+        gone.is_some(),
+        "left behind: {:?}, processes {:?}",
+        std::fs::read_dir(mps).map(|d| d.flatten().map(|e| e.path()).collect::<Vec<_>>()),
+        processes_under(mps)
+    );
+}
+
+/// `fake-cuda-client ARGS` with `env` added; its JSON line and exit code.
+fn client(env: &[(&str, &str)], args: &[&str]) -> (Value, i32) {
+    let out = Command::new(fake("fake-cuda-client"))
+        .args(args)
+        .envs(env.iter().copied())
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let line = String::from_utf8_lossy(&out.stdout);
+    let value = serde_json::from_str(line.lines().last().unwrap_or("null")).unwrap_or(Value::Null);
+    (value, out.status.code().unwrap_or(-1))
+}
+
+fn lease(d: &Daemon, body: Value) -> Value {
+    let r = d.post("/v1/reservations", &body.to_string());
+    assert_eq!(r.status, 201, "{}", r.text);
+    r.body
+}
+
+#[test]
+fn a_reservation_gets_a_daemon_of_its_own_capped_before_any_client_and_leaves_nothing() {
+    let Some((d, mps)) = start("") else { return };
+    let gpus = d.get("/v1/gpus").body;
+    for gpu in gpus["gpus"].as_array().unwrap() {
+        assert_eq!(gpu["isolation"]["mode"], "mps", "{gpu}");
+    }
+    // A user's lease: the daemon's directories are theirs alone.
+    let nobody = 65534;
+    let (status, r) = curl_as(
+        nobody,
+        &d.socket,
+        &[
+            "-X",
+            "POST",
+            "-d",
+            r#"{"memory": "2GiB", "devices": ["0"], "ttl_seconds": 300}"#,
+            "http://gpud/v1/reservations",
+        ],
+    );
+    assert_eq!(status, 201, "{r}");
+    let id = r["id"].as_str().unwrap().to_owned();
+    assert_eq!(r["isolation"]["mode"], "mps", "{r}");
+    let pipe = mps.join(&id).join("pipe");
+    assert_eq!(
+        r["env"]["CUDA_MPS_PIPE_DIRECTORY"],
+        pipe.display().to_string()
+    );
+    for dir in [mps.join(&id), pipe.clone(), mps.join(&id).join("log")] {
+        let meta = std::fs::metadata(&dir).unwrap();
+        assert_eq!(
+            (meta.permissions().mode() & 0o777, meta.uid()),
+            (0o700, nobody),
+            "{}",
+            dir.display()
+        );
+    }
+    // The caps were set when gpud answered, on the reservation's GPU alone.
+    let s = state(&mps, &id);
+    let uuid = gpus["gpus"][0]["uuid"].as_str().unwrap();
+    assert_eq!(s["visible_devices"], uuid);
+    assert_eq!(s["default_pinned_mem_limits"]["0"], 2 * GIB);
+    // A client gets them, and cannot raise them through its environment.
+    let pipe_env = pipe.display().to_string();
+    let (got, _) = client(&[("CUDA_MPS_PIPE_DIRECTORY", &pipe_env)], &[]);
+    assert_eq!(got["mps"], true, "{got}");
+    assert_eq!(got["pinned_mem_limits"]["0"], 2 * GIB, "{got}");
+    let (raised, _) = client(
+        &[
+            ("CUDA_MPS_PIPE_DIRECTORY", &pipe_env),
+            ("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "0=8G"),
+        ],
+        &[],
+    );
+    assert_eq!(raised["pinned_mem_limits"]["0"], 2 * GIB, "{raised}");
+    let (_, code) = client(
+        &[("CUDA_MPS_PIPE_DIRECTORY", &pipe_env)],
+        &["--alloc", &(3 * GIB).to_string()],
+    );
+    assert_eq!(code, 2, "an allocation past the cap fails");
+    let (_, code) = client(
+        &[("CUDA_MPS_PIPE_DIRECTORY", &pipe_env)],
+        &["--alloc", &GIB.to_string()],
+    );
+    assert_eq!(code, 0, "an allocation within the cap succeeds");
+    // The caps came before the first client.
+    let events: Vec<String> = state(&mps, &id)["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e.as_str().unwrap().to_owned())
+        .collect();
+    let first_client = events
+        .iter()
+        .position(|e| e.starts_with("client "))
+        .unwrap();
+    let caps = events.iter().position(|e| e.starts_with("caps")).unwrap();
+    assert!(caps < first_client, "{events:?}");
+    // Released: no daemon, server or directory is left.
+    let daemon = daemon_pid(&mps, &id);
+    assert_eq!(d.delete(&format!("/v1/reservations/{id}")).status, 200);
+    wait_all_gone(&mps);
+    assert!(!alive(daemon));
+}
+
+#[test]
+fn each_reservation_has_its_own_daemon_and_caps_on_one_gpu() {
+    let Some((d, mps)) = start("") else { return };
+    let a = lease(
+        &d,
+        json!({"memory": "2GiB", "devices": ["0"], "ttl_seconds": 300}),
+    );
+    let b = lease(
+        &d,
+        json!({"memory": "4GiB", "devices": ["0"], "ttl_seconds": 300}),
+    );
+    let (a, b) = (a["id"].as_str().unwrap(), b["id"].as_str().unwrap());
+    assert_ne!(daemon_pid(&mps, a), daemon_pid(&mps, b));
+    for (id, cap) in [(a, 2 * GIB), (b, 4 * GIB)] {
+        let pipe = mps.join(id).join("pipe").display().to_string();
+        let (got, _) = client(&[("CUDA_MPS_PIPE_DIRECTORY", &pipe)], &[]);
+        assert_eq!(got["pinned_mem_limits"]["0"], cap, "{id}: {got}");
+    }
+    // A two-GPU reservation: one daemon, each GPU its own cap.
+    let both = lease(&d, json!({"memory": "1GiB", "gpus": 2, "ttl_seconds": 300}));
+    let s = state(&mps, both["id"].as_str().unwrap());
+    assert_eq!(s["default_pinned_mem_limits"]["0"], GIB);
+    assert_eq!(s["default_pinned_mem_limits"]["1"], GIB);
+    for r in [a, b, both["id"].as_str().unwrap()] {
+        assert_eq!(d.delete(&format!("/v1/reservations/{r}")).status, 200);
+    }
+    wait_all_gone(&mps);
+}
+
+#[test]
+fn after_a_kill_9_a_running_daemon_is_adopted_and_an_ended_one_stopped() {
+    let Some((mut d, mps)) = start("") else {
+        return;
+    };
+    let kept = lease(
+        &d,
+        json!({"memory": "2GiB", "devices": ["0"], "ttl_seconds": 300}),
+    );
+    let ended = lease(
+        &d,
+        json!({"memory": "1GiB", "devices": ["1"], "ttl_seconds": 2}),
+    );
+    let (kept, ended) = (
+        kept["id"].as_str().unwrap().to_owned(),
+        ended["id"].as_str().unwrap().to_owned(),
+    );
+    let (kept_daemon, ended_daemon) = (daemon_pid(&mps, &kept), daemon_pid(&mps, &ended));
+    // A client of the kept one runs across the restart.
+    let pipe = mps.join(&kept).join("pipe").display().to_string();
+    let mut running = Command::new(fake("fake-cuda-client"))
+        .args(["--hold", "60"])
+        .env("CUDA_MPS_PIPE_DIRECTORY", &pipe)
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    d.kill9();
+    std::thread::sleep(std::time::Duration::from_secs(3));
+    d.spawn();
+    // The lease that ran out while gpud was down: its daemon is gone, with its directory.
+    let stopped = wait_for(PATIENCE, || {
+        (!alive(ended_daemon) && !mps.join(&ended).exists()).then_some(())
+    });
+    assert!(
+        stopped.is_some(),
+        "the ended lease's daemon was left running"
+    );
+    // The kept one is the same daemon, still serving its client.
+    assert!(alive(kept_daemon));
+    assert_eq!(daemon_pid(&mps, &kept), kept_daemon);
+    assert_eq!(running.try_wait().unwrap(), None, "its client was cut off");
+    let (got, _) = client(&[("CUDA_MPS_PIPE_DIRECTORY", &pipe)], &[]);
+    assert_eq!(got["pinned_mem_limits"]["0"], 2 * GIB, "{got}");
+    assert_eq!(d.delete(&format!("/v1/reservations/{kept}")).status, 200);
+    wait_all_gone(&mps);
+    let _ = running.kill();
+    let _ = running.wait();
+}
+
+#[test]
+fn a_thousand_reserve_run_release_cycles_leave_nothing() {
+    let Some((d, mps)) = start("") else { return };
+    let cycles = 1000;
+    for i in 0..cycles {
+        let out = d
+            .gpuctl()
+            .args(["reserve", "--mem", "64MiB", "--"])
+            .arg(fake("fake-cuda-client"))
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "cycle {i}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let got: Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(got["mps"], true, "cycle {i}: {got}");
+        assert_eq!(got["pinned_mem_limits"]["0"], 64 << 20, "cycle {i}: {got}");
+    }
+    wait_all_gone(&mps);
+    assert!(d.active().is_empty());
+}
+
+#[test]
+fn a_process_that_bypasses_its_mps_server_is_found_and_ended() {
+    let Some((d, mps)) = start(
+        "[audit]\ninterval = \"200ms\"\nenforcement = \"terminate\"\ngrace = \"1s\"\nterminate_root = true\n",
+    ) else {
+        return;
+    };
+    let r = lease(
+        &d,
+        json!({"memory": "4GiB", "devices": ["0"], "ttl_seconds": 300}),
+    );
+    let id = r["id"].as_str().unwrap();
+    let pipe = mps.join(id).join("pipe").display().to_string();
+    // Two processes of the reservation: a client of its server, and one started without
+    // the pipe directory, which made a context of its own.
+    let mut member = Command::new(fake("fake-cuda-client"))
+        .args(["--hold", "60"])
+        .env("CUDA_MPS_PIPE_DIRECTORY", &pipe)
+        .env("GPUD_RESERVATION_ID", id)
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut bypass = Command::new("sleep")
+        .arg("60")
+        .env("GPUD_RESERVATION_ID", id)
+        .spawn()
+        .unwrap();
+    let mut fixture = d.read_fixture();
+    fixture["gpus"][0]["processes"] = json!([
+        {"pid": member.id(), "used_memory_bytes": GIB, "mps": true},
+        {"pid": bypass.id(), "used_memory_bytes": GIB},
+    ]);
+    d.write_fixture(&fixture);
+    let event = wait_for(PATIENCE, || {
+        d.get("/v1/events?kind=unlimited").body["events"]
+            .as_array()?
+            .iter()
+            .find(|e| e["phase"] == "start" && e["pid"] == bypass.id())
+            .cloned()
+    })
+    .expect("the bypassing process was not found");
+    let message = event["message"].as_str().unwrap();
+    assert!(message.contains("bypassed MPS"), "{message}");
+    assert!(message.contains(id), "{message}");
+    assert_eq!(event["reservation_id"], id);
+    let ended = wait_for(PATIENCE, || bypass.try_wait().unwrap());
+    assert!(ended.is_some(), "the bypassing process was not ended");
+    // The client was left alone, and nothing else was found about it.
+    assert_eq!(member.try_wait().unwrap(), None);
+    let about_member = d.get("/v1/events").body["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["pid"] == member.id())
+        .count();
+    assert_eq!(about_member, 0);
+    let _ = member.kill();
+    let _ = member.wait();
+}
+
+#[test]
+fn a_daemon_that_cannot_start_leaves_the_reservation_advisory_or_under_require_refuses_it() {
+    if !is_root() {
+        missing_prerequisite("root");
+        return;
+    }
+    let mps = tempfile::tempdir().unwrap();
+    // A control program that is there but fails: `false`.
+    for (require, expect) in [(false, 201), (true, 422)] {
+        let config = format!(
+            "[isolation]\nrequire = {require}\nmps_control = \"/bin/false\"\nmps_dir = \"{}\"\n",
+            mps.path().display()
+        );
+        let d = Daemon::start("t4-pair", &config);
+        let r = d.post(
+            "/v1/reservations",
+            r#"{"memory": "1GiB", "devices": ["0"], "ttl_seconds": 60}"#,
+        );
+        assert_eq!(r.status, expect, "{}", r.text);
+        let says = if require {
+            r.body["error"]["message"].as_str().unwrap().to_owned()
+        } else {
+            assert_eq!(r.body["isolation"]["mode"], "advisory", "{}", r.text);
+            r.body["isolation"]["reason"].as_str().unwrap().to_owned()
+        };
+        assert!(says.contains("MPS daemon could not start"), "{says}");
+        assert!(d.active().len() == usize::from(!require));
+        assert_eq!(std::fs::read_dir(mps.path()).unwrap().count(), 0);
+    }
+}
