@@ -243,27 +243,23 @@ async fn serve(config: Config, config_path: Option<PathBuf>) -> Result<(), Serve
         let workloads = workloads.clone();
         tokio::task::spawn_blocking(move || workloads.sweep(&in_use)).await?;
     }
+    // What a crash left of reservations that have ended, by id.
+    let active: std::collections::HashSet<String> = broker
+        .snapshot()
+        .reservations
+        .iter()
+        .map(|r| r.id.clone())
+        .collect();
     if let Ok(mps) = mps {
-        // Daemons a crash left of reservations that have ended: their ends are being
-        // undone by the broker thread too, which finds nothing left of those it gets to.
-        let active: std::collections::HashSet<String> = broker
-            .snapshot()
-            .reservations
-            .iter()
-            .map(|r| r.id.clone())
-            .collect();
+        // Their MPS daemons: their ends are being undone by the broker thread too, which
+        // finds nothing left of those it gets to.
+        let active = active.clone();
         let stopped = tokio::task::spawn_blocking(move || mps.sweep(&active)).await?;
         for id in stopped {
             tracing::info!(reservation = %id, "stopped the MPS daemon of an ended reservation");
         }
     }
     if config.cdi.enabled {
-        let active: std::collections::HashSet<String> = broker
-            .snapshot()
-            .reservations
-            .iter()
-            .map(|r| r.id.clone())
-            .collect();
         match crate::cdi::remove_stale(&config.cdi.spec_dir, &active) {
             Ok(removed) if !removed.is_empty() => {
                 tracing::info!(
