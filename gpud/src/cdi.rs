@@ -22,6 +22,13 @@
 //!   and a container that names a device before gpud has started cannot start anyway.
 //! - **Mode 0644** on the file, and 0755 on a directory created here, whatever the umask
 //!   (gpud.service sets 0077): rootless runtimes read the directory as their user.
+//! - **An MPS reservation's daemon is mounted in** ([`MpsMounts`]): its pipe directory at
+//!   the same path, which `CUDA_MPS_PIPE_DIRECTORY` names, and, for a reservation made for
+//!   Kubernetes containers, its daemon's shared-memory directory as `/dev/shm` (client and
+//!   server exchange through shared memory there). Without one (a lease named with
+//!   `--device`), the container must share the host's IPC (`--ipc=host`): gpud never mounts
+//!   the host's `/dev/shm`, which would hand the container every other process's shared
+//!   memory. Bind mounts with `type` need `cdiVersion` 0.4.0, within 0.5.0.
 
 use std::collections::HashSet;
 use std::fs;
@@ -73,31 +80,75 @@ pub fn device_name(id: &str) -> String {
     format!("{KIND}={id}")
 }
 
+/// What a container of an MPS reservation must see of its daemon (paths as the runtime
+/// sees them: gpud's).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MpsMounts {
+    /// The daemon's pipe directory, mounted at the same path: `CUDA_MPS_PIPE_DIRECTORY`.
+    pub pipe: PathBuf,
+    /// The daemon's `/dev/shm`, mounted as the container's; `None`: the daemon has the
+    /// host's, which the container must share itself (`--ipc=host`).
+    pub shm: Option<PathBuf>,
+}
+
+/// Where a container's `/dev/shm` is.
+pub const DEV_SHM: &str = "/dev/shm";
+
+/// The spec's bind mounts for `mps`: the pipe directory, then the shared-memory one.
+fn mounts(mps: &MpsMounts) -> Vec<Value> {
+    let bind = |host: &Path, container: &Path, options: &[&str]| {
+        json!({
+            "hostPath": host.to_string_lossy(),
+            "containerPath": container.to_string_lossy(),
+            "type": "bind",
+            "options": options,
+        })
+    };
+    let mut mounts = vec![bind(
+        &mps.pipe,
+        &mps.pipe,
+        &["bind", "rw", "nosuid", "nodev", "noexec"],
+    )];
+    if let Some(shm) = &mps.shm {
+        mounts.push(bind(
+            shm,
+            Path::new(DEV_SHM),
+            &["bind", "rw", "nosuid", "nodev"],
+        ));
+    }
+    mounts
+}
+
 /// The CDI spec of reservation `id`: one device, named after the reservation, whose edits
-/// are the reservation's environment `env` and a `createContainer` hook running `hook` (gpuctl's
-/// absolute path as the runtime sees it) against gpud's `socket` (as the runtime sees it).
-pub fn spec(id: &str, env: &Env, hook: &Path, socket: &Path) -> Value {
+/// are the reservation's environment `env`, a `createContainer` hook running `hook` (gpuctl's
+/// absolute path as the runtime sees it) against gpud's `socket` (as the runtime sees it),
+/// and for an MPS reservation its daemon's directories (`mps`).
+pub fn spec(id: &str, env: &Env, hook: &Path, socket: &Path, mps: Option<&MpsMounts>) -> Value {
     let env: Vec<String> = env.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    let mut edits = json!({
+        "env": env,
+        "hooks": [{
+            "hookName": "createContainer",
+            "path": hook.to_string_lossy(),
+            "args": [
+                "gpuctl",
+                "--socket",
+                socket.to_string_lossy(),
+                HOOK_SUBCOMMAND,
+                "--reservation",
+                id,
+            ],
+        }],
+    });
+    if let (Some(mps), Some(edits)) = (mps, edits.as_object_mut()) {
+        edits.insert("mounts".to_owned(), Value::Array(mounts(mps)));
+    }
     json!({
         "cdiVersion": CDI_VERSION,
         "kind": KIND,
         "devices": [{
             "name": id,
-            "containerEdits": {
-                "env": env,
-                "hooks": [{
-                    "hookName": "createContainer",
-                    "path": hook.to_string_lossy(),
-                    "args": [
-                        "gpuctl",
-                        "--socket",
-                        socket.to_string_lossy(),
-                        HOOK_SUBCOMMAND,
-                        "--reservation",
-                        id,
-                    ],
-                }],
-            },
+            "containerEdits": edits,
         }],
     })
 }
@@ -140,14 +191,16 @@ fn spec_path(dir: &Path, id: &str) -> PathBuf {
     dir.join(format!("gpud-{id}.json"))
 }
 
-/// Writes the spec of `r` to `<dir>/gpud-<id>.json` atomically (mode 0644), creating `dir`
-/// (mode 0755) if it is missing, and returns the file's path. Blocking.
+/// Writes the [`spec`] of reservation `id` to `<dir>/gpud-<id>.json` atomically (mode
+/// 0644), creating `dir` (mode 0755) if it is missing, and returns the file's path.
+/// Blocking.
 pub fn write_spec(
     dir: &Path,
     id: &str,
     env: &Env,
     hook: &Path,
     socket: &Path,
+    mps: Option<&MpsMounts>,
 ) -> io::Result<PathBuf> {
     check_id(id)?;
     if !dir.is_dir() {
@@ -157,7 +210,7 @@ pub fn write_spec(
     let path = spec_path(dir, id);
     let temp = dir.join(format!(".gpud-{id}.json.tmp"));
     let mut text =
-        serde_json::to_vec_pretty(&spec(id, env, hook, socket)).map_err(io::Error::other)?;
+        serde_json::to_vec_pretty(&spec(id, env, hook, socket, mps)).map_err(io::Error::other)?;
     text.push(b'\n');
     let written = fs::OpenOptions::new()
         .write(true)

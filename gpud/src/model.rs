@@ -495,6 +495,12 @@ pub struct ReservationIsolation {
     /// The cgroup is one gpud made for the workload.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub owned: Option<OwnedCgroup>,
+    /// The shared-memory directory of its MPS daemon (`<mps_dir>/<id>/shm`), when the
+    /// daemon runs with it as its `/dev/shm` rather than the host's: a reservation made for
+    /// Kubernetes containers, whose CDI spec mounts it as theirs. Absent in rows written
+    /// before it existed, which read as the host's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mps_shm: Option<String>,
 }
 
 impl ReservationIsolation {
@@ -525,12 +531,18 @@ impl ReservationIsolation {
             cgroup,
             reason: Some(reason),
             owned,
+            mps_shm: None,
         }
     }
 
-    /// This isolation made advisory for `reason`, on the same cgroup.
+    /// This isolation made advisory for `reason`, on the same cgroup. An MPS daemon's
+    /// shared-memory directory stays recorded: a daemon started for it again (its container
+    /// attached) is started the same way.
     pub fn made_advisory(&self, reason: String) -> ReservationIsolation {
-        ReservationIsolation::advisory(self.cgroup.clone(), self.owned.clone(), reason)
+        ReservationIsolation {
+            mps_shm: self.mps_shm.clone(),
+            ..ReservationIsolation::advisory(self.cgroup.clone(), self.owned.clone(), reason)
+        }
     }
 }
 

@@ -76,6 +76,48 @@ pub fn run_container(user: Option<&str>, flags: &[&str], command: &[&str]) -> Ou
     podman_as(user, &args)
 }
 
+/// Where [`host_program`] mounts a program in the container.
+pub const HOST_PROGRAMS: &str = "/opt/gpud-test";
+
+/// `podman run` flags that mount the host's dynamically linked `program` read-only at
+/// `HOST_PROGRAMS/<its name>` with the shared libraries it needs (as `ldd` lists them, the
+/// dynamic loader included) at their own paths: the busybox image has no C library. The
+/// program's path in the container, and the flags. Mounted rather than built statically:
+/// the test runs the very binary the other tests run on the host.
+pub fn host_program(program: &std::path::Path) -> (String, Vec<String>) {
+    let name = program.file_name().unwrap().to_string_lossy().into_owned();
+    let inside = format!("{HOST_PROGRAMS}/{name}");
+    let ldd = Command::new("ldd").arg(program).output().unwrap();
+    assert!(
+        ldd.status.success(),
+        "ldd {}: {}",
+        program.display(),
+        text(&ldd.stderr)
+    );
+    // `libc.so.6 => /lib/x86_64-linux-gnu/libc.so.6 (0x…)` and `/lib64/ld-linux….so.2 (0x…)`;
+    // the vDSO has no file.
+    let libraries: Vec<String> = text(&ldd.stdout)
+        .lines()
+        .filter_map(|line| {
+            let path = match line.split_once("=>") {
+                Some((_, right)) => right.split_whitespace().next()?,
+                None => line.split_whitespace().next()?,
+            };
+            path.starts_with('/').then(|| path.to_owned())
+        })
+        .collect();
+    assert!(!libraries.is_empty(), "{}", text(&ldd.stdout));
+    let mut flags = vec![
+        "-v".to_owned(),
+        format!("{}:{inside}:ro", program.display()),
+    ];
+    for library in libraries {
+        flags.push("-v".to_owned());
+        flags.push(format!("{library}:{library}:ro"));
+    }
+    (inside, flags)
+}
+
 pub fn shell_quoted(s: &str) -> String {
     format!("'{}'", s.replace('\'', r"'\''"))
 }

@@ -2,7 +2,9 @@
 //! rootless, against the fake R615 driver. What a container gets (the environment, its own
 //! cgroup limited before its first instruction), what another process reads back through
 //! NVIDIA's own binding, what `[isolation] require` refuses, and that nothing is left
-//! behind.
+//! behind. On an older driver with the fake MPS (`tests/fake-mps`): a claim's container
+//! reaches its reservation's own MPS server through the pipe directory and the `/dev/shm`
+//! its CDI device mounts.
 //!
 //! Needs root, cgroup v2 (pure or hybrid), `podman`, `runc`, a static busybox (the image is
 //! made from it, no registry), `.venv` with nvidia-ml-py, and for the rootless cases the user
@@ -20,7 +22,7 @@ use serde_json::{Value, json};
 
 use gpud_tests::apiserver::ApiServer;
 use gpud_tests::containers::{
-    IMAGE, RUN, SPEC_DIR, make_image, podman_as, run_container, shell_quoted, text,
+    IMAGE, RUN, SPEC_DIR, host_program, make_image, podman_as, run_container, shell_quoted, text,
 };
 use gpud_tests::dra::{self, Kubelet};
 use gpud_tests::isolation::{Isolated, limits_left, limits_on, prerequisites, python, r615};
@@ -570,4 +572,164 @@ fn a_prepared_dra_claim_s_cdi_device_limits_its_container_to_the_claim_s_share()
     );
     assert_eq!(limits_on(&setup.python, d, &gpu, &cgroup), None);
     assert!(!spec("dra-uid-ctr").exists());
+}
+
+/// `fake-cuda-client` (the host's binary, mounted) run in a container with `flags`: its
+/// JSON line, exit code and stderr.
+fn client_in_container(flags: &[&str]) -> (Value, Option<i32>, String) {
+    let client = gpud_tests::target_dir().join("fake-cuda-client");
+    assert!(
+        client.exists(),
+        "`cargo build --workspace` builds {}",
+        client.display()
+    );
+    let (inside, mounts) = host_program(&client);
+    let mut all = vec!["--rm"];
+    all.extend_from_slice(flags);
+    all.extend(mounts.iter().map(String::as_str));
+    let out = run_container(None, &all, &[&inside]);
+    let stdout = text(&out.stdout);
+    let line = stdout.lines().last().unwrap_or("null");
+    let value = serde_json::from_str(line).unwrap_or(Value::Null);
+    (value, out.status.code(), text(&out.stderr))
+}
+
+/// Processes whose environment names a pipe directory under `mps`: MPS daemons and servers.
+fn mps_processes(mps: &Path) -> Vec<u32> {
+    let needle = format!("CUDA_MPS_PIPE_DIRECTORY={}", mps.display());
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            let running = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .is_ok_and(|stat| !stat.contains(") Z "));
+            running
+                && std::fs::read(format!("/proc/{pid}/environ"))
+                    .is_ok_and(|env| String::from_utf8_lossy(&env).contains(&needle))
+        })
+        .collect()
+}
+
+#[test]
+fn an_mps_claim_s_container_reaches_its_own_server_and_a_lease_s_needs_the_host_s_ipc() {
+    let Some(setup) = setup() else { return };
+    let api = ApiServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let mps = tempfile::Builder::new()
+        .prefix("gpud-mps")
+        .tempdir()
+        .unwrap();
+    let control = gpud_tests::target_dir().join("nvidia-cuda-mps-control");
+    assert!(
+        control.exists(),
+        "`cargo build --workspace` builds {}",
+        control.display()
+    );
+    let extra = format!(
+        "mps_control = {:?}\nmps_dir = {:?}\n{}",
+        control.display().to_string(),
+        mps.path().display().to_string(),
+        dra::config(&api, dir.path())
+    );
+    // A driver before R615: it leaves the GPUs advisory, and MPS holds them.
+    let mut iso = gpud(&setup, "ctr-mps", &extra, false);
+    let gpus = iso.d.get("/v1/gpus").body;
+    assert_eq!(gpus["gpus"][0]["isolation"]["mode"], "mps", "{gpus}");
+
+    // A claim prepared for a pod, and its container started with the device the kubelet
+    // was answered: its client is served by the claim's own server, with the claim's caps.
+    api.claim("ml", "infer", "uid-mps", dra::share("gpu-0", "3Gi"));
+    let kubelet = Kubelet::new(dir.path());
+    let answer = kubelet.prepare(vec![dra::claim("infer", "uid-mps")]);
+    let entry = &answer.claims["uid-mps"];
+    assert_eq!(entry.error, "");
+    let cdi = entry.devices[0].cdi_device_ids[0].clone();
+    let claim = reservation(&iso.d, "dra-uid-mps");
+    assert_eq!(claim["isolation"]["mode"], "mps", "{claim}");
+    let (got, code, stderr) = client_in_container(&["--device", &cdi]);
+    assert_eq!(code, Some(0), "{got} {stderr}");
+    assert_eq!(got["mps"], true, "{got}");
+    assert_eq!(
+        got["pipe"], claim["env"]["CUDA_MPS_PIPE_DIRECTORY"],
+        "{got}"
+    );
+    assert_eq!(got["pinned_mem_limits"], json!({"0": 3 * GIB}), "{got}");
+    let state: Value = serde_json::from_slice(
+        &std::fs::read(mps.path().join("dra-uid-mps/log/fake-mps-state.json")).unwrap(),
+    )
+    .unwrap();
+    let compute = claim["compute"].as_f64().unwrap();
+    assert!(compute > 0.0 && compute < 100.0, "{claim}");
+    assert_eq!(
+        got["active_thread_percentage"].as_f64(),
+        Some(compute),
+        "{got}"
+    );
+    assert_eq!(
+        state["default_active_thread_percentage"].as_f64(),
+        Some(compute)
+    );
+    let server = state["servers"][0]["pid"].clone();
+    assert_eq!(got["server_pid"], server, "{state}");
+
+    // gpud killed, and the claim's daemon and server with it: gpud starts a new daemon the
+    // same way, its /dev/shm the claim's directory still, and the next container is served.
+    iso.d.kill9();
+    let pid_file = mps
+        .path()
+        .join("dra-uid-mps/pipe/nvidia-cuda-mps-control.pid");
+    let daemon = std::fs::read_to_string(&pid_file).unwrap();
+    for pid in [daemon.trim().to_owned(), server.to_string()] {
+        assert!(
+            Command::new("kill")
+                .args(["-9", &pid])
+                .status()
+                .unwrap()
+                .success()
+        );
+    }
+    iso.d.spawn();
+    let again = wait_for(PATIENCE, || {
+        let pid = std::fs::read_to_string(&pid_file).ok()?;
+        (pid != daemon).then_some(pid)
+    });
+    assert!(again.is_some(), "the claim's daemon was not started again");
+    let (got, code, stderr) = client_in_container(&["--device", &cdi]);
+    assert_eq!(code, Some(0), "{got} {stderr}");
+    assert_eq!(got["pinned_mem_limits"], json!({"0": 3 * GIB}), "{got}");
+    let d = &iso.d;
+
+    // A lease's device mounts the pipe, not a /dev/shm: its container is not served (its
+    // /dev/shm is its own), unless it shares the host's IPC, as its daemon does.
+    let (lease, _) = lease(d, 1);
+    assert_eq!(reservation(d, &lease)["isolation"]["mode"], "mps");
+    let (got, code, stderr) = client_in_container(&["--device", &device(&lease)]);
+    assert_eq!(code, Some(1), "{got} {stderr}");
+    assert_eq!(
+        got,
+        json!({"mps": false, "error": "cannot reach the MPS server's shared memory"})
+    );
+    let (got, code, stderr) = client_in_container(&["--ipc", "host", "--device", &device(&lease)]);
+    assert_eq!(code, Some(0), "{got} {stderr}");
+    assert_eq!(got["mps"], true, "{got}");
+    assert_eq!(got["pinned_mem_limits"], json!({"0": GIB}), "{got}");
+
+    // Unprepared and released: no daemon, server, directory or spec is left.
+    assert_eq!(
+        kubelet.unprepare(vec![dra::claim("infer", "uid-mps")]),
+        [""]
+    );
+    assert_eq!(d.delete(&format!("/v1/reservations/{lease}")).status, 200);
+    let gone = wait_for(PATIENCE, || {
+        let dirs = std::fs::read_dir(mps.path()).map_or(0, |d| d.count());
+        (dirs == 0 && mps_processes(mps.path()).is_empty()).then_some(())
+    });
+    assert!(
+        gone.is_some(),
+        "left: {:?}, processes {:?}",
+        std::fs::read_dir(mps.path()).map(|d| d.flatten().map(|e| e.path()).collect::<Vec<_>>()),
+        mps_processes(mps.path())
+    );
+    assert!(!spec("dra-uid-mps").exists() && !spec(&lease).exists());
 }

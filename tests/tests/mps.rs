@@ -12,6 +12,8 @@ use std::path::{Path, PathBuf};
 
 use std::process::{Command, Stdio};
 
+use gpud_tests::apiserver::ApiServer;
+use gpud_tests::dra::{self, Kubelet};
 use gpud_tests::{Daemon, GIB, PATIENCE, curl_as, is_root, missing_prerequisite, wait_for};
 use serde_json::{Value, json};
 
@@ -401,4 +403,181 @@ fn a_daemon_that_cannot_start_leaves_the_reservation_advisory_or_under_require_r
         assert!(d.active().len() == usize::from(!require));
         assert_eq!(std::fs::read_dir(mps.path()).unwrap().count(), 0);
     }
+}
+
+/// A path's device and inode: the same directory whatever the mount namespace it is seen
+/// through.
+fn identity(path: &Path) -> (u64, u64) {
+    let meta = std::fs::metadata(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    (meta.dev(), meta.ino())
+}
+
+/// Where process `pid` sees `/dev/shm`: its root is followed in its own mount namespace.
+fn dev_shm_of(pid: u32) -> (u64, u64) {
+    identity(Path::new(&format!("/proc/{pid}/root/dev/shm")))
+}
+
+/// `fake-cuda-client` with `pipe`, run in process `pid`'s mount namespace (its /dev/shm).
+fn client_beside(pid: u32, pipe: &str) -> (Value, i32) {
+    let out = Command::new("nsenter")
+        .arg(format!("--mount=/proc/{pid}/ns/mnt"))
+        .arg(fake("fake-cuda-client"))
+        .env("CUDA_MPS_PIPE_DIRECTORY", pipe)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let line = String::from_utf8_lossy(&out.stdout);
+    let value = serde_json::from_str(line.lines().last().unwrap_or("null")).unwrap_or(Value::Null);
+    (value, out.status.code().unwrap_or(-1))
+}
+
+#[test]
+fn a_claim_s_daemon_has_a_dev_shm_of_its_own_and_a_lease_s_the_host_s() {
+    let api = ApiServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let cdi = dir.path().join("cdi");
+    let config = format!(
+        "{}[cdi]\nenabled = true\nspec_dir = {:?}\n",
+        dra::config(&api, dir.path()),
+        cdi.display().to_string()
+    );
+    let Some((mut d, mps)) = start(&config) else {
+        return;
+    };
+    // A claim prepared for a pod (an exact reservation, as the kubelet plugin's Allocate
+    // makes too) and a lease on the same GPU.
+    api.claim("ml", "infer", "uid-shm", dra::share("gpu-0", "2Gi"));
+    let kubelet = Kubelet::new(dir.path());
+    let answer = kubelet.prepare(vec![dra::claim("infer", "uid-shm")]);
+    assert_eq!(answer.claims["uid-shm"].error, "");
+    let claim = "dra-uid-shm";
+    let r = d.get(&format!("/v1/reservations/{claim}")).body;
+    assert_eq!(r["isolation"]["mode"], "mps", "{r}");
+    let lease = lease(
+        &d,
+        json!({"memory": "1GiB", "devices": ["0"], "ttl_seconds": 300}),
+    );
+    let lease = lease["id"].as_str().unwrap().to_owned();
+
+    // The claim's shared-memory directory: its owner's alone, like the pipe's.
+    let shm = mps.join(claim).join("shm");
+    let meta = std::fs::metadata(&shm).unwrap();
+    assert_eq!(
+        (meta.permissions().mode() & 0o777, u64::from(meta.uid())),
+        (0o700, r["owner_uid"].as_u64().unwrap())
+    );
+    assert!(!mps.join(&lease).join("shm").exists());
+    // Its daemon sees it as /dev/shm, bound there in a mount namespace of its own; the
+    // lease's daemon sees the host's, in gpud's namespace.
+    let host = identity(Path::new("/dev/shm"));
+    let daemon = daemon_pid(&mps, claim);
+    assert_eq!(dev_shm_of(daemon), identity(&shm));
+    assert_ne!(dev_shm_of(daemon), host);
+    let mountinfo = std::fs::read_to_string(format!("/proc/{daemon}/mountinfo")).unwrap();
+    let bound = mountinfo
+        .lines()
+        .rfind(|l| l.split(' ').nth(4) == Some("/dev/shm"))
+        .unwrap();
+    assert!(
+        bound
+            .split(' ')
+            .nth(3)
+            .unwrap()
+            .ends_with(&format!("/{claim}/shm")),
+        "{bound}"
+    );
+    let gpud_ns = std::fs::read_link(format!("/proc/{}/ns/mnt", d.pid())).unwrap();
+    assert_ne!(
+        std::fs::read_link(format!("/proc/{daemon}/ns/mnt")).unwrap(),
+        gpud_ns
+    );
+    let lease_daemon = daemon_pid(&mps, &lease);
+    assert_eq!(dev_shm_of(lease_daemon), host);
+    assert_eq!(
+        std::fs::read_link(format!("/proc/{lease_daemon}/ns/mnt")).unwrap(),
+        gpud_ns
+    );
+
+    // Their CDI specs mount the pipe directory, and the claim's its /dev/shm.
+    let mounts = |id: &str| {
+        let spec: Value =
+            serde_json::from_slice(&std::fs::read(cdi.join(format!("gpud-{id}.json"))).unwrap())
+                .unwrap();
+        let mounts = spec["devices"][0]["containerEdits"]["mounts"]
+            .as_array()
+            .unwrap()
+            .clone();
+        mounts
+            .iter()
+            .map(|m| {
+                (
+                    m["hostPath"].as_str().unwrap().to_owned(),
+                    m["containerPath"].as_str().unwrap().to_owned(),
+                )
+            })
+            .collect::<Vec<_>>()
+    };
+    let pipe_of = |id: &str| mps.join(id).join("pipe").display().to_string();
+    assert_eq!(
+        mounts(claim),
+        [
+            (pipe_of(claim), pipe_of(claim)),
+            (shm.display().to_string(), "/dev/shm".to_owned())
+        ]
+    );
+    assert_eq!(mounts(&lease), [(pipe_of(&lease), pipe_of(&lease))]);
+
+    // A client sharing the daemon's /dev/shm is served, and its server runs there too; a
+    // host process is not (its /dev/shm is the host's): the claim is its pods'.
+    let pipe = mps.join(claim).join("pipe").display().to_string();
+    let (got, code) = client_beside(daemon, &pipe);
+    assert_eq!((got["mps"].clone(), code), (json!(true), 0), "{got}");
+    assert_eq!(got["pinned_mem_limits"]["0"], 2 * GIB, "{got}");
+    let server = u32::try_from(state(&mps, claim)["servers"][0]["pid"].as_u64().unwrap()).unwrap();
+    assert_eq!(dev_shm_of(server), identity(&shm));
+    let (got, code) = client(&[("CUDA_MPS_PIPE_DIRECTORY", &pipe)], &[]);
+    assert_eq!(code, 1, "{got}");
+    assert_eq!(
+        got,
+        json!({"mps": false, "error": "cannot reach the MPS server's shared memory"})
+    );
+    let lease_pipe = mps.join(&lease).join("pipe").display().to_string();
+    let (got, _) = client(&[("CUDA_MPS_PIPE_DIRECTORY", &lease_pipe)], &[]);
+    assert_eq!(got["mps"], true, "{got}");
+
+    // gpud killed, and the claim's daemon with it: at the next start the lease's is
+    // adopted as it is, and the claim's replaced the same way, with its own /dev/shm.
+    d.kill9();
+    kill_now(daemon);
+    kill_now(server);
+    d.spawn();
+    let replaced = wait_for(PATIENCE, || {
+        let pid = std::fs::read_to_string(mps.join(claim).join("pipe/nvidia-cuda-mps-control.pid"))
+            .ok()?
+            .trim()
+            .parse::<u32>()
+            .ok()?;
+        (pid != daemon && alive(pid)).then_some(pid)
+    })
+    .expect("the claim's daemon was not started again");
+    assert_eq!(dev_shm_of(replaced), identity(&shm));
+    assert_eq!(daemon_pid(&mps, &lease), lease_daemon);
+    assert_eq!(dev_shm_of(lease_daemon), host);
+    let (got, _) = client_beside(replaced, &pipe);
+    assert_eq!(got["pinned_mem_limits"]["0"], 2 * GIB, "{got}");
+
+    // Unprepared and released: no daemon, server or directory is left.
+    assert_eq!(
+        kubelet.unprepare(vec![dra::claim("infer", "uid-shm")]),
+        [""]
+    );
+    assert_eq!(d.delete(&format!("/v1/reservations/{lease}")).status, 200);
+    wait_all_gone(&mps);
+    assert!(!alive(replaced) && !alive(lease_daemon));
+}
+
+/// SIGKILL to `pid`, waiting until it is gone.
+fn kill_now(pid: u32) {
+    let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
+    assert!(wait_for(PATIENCE, || (!alive(pid)).then_some(())).is_some());
 }

@@ -446,6 +446,8 @@ impl Executor {
                     .collect(),
                 // A share below the whole GPU holds its clients to that part of the SMs.
                 active_thread_percentage: (1..100).contains(&r.compute).then_some(r.compute),
+                // Kubernetes containers' reservations: a /dev/shm of its own, theirs.
+                private_shm: r.isolation.mps_shm.is_some(),
                 id: r.id,
                 uid: r.owner_uid,
                 gid: r.owner_gid,
@@ -508,12 +510,25 @@ impl Executor {
 
     /// Writes the CDI specs of new reservations and removes those of ended ones, before
     /// anyone hears of them: the kubelet passes a device name on to the runtime at once.
+    /// Runs after the group's MPS daemons were started: an MPS reservation's spec mounts its
+    /// daemon's directories, those of a daemon that could not start (removed, the
+    /// reservation advisory) excepted.
     fn write_cdi_specs(&self, effects: &mut Effects) {
         let config = &self.ledger.settings().config;
         let (dir, hook) = (&config.cdi.spec_dir, &config.cdi.hook);
         let socket = crate::cdi::socket_as_runtimes_see_it(config);
+        let published = self.published.load();
         for (id, env) in std::mem::take(&mut effects.cdi_written) {
-            if let Err(e) = crate::cdi::write_spec(dir, &id, &env, hook, &socket) {
+            let pipe = crate::model::mps_pipe_dir(&config.isolation.mps_dir, &id);
+            let isolation = published.reservations.get(&id).map(|r| &r.isolation);
+            let mps =
+                isolation
+                    .filter(|i| i.is_mps() && pipe.is_dir())
+                    .map(|i| crate::cdi::MpsMounts {
+                        pipe: pipe.clone(),
+                        shm: i.mps_shm.as_ref().map(std::path::PathBuf::from),
+                    });
+            if let Err(e) = crate::cdi::write_spec(dir, &id, &env, hook, &socket, mps.as_ref()) {
                 tracing::error!(reservation = %id, error = %e, "could not write the CDI spec");
             }
         }

@@ -50,7 +50,26 @@ fn reservation(id: &str) -> Reservation {
 
 fn spec_of(id: &str) -> Value {
     let r = reservation(id);
-    spec(&r.id, &r.env, Path::new(HOOK), Path::new(SOCKET))
+    spec(&r.id, &r.env, Path::new(HOOK), Path::new(SOCKET), None)
+}
+
+const PIPE: &str = "/run/gpud/mps/k8s-3f9a0c12b4d7/pipe";
+const SHM: &str = "/run/gpud/mps/k8s-3f9a0c12b4d7/shm";
+
+/// The spec of an MPS reservation `id`, its daemon with its own shared memory or not.
+fn mps_spec_of(id: &str, own_shm: bool) -> Value {
+    let r = reservation(id);
+    let mps = MpsMounts {
+        pipe: PathBuf::from(PIPE),
+        shm: own_shm.then(|| PathBuf::from(SHM)),
+    };
+    spec(
+        &r.id,
+        &r.env,
+        Path::new(HOOK),
+        Path::new(SOCKET),
+        Some(&mps),
+    )
 }
 
 #[test]
@@ -139,9 +158,10 @@ fn schema_errors(validator: &jsonschema::Validator, spec: &Value) -> Vec<String>
 fn the_spec_matches_the_cdi_schema_and_has_no_field_it_does_not_know() {
     let (lax, strict) = (cdi_validator(false), cdi_validator(true));
     for id in ["19a2b3c4d5e00001", "k8s-3f9a0c12b4d7", "a", "job.42_b"] {
-        let spec = spec_of(id);
-        assert_eq!(schema_errors(&lax, &spec), Vec::<String>::new(), "{id}");
-        assert_eq!(schema_errors(&strict, &spec), Vec::<String>::new(), "{id}");
+        for spec in [spec_of(id), mps_spec_of(id, true), mps_spec_of(id, false)] {
+            assert_eq!(schema_errors(&lax, &spec), Vec::<String>::new(), "{id}");
+            assert_eq!(schema_errors(&strict, &spec), Vec::<String>::new(), "{id}");
+        }
     }
     // The validators do refuse: a field the schema does not know (only the strict one),
     // a required field missing, a wrong type.
@@ -158,6 +178,61 @@ fn the_spec_matches_the_cdi_schema_and_has_no_field_it_does_not_know() {
     let mut wrong = spec_of("a");
     wrong["devices"][0]["containerEdits"]["hooks"][0]["args"] = json!("gpuctl cdi-hook");
     assert!(!schema_errors(&lax, &wrong).is_empty());
+    // And a mount: one without its container path, or with a misspelt field.
+    let mut mount = mps_spec_of("a", true);
+    mount["devices"][0]["containerEdits"]["mounts"][1]
+        .as_object_mut()
+        .unwrap()
+        .remove("containerPath");
+    assert!(!schema_errors(&lax, &mount).is_empty());
+    let mut mount = mps_spec_of("a", true);
+    mount["devices"][0]["containerEdits"]["mounts"][0]["hostpath"] = json!(PIPE);
+    assert!(!schema_errors(&strict, &mount).is_empty());
+}
+
+#[test]
+fn an_mps_reservation_s_spec_mounts_its_pipe_and_its_daemon_s_shared_memory() {
+    let id = "k8s-3f9a0c12b4d7";
+    let pipe = json!({
+        "hostPath": PIPE,
+        "containerPath": PIPE,
+        "type": "bind",
+        "options": ["bind", "rw", "nosuid", "nodev", "noexec"],
+    });
+    let shm = json!({
+        "hostPath": SHM,
+        "containerPath": "/dev/shm",
+        "type": "bind",
+        "options": ["bind", "rw", "nosuid", "nodev"],
+    });
+    // Made for Kubernetes containers: its daemon's /dev/shm is theirs.
+    let own = mps_spec_of(id, true);
+    assert_eq!(
+        own["devices"][0]["containerEdits"]["mounts"],
+        json!([pipe, shm])
+    );
+    // A lease: the pipe only (the container shares the host's IPC to reach its server).
+    let lease = mps_spec_of(id, false);
+    assert_eq!(
+        lease["devices"][0]["containerEdits"]["mounts"],
+        json!([pipe])
+    );
+    // Everything else is the spec of any reservation.
+    for mut with_mounts in [own, lease] {
+        with_mounts["devices"][0]["containerEdits"]
+            .as_object_mut()
+            .unwrap()
+            .remove("mounts");
+        assert_eq!(with_mounts, spec_of(id));
+    }
+    // Not MPS: no mounts at all.
+    let plain = spec_of(id);
+    let edits = plain["devices"][0]["containerEdits"].as_object().unwrap();
+    assert_eq!(
+        edits.keys().collect::<Vec<_>>(),
+        ["env", "hooks"],
+        "{plain}"
+    );
 }
 
 /// `vendor` and `class` of a kind, as the CDI library's parser checks them: a letter first,
@@ -211,6 +286,18 @@ fn spec_rule_violations(spec: &Value) -> Vec<String> {
                 wrong.push(format!("env {var}"));
             }
         }
+        // Mounts: absolute paths (the library cleans them as such); `type` needs 0.4.0.
+        let mounts = device["containerEdits"]["mounts"].as_array();
+        for mount in mounts.into_iter().flatten() {
+            for path in ["hostPath", "containerPath"] {
+                if !mount[path].as_str().unwrap().starts_with('/') {
+                    wrong.push(format!("a mount's {path} must be absolute: {mount}"));
+                }
+            }
+            if mount.get("type").is_some() && spec["cdiVersion"].as_str() < Some("0.4.0") {
+                wrong.push("a mount's type needs cdiVersion 0.4.0".to_owned());
+            }
+        }
     }
     wrong
 }
@@ -218,11 +305,9 @@ fn spec_rule_violations(spec: &Value) -> Vec<String> {
 #[test]
 fn the_spec_keeps_the_rules_the_schema_does_not_state() {
     for id in ["19a2b3c4d5e00001", "k8s-3f9a0c12b4d7", "a", "job.42_b"] {
-        assert_eq!(
-            spec_rule_violations(&spec_of(id)),
-            Vec::<String>::new(),
-            "{id}"
-        );
+        for spec in [spec_of(id), mps_spec_of(id, true), mps_spec_of(id, false)] {
+            assert_eq!(spec_rule_violations(&spec), Vec::<String>::new(), "{id}");
+        }
     }
     // gpud's own ids are hex and often begin with a digit: a device name that does needs
     // 0.5.0, and nothing in the spec needs more (annotations or a dotted class would need
@@ -237,7 +322,7 @@ fn the_spec_keeps_the_rules_the_schema_does_not_state() {
 /// Writes the spec of [`reservation`]`(id)` to `dir`, as gpud does by default.
 fn write(dir: &Path, id: &str) -> io::Result<PathBuf> {
     let r = reservation(id);
-    write_spec(dir, &r.id, &r.env, Path::new(HOOK), Path::new(SOCKET))
+    write_spec(dir, &r.id, &r.env, Path::new(HOOK), Path::new(SOCKET), None)
 }
 
 fn mode(path: &Path) -> u32 {
@@ -258,7 +343,15 @@ fn write_spec_creates_the_directory_and_replaces_the_file_whole() {
     let root = tempfile::tempdir().unwrap();
     let dir = root.path().join("run/cdi");
     let r = reservation("19a2b3c4d5e00001");
-    let path = write_spec(&dir, &r.id, &r.env, Path::new(HOOK), Path::new(SOCKET)).unwrap();
+    let path = write_spec(
+        &dir,
+        &r.id,
+        &r.env,
+        Path::new(HOOK),
+        Path::new(SOCKET),
+        None,
+    )
+    .unwrap();
     assert_eq!(path, dir.join("gpud-19a2b3c4d5e00001.json"));
     assert_eq!(mode(&dir), 0o755);
     assert_eq!(mode(&path), 0o644);
@@ -273,6 +366,7 @@ fn write_spec_creates_the_directory_and_replaces_the_file_whole() {
         &r.env,
         Path::new(HOOK),
         Path::new("/tmp/g.sock"),
+        None,
     )
     .unwrap();
     let read: Value = serde_json::from_slice(&fs::read(&path).unwrap()).unwrap();
@@ -320,6 +414,27 @@ fn a_failed_write_names_the_path_and_leaves_nothing_behind() {
     fs::write(&file, "").unwrap();
     let e = write(&file, "a1").unwrap_err();
     assert!(e.to_string().contains(&file.display().to_string()), "{e}");
+}
+
+#[test]
+fn an_mps_spec_is_written_with_its_mounts() {
+    let dir = tempfile::tempdir().unwrap();
+    let r = reservation("k8s-3f9a0c12b4d7");
+    let mps = MpsMounts {
+        pipe: PathBuf::from(PIPE),
+        shm: Some(PathBuf::from(SHM)),
+    };
+    let path = write_spec(
+        dir.path(),
+        &r.id,
+        &r.env,
+        Path::new(HOOK),
+        Path::new(SOCKET),
+        Some(&mps),
+    )
+    .unwrap();
+    let read: Value = serde_json::from_slice(&fs::read(&path).unwrap()).unwrap();
+    assert_eq!(read, mps_spec_of(&r.id, true));
 }
 
 #[test]

@@ -256,6 +256,7 @@ pub fn decide(
             cgroup: target.cgroup.clone(),
             reason: None,
             owned: target.owned.clone(),
+            mps_shm: None,
         };
     }
     if let Err(reason) = enforceable(units, gpus, all_units) {
@@ -273,12 +274,14 @@ pub fn decide(
             cgroup: Some(cgroup.clone()),
             reason: None,
             owned: target.owned.clone(),
+            mps_shm: None,
         },
         None if target.awaits_attach => ReservationIsolation {
             mode: IsolationMode::Pending,
             cgroup: None,
             reason: Some(reason()),
             owned: None,
+            mps_shm: None,
         },
         None => advisory(reason()),
     }

@@ -23,10 +23,26 @@
 //!   its servers still running are killed, and the directory is removed.
 //! - **Adopted after a restart.** A daemon that still answers on its pipe directory keeps
 //!   serving (its clients keep running); one that does not is started afresh.
+//! - **A `/dev/shm` of its own for containers.** An MPS client and its server exchange
+//!   through POSIX shared memory in `/dev/shm`, and a container has a `/dev/shm` of its
+//!   own. A reservation made for Kubernetes containers ([`DaemonSpec::private_shm`]) gets a
+//!   directory, `<mps_dir>/<id>/shm` (0700, its owner's), that its daemon sees as
+//!   `/dev/shm` and its CDI spec mounts as the containers' (`crate::cdi`). The daemon is
+//!   started in a mount namespace of its own, made in the child between `fork` and `exec`
+//!   (`unshare(CLONE_NEWNS)`, `/` made a slave of gpud's mounts, the directory bound on
+//!   `/dev/shm`); it forks its servers there. A slave rather than private copy: gpud's
+//!   unmounts (a container's root file system going) still reach it, so it pins nothing of
+//!   the host's for as long as it lives, and its own bind never reaches the host. Done in
+//!   the child rather than through util-linux `unshare` and a shell: no programs to find
+//!   and no paths to quote, two system calls. Other reservations' daemons keep gpud's
+//!   `/dev/shm`, the host's, which their host processes share.
 
 use std::collections::HashSet;
+use std::ffi::{CStr, CString};
 use std::io::{Read, Write};
+use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -44,6 +60,12 @@ const START_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The pid file the control daemon writes in its pipe directory.
 const PID_FILE: &str = "nvidia-cuda-mps-control.pid";
+
+/// The shared-memory directory of reservation `id`'s daemon under `mps_dir`, for a daemon
+/// started with [`DaemonSpec::private_shm`]: its `/dev/shm`, and its containers'.
+pub fn shm_dir(mps_dir: &Path, id: &str) -> PathBuf {
+    mps_dir.join(id).join("shm")
+}
 
 /// The pid of the control daemon whose pipe directory is `pipe`, from the file it writes
 /// there; `None` when there is none.
@@ -95,6 +117,9 @@ pub struct DaemonSpec {
     /// The reservation's compute share below 100 %: the percentage of each GPU's SMs its
     /// clients may use (`set_default_active_thread_percentage`); `None`: all of them.
     pub active_thread_percentage: Option<u32>,
+    /// Started with [`shm_dir`] as its `/dev/shm`, in a mount namespace of its own (a
+    /// reservation for containers); otherwise it shares gpud's, the host's.
+    pub private_shm: bool,
 }
 
 /// The MPS control program and where the daemons' directories go.
@@ -143,7 +168,7 @@ impl Mps {
     /// Nothing is left behind when it fails.
     pub fn start(&self, spec: &DaemonSpec) -> Result<bool, MpsError> {
         let daemon = Daemon::of(self, &spec.id);
-        daemon.make_dirs(spec.uid, spec.gid)?;
+        daemon.make_dirs(spec.uid, spec.gid, spec.private_shm)?;
         let adopted = daemon.answers();
         if !adopted {
             let started = daemon
@@ -179,7 +204,8 @@ impl Mps {
     }
 
     /// Quits reservation `id`'s daemon, if one answers: its clients get [`QUIT_GRACE`] to
-    /// finish, then what still runs of it is killed; then its directory is removed.
+    /// finish, then what still runs of it is killed; then its directory is removed, with
+    /// the pipe, log and shared-memory directories in it.
     pub fn stop(&self, id: &str) -> Result<(), MpsError> {
         let daemon = Daemon::of(self, id);
         if daemon.answers() {
@@ -243,6 +269,8 @@ struct Daemon<'a> {
     root: PathBuf,
     pipe: PathBuf,
     log: PathBuf,
+    /// Its `/dev/shm`, when it has one of its own.
+    shm: PathBuf,
 }
 
 impl<'a> Daemon<'a> {
@@ -252,13 +280,15 @@ impl<'a> Daemon<'a> {
             mps,
             pipe: crate::model::mps_pipe_dir(&mps.dir, id),
             log: root.join("log"),
+            shm: shm_dir(&mps.dir, id),
             root,
         }
     }
 
-    /// The directories, each 0700 and owned by `uid`:`gid`; the MPS directory above them
-    /// 0755 and root's.
-    fn make_dirs(&self, uid: u32, gid: u32) -> Result<(), MpsError> {
+    /// The directories (with the shared-memory one when `private_shm`), each 0700 and owned
+    /// by `uid`:`gid`, as the pipe's: only the owner's clients (and root) reach the server's
+    /// shared memory; the MPS directory above them 0755 and root's.
+    fn make_dirs(&self, uid: u32, gid: u32, private_shm: bool) -> Result<(), MpsError> {
         let io = |action, path: &Path| {
             let path = path.to_owned();
             move |source| MpsError::Io {
@@ -272,7 +302,8 @@ impl<'a> Daemon<'a> {
             .mode(0o755)
             .create(&self.mps.dir)
             .map_err(io("make", &self.mps.dir))?;
-        for dir in [&self.root, &self.pipe, &self.log] {
+        let shm = private_shm.then_some(&self.shm);
+        for dir in [&self.root, &self.pipe, &self.log].into_iter().chain(shm) {
             match std::fs::DirBuilder::new().mode(0o700).create(dir) {
                 Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => {
                     return Err(io("make", dir)(e));
@@ -308,19 +339,43 @@ impl<'a> Daemon<'a> {
         }
     }
 
-    /// Starts the daemon in the background (`-d`) on the reservation's GPUs.
+    /// Starts the daemon in the background (`-d`) on the reservation's GPUs; with
+    /// `private_shm`, in a mount namespace of its own where [`shm_dir`] is its `/dev/shm`.
     fn spawn_background(&self, spec: &DaemonSpec) -> Result<(), MpsError> {
         let visible: Vec<&str> = spec.gpus.iter().map(|(uuid, _)| uuid.as_str()).collect();
-        let child = self
-            .command()
+        let mut command = self.command();
+        command
             .arg("-d")
             .env("CUDA_VISIBLE_DEVICES", visible.join(","))
             // The daemon keeps what it inherits: nothing of gpud's.
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .map_err(|e| self.failed("-d", e.to_string()))?;
+            .stderr(Stdio::null());
+        if spec.private_shm {
+            // Made before the fork: the child allocates nothing.
+            let shm = CString::new(self.shm.as_os_str().as_bytes())
+                .map_err(|_| self.failed("-d", format!("{} has a NUL byte", self.shm.display())))?;
+            // SAFETY: the closure runs in the child between fork and exec, where only
+            // async-signal-safe calls are allowed (gpud has other threads, whose locks the
+            // child inherits held). It makes two system calls, unshare(2) and mount(2), on
+            // C strings made before the fork, and turns errno into an io::Error without
+            // allocating; it takes no lock and touches no allocator.
+            unsafe {
+                command.pre_exec(move || own_dev_shm(&shm));
+            }
+        }
+        let child = command.spawn().map_err(|e| {
+            let why = if spec.private_shm {
+                format!(
+                    "cannot start it in a mount namespace of its own with {} as its \
+                     /dev/shm (unshare and mount, which need CAP_SYS_ADMIN): {e}",
+                    self.shm.display()
+                )
+            } else {
+                e.to_string()
+            };
+            self.failed("-d", why)
+        })?;
         let status = wait(child, CALL_TIMEOUT).map_err(|why| self.failed("-d", why))?;
         if !status.0.success() {
             return Err(self.failed("-d", format!("exited with {}", status.0)));
@@ -394,6 +449,42 @@ impl<'a> Daemon<'a> {
     }
 }
 
+/// In a child about to exec the control daemon: a mount namespace of its own, where `shm`
+/// is `/dev/shm`. Async-signal-safe: system calls only, no allocation (see the caller).
+fn own_dev_shm(shm: &CStr) -> std::io::Result<()> {
+    nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNS).map_err(std::io::Error::from)?;
+    // A slave of gpud's mounts: unmounts there still reach the copy, and nothing mounted
+    // here goes back.
+    // SAFETY: NUL-terminated strings that outlive the call; a propagation change takes no
+    // source, type or data.
+    let slave = unsafe {
+        libc::mount(
+            std::ptr::null(),
+            c"/".as_ptr(),
+            std::ptr::null(),
+            libc::MS_REC | libc::MS_SLAVE,
+            std::ptr::null(),
+        )
+    };
+    if slave != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: as above; a bind mount takes no type or data.
+    let bound = unsafe {
+        libc::mount(
+            shm.as_ptr(),
+            c"/dev/shm".as_ptr(),
+            std::ptr::null(),
+            libc::MS_BIND,
+            std::ptr::null(),
+        )
+    };
+    if bound != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// Kills `pid` (SIGKILL); gone already is fine.
 fn kill(pid: u32) {
     if let Ok(pid) = i32::try_from(pid) {
@@ -450,4 +541,142 @@ fn find_program(program: &Path) -> Option<PathBuf> {
         .flat_map(|path| std::env::split_paths(&path).collect::<Vec<_>>())
         .map(|dir| dir.join(program))
         .find(|p| executable(p))
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+    use std::os::unix::fs::MetadataExt;
+
+    use super::*;
+    use crate::model::ReservationIsolation;
+
+    #[test]
+    fn a_row_from_before_the_shared_memory_directory_reads_as_the_host_s() {
+        // What gpud wrote in the `isolation` column before the field existed.
+        let old: ReservationIsolation = serde_json::from_str(r#"{"mode":"mps"}"#).unwrap();
+        assert!(old.is_mps());
+        assert_eq!(old.mps_shm, None);
+        // Written without it when there is none, and read back whole when there is.
+        assert_eq!(serde_json::to_string(&old).unwrap(), r#"{"mode":"mps"}"#);
+        let own = ReservationIsolation {
+            mps_shm: Some("/run/gpud/mps/k8s-a/shm".to_owned()),
+            ..old
+        };
+        let text = serde_json::to_string(&own).unwrap();
+        assert_eq!(
+            text,
+            r#"{"mode":"mps","mps_shm":"/run/gpud/mps/k8s-a/shm"}"#
+        );
+        assert_eq!(
+            serde_json::from_str::<ReservationIsolation>(&text).unwrap(),
+            own
+        );
+        // Made advisory (its daemon could not start), it keeps the directory for a daemon
+        // started again.
+        assert_eq!(own.made_advisory("x".into()).mps_shm, own.mps_shm);
+        assert_eq!(
+            shm_dir(Path::new("/run/gpud/mps"), "k8s-a"),
+            Path::new("/run/gpud/mps/k8s-a/shm")
+        );
+    }
+
+    /// A control program that records, at `-d`, what its daemon would see as `/dev/shm`
+    /// (device and inode) and its mount namespace, in the log directory; its "daemon"
+    /// answers while `$PIPE/up` exists, until `quit`.
+    const RECORDING_CONTROL: &str = r#"#!/bin/sh
+pipe=$CUDA_MPS_PIPE_DIRECTORY
+case "$1" in
+-d)
+    stat -L -c '%d:%i' /dev/shm > "$CUDA_MPS_LOG_DIRECTORY/dev-shm" || exit 1
+    readlink /proc/self/ns/mnt > "$CUDA_MPS_LOG_DIRECTORY/mnt-ns" || exit 1
+    : > "$pipe/up"
+    ;;
+*)
+    [ -e "$pipe/up" ] || { echo "Cannot find MPS control daemon process" >&2; exit 1; }
+    while read -r line; do
+        if [ "$line" = quit ]; then rm -f "$pipe/up"; fi
+    done
+    ;;
+esac
+"#;
+
+    fn identity(path: &Path) -> String {
+        let meta = std::fs::metadata(path).unwrap();
+        format!("{}:{}", meta.dev(), meta.ino())
+    }
+
+    fn spec(id: &str, private_shm: bool) -> DaemonSpec {
+        DaemonSpec {
+            id: id.to_owned(),
+            uid: 65534,
+            gid: 65534,
+            gpus: vec![("GPU-0".to_owned(), 1 << 30)],
+            active_thread_percentage: None,
+            private_shm,
+        }
+    }
+
+    #[test]
+    fn a_daemon_with_its_own_shared_memory_sees_that_directory_as_dev_shm() {
+        if !nix::unistd::Uid::effective().is_root() {
+            assert!(
+                std::env::var_os("CI").is_none(),
+                "CI runs the tests as root"
+            );
+            eprintln!(
+                "SKIPPED: needs root (a mount namespace, chown); under CI this fails instead"
+            );
+            return;
+        }
+        let root = tempfile::tempdir().unwrap();
+        let control = root.path().join("control");
+        std::fs::write(&control, RECORDING_CONTROL).unwrap();
+        std::fs::set_permissions(&control, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let mps = Mps::at(control, root.path().join("mps"));
+        let seen = |id: &str, what: &str| {
+            std::fs::read_to_string(root.path().join("mps").join(id).join("log").join(what))
+                .unwrap()
+                .trim()
+                .to_owned()
+        };
+        let own_ns = std::fs::read_link("/proc/self/ns/mnt").unwrap();
+
+        // For containers: the directory, the owner's alone, is its /dev/shm, in a mount
+        // namespace of its own.
+        assert!(!mps.start(&spec("k8s-a", true)).unwrap());
+        let shm = shm_dir(&root.path().join("mps"), "k8s-a");
+        let meta = std::fs::metadata(&shm).unwrap();
+        assert_eq!(
+            (meta.permissions().mode() & 0o7777, meta.uid(), meta.gid()),
+            (0o700, 65534, 65534)
+        );
+        assert_eq!(seen("k8s-a", "dev-shm"), identity(&shm));
+        assert_ne!(seen("k8s-a", "dev-shm"), identity(Path::new("/dev/shm")));
+        assert_ne!(Path::new(&seen("k8s-a", "mnt-ns")), own_ns);
+        // gpud's own /dev/shm is untouched.
+        assert_ne!(identity(Path::new("/dev/shm")), identity(&shm));
+
+        // Any other reservation: gpud's /dev/shm (the host's), gpud's namespace, and no
+        // shared-memory directory.
+        assert!(!mps.start(&spec("lease-b", false)).unwrap());
+        assert_eq!(seen("lease-b", "dev-shm"), identity(Path::new("/dev/shm")));
+        assert_eq!(Path::new(&seen("lease-b", "mnt-ns")), own_ns);
+        assert!(!shm_dir(&root.path().join("mps"), "lease-b").exists());
+
+        // Adopted while it answers: not started again.
+        std::fs::remove_file(root.path().join("mps/k8s-a/log/dev-shm")).unwrap();
+        assert!(mps.start(&spec("k8s-a", true)).unwrap());
+        assert!(!root.path().join("mps/k8s-a/log/dev-shm").exists());
+
+        // Stopped: nothing is left, the shared-memory directory included.
+        for id in ["k8s-a", "lease-b"] {
+            mps.stop(id).unwrap();
+        }
+        assert_eq!(
+            std::fs::read_dir(root.path().join("mps")).unwrap().count(),
+            0
+        );
+    }
 }

@@ -2,7 +2,10 @@
 //! a daemon answering there it becomes an MPS client: it connects, is given its caps, and
 //! stays connected while it runs (the daemon sees it leave). It prints one JSON line:
 //! `{"mps": true, "pipe": …, "server_pid": …, "active_thread_percentage": 25.0,
-//! "pinned_mem_limits": {"0": 2147483648}}`, or `{"mps": false}` without a daemon.
+//! "pinned_mem_limits": {"0": 2147483648}}`, or `{"mps": false}` without a daemon. A
+//! client whose `/dev/shm` is not its server's cannot be served: it prints
+//! `{"mps": false, "error": "cannot reach the MPS server's shared memory"}` and exits 1
+//! (`crate::shm`).
 //!
 //! `--alloc BYTES` tries one allocation on device 0 (exit 2 and
 //! `"error": "CUDA_ERROR_OUT_OF_MEMORY"` above its pinned limit); `--hold SECONDS` keeps
@@ -19,6 +22,7 @@ use serde::Serialize;
 use crate::dirs::{
     CLIENT_MEM_LIMIT_ENV, CLIENT_PERCENTAGE_ENV, MpsDirs, PIPE_DIRECTORY_ENV, os_lossy,
 };
+use crate::shm;
 use crate::units::{parse_client_mem_limit, parse_percentage, parse_size};
 use crate::wire::{ClientHello, ClientReply, Hello};
 
@@ -26,6 +30,9 @@ const USAGE: &str = "usage: fake-cuda-client [--alloc BYTES] [--hold SECONDS]";
 
 /// Exit status of a failed allocation (CUDA_ERROR_OUT_OF_MEMORY is 2).
 const OUT_OF_MEMORY_EXIT: u8 = 2;
+
+/// What a client whose `/dev/shm` is not its server's reports.
+pub const UNREACHABLE_SHARED_MEMORY: &str = "cannot reach the MPS server's shared memory";
 
 /// Command-line options.
 #[derive(Debug, Default, PartialEq)]
@@ -169,6 +176,11 @@ fn connect() -> Result<(Report, Option<UnixStream>), String> {
     let mut reply = String::new();
     reader.read_line(&mut reply).map_err(lost)?;
     match serde_json::from_str::<ClientReply>(&reply) {
+        // Connected, but the server's shared memory is not in this client's /dev/shm (a
+        // container's own): a real client cannot be served either. The connection closes.
+        Ok(ClientReply::Granted(grant)) if !shm::reachable(&grant.shm) => {
+            Err(UNREACHABLE_SHARED_MEMORY.to_owned())
+        }
         Ok(ClientReply::Granted(grant)) => Ok((
             Report {
                 mps: true,

@@ -1,7 +1,7 @@
 //! The control daemon: accepts command clients and CUDA clients on
 //! `$CUDA_MPS_PIPE_DIRECTORY/control`, starts one `nvidia-cuda-mps-server` per served uid,
 //! hands each CUDA client its caps, and on `quit` waits for (or kills) the clients, ends the
-//! servers and removes its socket and pid file.
+//! servers and removes its socket, pid file and shared-memory marker (`crate::shm`).
 //!
 //! One `Daemon` value behind a mutex holds everything; each connection has a thread, and the
 //! threads wait on one condition variable for clients to come and go. After every change
@@ -28,6 +28,7 @@ use crate::dirs::{
     LOG_DIRECTORY_ENV, MpsDirs, PIPE_DIRECTORY_ENV, path_text, visible_device_count,
 };
 use crate::log;
+use crate::shm::{self, SHARED_MEMORY_DIR};
 use crate::units::{ClientMemLimit, format_percentage, parse_device, parse_percentage, parse_size};
 use crate::wire::{ClientHello, ClientReply, Grant, Hello};
 
@@ -99,23 +100,43 @@ pub fn run(
     ready: Option<PipeWriter>,
 ) -> ExitCode {
     let _lock = lock;
+    let socket = config.dirs.control_socket();
+    let pid = std::process::id();
+    early_log(
+        &config,
+        &format!(
+            "Starting control daemon using socket {}",
+            path_text(&socket)
+        ),
+    );
+    let pid_file = config.dirs.pid_file();
+    if let Err(e) = std::fs::write(&pid_file, format!("{pid}\n")) {
+        early_log(
+            &config,
+            &format!("cannot write {}: {e}", path_text(&pid_file)),
+        );
+        let _ = std::fs::remove_file(&socket);
+        return ExitCode::FAILURE;
+    }
+    // The shared memory its servers' clients must reach, in this process's /dev/shm.
+    let shm = match shm::create(pid) {
+        Ok(name) => name,
+        Err(e) => {
+            early_log(
+                &config,
+                &format!("cannot create shared memory in {SHARED_MEMORY_DIR}: {e}"),
+            );
+            let _ = std::fs::remove_file(&socket);
+            let _ = std::fs::remove_file(&pid_file);
+            return ExitCode::FAILURE;
+        }
+    };
     let shared = Arc::new(Shared {
-        daemon: Mutex::new(Daemon::new(config)),
+        daemon: Mutex::new(Daemon::new(config, shm)),
         changed: Condvar::new(),
     });
     {
         let mut daemon = shared.lock();
-        let socket = daemon.config.dirs.control_socket();
-        daemon.log(&format!(
-            "Starting control daemon using socket {}",
-            path_text(&socket)
-        ));
-        let pid_file = daemon.config.dirs.pid_file();
-        if let Err(e) = std::fs::write(&pid_file, format!("{}\n", daemon.pid)) {
-            daemon.log(&format!("cannot write {}: {e}", path_text(&pid_file)));
-            let _ = std::fs::remove_file(&socket);
-            return ExitCode::FAILURE;
-        }
         daemon.event("start".to_owned());
         daemon.save();
     }
@@ -140,6 +161,14 @@ pub fn run(
         }
     }
     ExitCode::FAILURE
+}
+
+/// A log line before the daemon's state exists (as [`Daemon::log`] writes them).
+fn early_log(config: &DaemonConfig, message: &str) {
+    log::append(&config.dirs.control_log(), "Control", message);
+    if config.foreground {
+        eprintln!("nvidia-cuda-mps-control: {message}");
+    }
 }
 
 fn shared_log(shared: &Shared, message: &str) {
@@ -342,6 +371,8 @@ struct Client {
 struct Daemon {
     config: DaemonConfig,
     pid: u32,
+    /// The name of its marker in its `/dev/shm`.
+    shm: String,
     default_limits: BTreeMap<u32, u64>,
     default_percentage: f64,
     servers: Vec<Server>,
@@ -354,10 +385,11 @@ struct Daemon {
 }
 
 impl Daemon {
-    fn new(config: DaemonConfig) -> Self {
+    fn new(config: DaemonConfig, shm: String) -> Self {
         Self {
             config,
             pid: std::process::id(),
+            shm,
             default_limits: BTreeMap::new(),
             default_percentage: 100.0,
             servers: Vec::new(),
@@ -403,6 +435,7 @@ impl Daemon {
             .collect();
         let state = StateFile {
             pid: self.pid,
+            shm: &self.shm,
             visible_devices: self.config.visible_devices.as_deref(),
             default_pinned_mem_limits: &self.default_limits,
             default_active_thread_percentage: self.default_percentage,
@@ -722,6 +755,7 @@ impl Daemon {
             server_pid,
             active_thread_percentage: percentage,
             pinned_mem_limits: limits,
+            shm: self.shm.clone(),
         };
         (Some(connection), ClientReply::Granted(grant))
     }
@@ -762,13 +796,15 @@ impl Daemon {
         self.save();
     }
 
-    /// The end of `quit`: servers ended, socket and pid file removed, last state written.
+    /// The end of `quit`: servers ended, socket, pid file and shared memory removed, last
+    /// state written.
     fn stop(&mut self) {
         for server in std::mem::take(&mut self.servers) {
             self.stop_server(server);
         }
         let _ = std::fs::remove_file(self.config.dirs.control_socket());
         let _ = std::fs::remove_file(self.config.dirs.pid_file());
+        shm::remove(&self.shm);
         self.log("Control daemon stopped");
         self.event("stop".to_owned());
         self.save();
@@ -790,6 +826,7 @@ fn lines(pids: impl Iterator<Item = u32>) -> String {
 #[derive(Serialize)]
 struct StateFile<'a> {
     pid: u32,
+    shm: &'a str,
     visible_devices: Option<&'a str>,
     default_pinned_mem_limits: &'a BTreeMap<u32, u64>,
     default_active_thread_percentage: f64,

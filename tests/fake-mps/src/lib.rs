@@ -6,9 +6,10 @@
 //!
 //! Modules: `units` (sizes and percentages as the MPS programs write them), `dirs` (the
 //! environment that picks a daemon, and the files in its directories), `wire` (what the
-//! fake programs say to each other over the control socket), `log` (log lines), `daemon`
-//! (the control daemon), and one module per program's `main`: `control`, `server`,
-//! `client`. Only `std`, `nix` and serde: no async runtime, one thread per connection.
+//! fake programs say to each other over the control socket), `log` (log lines), `shm` (the
+//! marker in `/dev/shm` a client must share with its server), `daemon` (the control
+//! daemon), and one module per program's `main`: `control`, `server`, `client`. Only
+//! `std`, `nix` and serde: no async runtime, one thread per connection.
 
 #![warn(missing_docs)]
 
@@ -18,5 +19,6 @@ pub mod daemon;
 pub mod dirs;
 pub mod log;
 pub mod server;
+pub mod shm;
 pub mod units;
 pub mod wire;

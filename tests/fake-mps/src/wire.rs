@@ -58,4 +58,7 @@ pub struct Grant {
     /// Pinned device memory limit in bytes per device index; a device without an entry is
     /// not limited.
     pub pinned_mem_limits: BTreeMap<u32, u64>,
+    /// The name of the daemon's marker in its `/dev/shm`, which the client must find in its
+    /// own (`crate::shm`).
+    pub shm: String,
 }

@@ -11,7 +11,7 @@ mod common;
 use std::os::unix::process::ExitStatusExt;
 use std::time::{Duration, Instant};
 
-use common::{CONTROL, Kid, Mps, alive, event_index, text, wait_gone};
+use common::{CLIENT, CONTROL, Kid, Mps, alive, event_index, shm_marker, text, wait_gone};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 
@@ -46,12 +46,16 @@ fn daemon_starts_refuses_a_second_and_quits_leaving_nothing() {
         assert!(String::from_utf8_lossy(&environ).contains(&needle), "{pid}");
     }
 
+    let marker = shm_marker(mps.state()["shm"].as_str().unwrap());
+    assert!(marker.exists(), "{}", marker.display());
+
     let quit = mps.control("quit");
     assert!(quit.status.success(), "{}", text(&quit.stderr));
     assert_eq!(text(&quit.stdout), "");
     // The command returned once the daemon had stopped answering: nothing is left.
     assert!(!mps.socket().exists(), "control socket left behind");
     assert!(!mps.pid_file().exists(), "pid file left behind");
+    assert!(!marker.exists(), "shared memory left behind");
     wait_gone(daemon);
     wait_gone(server);
     let state = mps.state();
@@ -285,8 +289,15 @@ fn a_killed_daemon_leaves_a_socket_the_next_start_replaces() {
     let daemon = mps.daemon_pid();
     assert_eq!(mps.reply("start_server -uid 0"), "");
     let server = u32::try_from(mps.state()["servers"][0]["pid"].as_u64().unwrap()).unwrap();
+    let marker = shm_marker(mps.state()["shm"].as_str().unwrap());
     kill(Pid::from_raw(daemon.try_into().unwrap()), Signal::SIGKILL).unwrap();
     wait_gone(daemon);
+    // Nor its shared memory: removed here, as whoever cleans up after it would.
+    assert!(
+        marker.exists(),
+        "a killed daemon cannot remove its shared memory"
+    );
+    std::fs::remove_file(&marker).unwrap();
     // Its server sees the daemon gone (its stdin closes) and ends.
     wait_gone(server);
     assert!(
@@ -329,4 +340,56 @@ fn relative_directories_name_the_same_daemon_after_it_moves_to_the_root() {
             .success()
     );
     assert!(!mps.socket().exists());
+}
+
+#[test]
+fn a_client_that_does_not_share_its_server_s_dev_shm_is_not_served() {
+    let mps = Mps::new().started();
+    let name = mps.state()["shm"].as_str().unwrap().to_owned();
+    assert!(
+        name.starts_with(&format!("fake-mps.{}.", mps.daemon_pid())),
+        "{name}"
+    );
+    let unreachable = serde_json::json!({
+        "mps": false,
+        "error": "cannot reach the MPS server's shared memory",
+    });
+    // As root: a client in a mount namespace of its own whose /dev/shm is a fresh tmpfs,
+    // as a container's is. (Its pid file, socket and log are still the daemon's.)
+    if nix::unistd::Uid::effective().is_root() {
+        let mut own = mps.command("unshare");
+        own.args(["--mount", "--propagation", "private", "sh", "-c"])
+            .arg(r#"mount -t tmpfs none /dev/shm && exec "$0""#)
+            .arg(CLIENT);
+        let output = common::run(own, "");
+        assert_eq!(output.status.code(), Some(1), "{}", text(&output.stderr));
+        assert_eq!(common::json_line(&output.stdout), unreachable);
+        // A mount namespace of its own that keeps the host's /dev/shm: served.
+        let mut shared = mps.command("unshare");
+        shared
+            .args(["--mount", "--propagation", "private", "sh", "-c"])
+            .arg(r#"exec "$0""#)
+            .arg(CLIENT);
+        let output = common::run(shared, "");
+        assert!(output.status.success(), "{}", text(&output.stderr));
+        assert_eq!(common::json_line(&output.stdout)["mps"], true);
+    } else {
+        eprintln!("the namespaced half needs root; the marker half runs");
+    }
+    // Anywhere: the marker gone from the client's /dev/shm, the client is not served.
+    let (status, report) = mps.client(&[], &[]);
+    assert!(status.success(), "{report}");
+    assert_eq!(report["mps"], true);
+    std::fs::remove_file(shm_marker(&name)).unwrap();
+    let (status, report) = mps.client(&[], &[]);
+    assert_eq!(status.code(), Some(1));
+    assert_eq!(report, unreachable);
+    // It connected and left: the daemon saw a client come and go.
+    let state = mps.wait_for_state("the refused client to leave", |state| {
+        state["servers"][0]["clients"]
+            .as_array()
+            .is_some_and(Vec::is_empty)
+    });
+    assert!(state["events"].as_array().unwrap().len() > 2);
+    assert!(mps.control("quit").status.success());
 }

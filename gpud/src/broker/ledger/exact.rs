@@ -230,10 +230,18 @@ impl Ledger {
                  device only with [cdi] enabled",
             )
         };
-        let isolation = self.isolation_for(&target, &units)?;
+        let mut isolation = self.isolation_for(&target, &units)?;
+        let mps_dir = &self.settings.config.isolation.mps_dir;
         let pipe = isolation
             .is_mps()
-            .then(|| crate::model::mps_pipe_dir(&self.settings.config.isolation.mps_dir, &id));
+            .then(|| crate::model::mps_pipe_dir(mps_dir, &id));
+        if isolation.is_mps() {
+            // A container has a /dev/shm of its own, and an MPS client reaches its server
+            // through shared memory there: the daemon gets a directory as its /dev/shm,
+            // which the CDI spec mounts as the containers' (docs/cdi.md, "MPS reservations").
+            let shm = crate::isolation::mps::shm_dir(mps_dir, &id);
+            isolation.mps_shm = Some(shm.to_string_lossy().into_owned());
+        }
         let env = workload_env(
             &id,
             &units,

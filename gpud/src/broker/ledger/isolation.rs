@@ -174,7 +174,11 @@ impl Ledger {
                  {why}"
             )));
         }
-        let isolation = self.isolation_for(target, &r.units)?;
+        let mut isolation = self.isolation_for(target, &r.units)?;
+        if isolation.is_mps() {
+            // The daemon keeps the /dev/shm it was made with.
+            isolation.mps_shm.clone_from(&r.isolation.mps_shm);
+        }
         if isolation == r.isolation {
             return Ok(Reservation::clone(&r));
         }

@@ -148,10 +148,13 @@ impl Mps {
         }
     }
 
-    /// Waits until the control socket accepts connections (a `-f` daemon's readiness).
+    /// Waits until the control socket accepts connections and the pid file is written (a
+    /// `-f` daemon's readiness: it listens a moment before it writes its pid).
     pub fn wait_for_socket(&self) {
         let deadline = Instant::now() + TIMEOUT;
-        while std::os::unix::net::UnixStream::connect(self.socket()).is_err() {
+        while std::os::unix::net::UnixStream::connect(self.socket()).is_err()
+            || std::fs::read_to_string(self.pid_file()).map_or(true, |t| !t.ends_with('\n'))
+        {
             assert!(
                 Instant::now() < deadline,
                 "no daemon listens on {}",
@@ -211,12 +214,27 @@ impl Mps {
 
 impl Drop for Mps {
     fn drop(&mut self) {
-        for pid in self.pids_in_state() {
+        let pids = self.pids_in_state();
+        for &pid in &pids {
             if alive(pid) {
                 let _ = kill(Pid::from_raw(pid.try_into().unwrap()), Signal::SIGKILL);
             }
         }
+        // A daemon killed, not quit, leaves its shared memory in /dev/shm.
+        if !pids.is_empty()
+            && let Some(name) = std::fs::read_to_string(self.log.join("fake-mps-state.json"))
+                .ok()
+                .and_then(|text| serde_json::from_str::<Value>(&text).ok())
+                .and_then(|state| state["shm"].as_str().map(str::to_owned))
+        {
+            let _ = std::fs::remove_file(shm_marker(&name));
+        }
     }
+}
+
+/// The daemon's shared-memory marker `name` in this process's /dev/shm.
+pub fn shm_marker(name: &str) -> PathBuf {
+    Path::new("/dev/shm").join(name)
 }
 
 /// A child process killed when the guard drops.
