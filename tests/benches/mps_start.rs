@@ -182,6 +182,7 @@ fn main() -> ExitCode {
 
     let pid = mps.iso.d.pid();
     let (rss0, cpu0) = usage(pid);
+    let mut held = Vec::new();
     for _ in 0..HELD {
         let r = try_http(
             &mps.iso.d.socket,
@@ -192,6 +193,7 @@ fn main() -> ExitCode {
         .unwrap();
         assert_eq!(r.status, 201, "{}", r.text);
         assert_eq!(r.body["isolation"]["mode"], "mps", "{}", r.text);
+        held.push(r.body["id"].as_str().unwrap().to_owned());
     }
     let (rss1, cpu1) = usage(pid);
     let ticks = 100.0; // USER_HZ on Linux
@@ -202,5 +204,15 @@ fn main() -> ExitCode {
     );
     println!("gpud's own, per MPS reservation held ({HELD} held)");
     println!("  resident memory {rss_each:.1} KiB; CPU {cpu_each:.2} ms to make it");
+    // Their daemons outlive gpud: released, and waited for, before it is stopped.
+    for id in held {
+        let path = format!("/v1/reservations/{id}");
+        try_http(&mps.iso.d.socket, "DELETE", &path, None).unwrap();
+    }
+    let deadline = Instant::now() + PATIENCE;
+    while std::fs::read_dir(&mps_dir).map_or(0, |d| d.count()) > 0 {
+        assert!(Instant::now() < deadline, "the daemons were not stopped");
+        std::thread::sleep(Duration::from_millis(10));
+    }
     ExitCode::SUCCESS
 }

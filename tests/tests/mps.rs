@@ -284,10 +284,11 @@ fn after_a_kill_9_a_running_daemon_is_adopted_and_an_ended_one_stopped() {
     assert_eq!(running.try_wait().unwrap(), None, "its client was cut off");
     let (got, _) = client(&[("CUDA_MPS_PIPE_DIRECTORY", &pipe)], &[]);
     assert_eq!(got["pinned_mem_limits"]["0"], 2 * GIB, "{got}");
-    assert_eq!(d.delete(&format!("/v1/reservations/{kept}")).status, 200);
-    wait_all_gone(&mps);
+    // The workload ends, then its reservation.
     let _ = running.kill();
     let _ = running.wait();
+    assert_eq!(d.delete(&format!("/v1/reservations/{kept}")).status, 200);
+    wait_all_gone(&mps);
 }
 
 #[test]
@@ -372,6 +373,8 @@ fn a_process_that_bypasses_its_mps_server_is_found_and_ended() {
     assert_eq!(about_member, 0);
     let _ = member.kill();
     let _ = member.wait();
+    assert_eq!(d.delete(&format!("/v1/reservations/{id}")).status, 200);
+    wait_all_gone(&mps);
 }
 
 #[test]

@@ -169,15 +169,12 @@ impl Mps {
     pub fn start(&self, spec: &DaemonSpec) -> Result<bool, MpsError> {
         let daemon = Daemon::of(self, &spec.id);
         daemon.make_dirs(spec.uid, spec.gid, spec.private_shm)?;
-        let adopted = daemon.answers();
-        if !adopted {
-            let started = daemon
-                .spawn_background(spec)
-                .and_then(|()| daemon.await_answer());
-            if let Err(e) = started {
-                let _ = self.stop(&spec.id);
-                return Err(e);
-            }
+        // Only a daemon that wrote its pid file can be there: a new reservation's start asks
+        // nothing first.
+        let adopted = daemon.pid().is_some() && daemon.answers();
+        if !adopted && let Err(e) = daemon.spawn_background(spec) {
+            let _ = self.stop(&spec.id);
+            return Err(e);
         }
         let mut caps: String = spec
             .gpus
@@ -194,7 +191,16 @@ impl Mps {
         if let Some(pct) = spec.active_thread_percentage {
             caps.push_str(&format!("set_default_active_thread_percentage {pct}\n"));
         }
-        if let Err(e) = daemon.call(&caps) {
+        // At once: `-d` may return before its daemon answers (NVIDIA's forks), so a first call
+        // that fails waits for the daemon, then tries once more.
+        let told = daemon.call(&caps).or_else(|first| {
+            if adopted {
+                return Err(first);
+            }
+            daemon.await_answer()?;
+            daemon.call(&caps)
+        });
+        if let Err(e) = told {
             if !adopted {
                 let _ = self.stop(&spec.id);
             }
@@ -208,8 +214,14 @@ impl Mps {
     /// the pipe, log and shared-memory directories in it.
     pub fn stop(&self, id: &str) -> Result<(), MpsError> {
         let daemon = Daemon::of(self, id);
-        if daemon.answers() {
-            let servers = daemon.server_pids();
+        // The server list, asked once, also says whether the daemon answers.
+        let answered = daemon
+            .pipe
+            .is_dir()
+            .then(|| daemon.call("get_server_list\n").ok())
+            .flatten();
+        if let Some(list) = answered {
+            let servers: Vec<u32> = list.lines().filter_map(|l| l.trim().parse().ok()).collect();
             let pid = daemon.pid();
             let _ = daemon.call("quit\n");
             let deadline = Instant::now() + QUIT_GRACE;
@@ -255,11 +267,6 @@ impl Mps {
             }
         }
         stopped
-    }
-
-    /// The server pids of reservation `id`'s daemon (none when it does not answer).
-    pub fn servers(&self, id: &str) -> Vec<u32> {
-        Daemon::of(self, id).server_pids()
     }
 }
 
@@ -434,13 +441,6 @@ impl<'a> Daemon<'a> {
     /// Whether a daemon answers on the pipe directory.
     fn answers(&self) -> bool {
         self.pipe.is_dir() && self.call("get_server_list\n").is_ok()
-    }
-
-    /// Its servers' pids.
-    fn server_pids(&self) -> Vec<u32> {
-        self.call("get_server_list\n")
-            .map(|out| out.lines().filter_map(|l| l.trim().parse().ok()).collect())
-            .unwrap_or_default()
     }
 
     /// The daemon's pid, from the file it writes.
