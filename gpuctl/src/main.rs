@@ -155,7 +155,8 @@ fn runtime() -> Result<tokio::runtime::Runtime, CliError> {
 
 fn run(cli: &Cli) -> Result<ExitCode, CliError> {
     let socket = cli.socket.as_path();
-    // The one read of the wall clock (STYLE.md 8): ages and lease ends in tables.
+    // The one read of the wall clock (docs/architecture.md, "Time"): ages and lease ends in
+    // tables.
     #[allow(clippy::disallowed_methods)]
     let now = SystemTime::now();
     // A runtime for the commands that talk to gpud: `reserve -- COMMAND` without a wait

@@ -1,5 +1,5 @@
 //! `gpud probe` on every fixture, compared with the link matrices in topologies.md
-//! (a verbatim copy of shared/topologies.md lives in tests/fixtures/).
+//! (tests/fixtures/topologies.md: real machines' `nvidia-smi topo -m` and the expected answers).
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step should stop with its line
 
