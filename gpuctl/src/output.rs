@@ -206,15 +206,16 @@ fn compute_cell(r: &Reservation) -> String {
 
 /// A reservation's compute share for `gpuctl show`, with whether anything enforces it.
 pub fn compute_text(r: &Reservation) -> String {
-    match (r.compute, r.exclusive, r.isolation.mode) {
+    // Its own MPS server: the memory's too (mode mps), or beside the driver's limit.
+    let by_mps = r.isolation.mode == IsolationMode::Mps || r.isolation.mps_compute;
+    match (r.compute, r.exclusive, by_mps) {
         (0, _, _) => "none promised".to_owned(),
         (_, true, _) => "100% of each GPU's SMs (whole GPUs)".to_owned(),
-        (p, false, IsolationMode::Mps) => {
-            format!("{p}% of each GPU's SMs, enforced by its MPS server")
-        }
-        (p, false, _) => format!(
+        (p, false, true) => format!("{p}% of each GPU's SMs, enforced by its MPS server"),
+        (p, false, false) => format!(
             "{p}% of each GPU's SMs, promised but not enforced here (only an MPS server \
-             enforces a compute share, on GPUs in mps mode)"
+             enforces a compute share: on GPUs in mps mode, or asked with --compute on GPUs \
+             that can run one beside the driver's limits)"
         ),
     }
 }
@@ -778,6 +779,20 @@ pub fn gpus_table(list: &GpuList, colour: bool, bars: bool) -> String {
     for (gpus, reason) in reasons {
         let _ = writeln!(out, "advisory on GPU {gpus}: {reason}");
     }
+    // Where MPS holds compute shares beside the driver's memory limits.
+    let beside: Vec<String> = list
+        .gpus
+        .iter()
+        .filter(|g| g.isolation.mps && g.isolation.mode == IsolationMode::Driver)
+        .map(|g| g.index.to_string())
+        .collect();
+    if !beside.is_empty() {
+        let _ = writeln!(
+            out,
+            "driver on GPU {}: compute shares (--compute) held by MPS",
+            beside.join(",")
+        );
+    }
     out
 }
 
@@ -949,6 +964,7 @@ pub(crate) mod tests {
             mode: IsolationMode::Driver,
             cgroup: Some("/sys/fs/cgroup/gpud/r1".into()),
             reason: None,
+            mps_compute: false,
         };
         let details = reservation_details(&r, now, &|_| "alice".into(), None);
         assert!(
@@ -978,6 +994,14 @@ pub(crate) mod tests {
             shown(&r)
         );
         r.isolation.mode = IsolationMode::Mps;
+        assert!(
+            shown(&r).contains("compute:   30% of each GPU's SMs, enforced by its MPS server\n"),
+            "{}",
+            shown(&r)
+        );
+        // The driver holds its memory, and its own MPS server its share.
+        r.isolation.mode = IsolationMode::Driver;
+        r.isolation.mps_compute = true;
         assert!(
             shown(&r).contains("compute:   30% of each GPU's SMs, enforced by its MPS server\n"),
             "{}",
@@ -1094,10 +1118,7 @@ pub(crate) mod tests {
             isolation: if index == 0 {
                 GpuIsolation::driver()
             } else {
-                GpuIsolation {
-                    mode: IsolationMode::Advisory,
-                    reason: Some("MIG mode".into()),
-                }
+                GpuIsolation::advisory("MIG mode")
             },
         };
         let list = GpuList {
@@ -1136,6 +1157,16 @@ pub(crate) mod tests {
             "TOTAL  reserved 40 GiB / 160 GiB (25%), used 12 GiB (8%); 1 reservation"
         );
         assert_eq!(lines[5], "advisory on GPU 1: MIG mode");
+        // A GPU where MPS holds compute shares beside the driver's limits says so.
+        let mut beside = list.clone();
+        beside.gpus[0].isolation.mps = true;
+        let text = gpus_table(&beside, false, false);
+        assert_eq!(
+            text.lines().last(),
+            Some("driver on GPU 0: compute shares (--compute) held by MPS"),
+            "{text}"
+        );
+        assert!(text.lines().nth(1).unwrap().ends_with(" driver"), "{text}");
         assert!(gpus_table(&list, true, false).contains("\x1b[31mUNHEALTHY\x1b[0m"));
         assert!(!text.contains('\x1b'));
         // gpud's own count of reservations wins over the sum of per-GPU counts, and its

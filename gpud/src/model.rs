@@ -501,6 +501,11 @@ pub struct ReservationIsolation {
     /// before it existed, which read as the host's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mps_shm: Option<String>,
+    /// Its memory is the driver's to hold (`driver`, `pending`), and an MPS daemon of its
+    /// own holds it to the compute share it asked (below 100, on GPUs that can run one).
+    /// Absent (false) in rows written before it existed.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub mps_compute: bool,
 }
 
 impl ReservationIsolation {
@@ -509,15 +514,23 @@ impl ReservationIsolation {
         self.mode == gpud_schema::IsolationMode::Driver
     }
 
-    /// Whether a CUDA MPS daemon of its own is to hold its workload to it.
+    /// Whether a CUDA MPS daemon of its own is to hold its workload to its memory (and its
+    /// compute share): mode `mps`.
     pub fn is_mps(&self) -> bool {
         self.mode == gpud_schema::IsolationMode::Mps
+    }
+
+    /// Whether it has a CUDA MPS daemon of its own, to start, serve its workload (the pipe
+    /// in its environment and CDI spec), and stop: mode `mps`, or a compute share held by
+    /// MPS beside the driver's memory limit ([`ReservationIsolation::mps_compute`]).
+    pub fn has_mps_daemon(&self) -> bool {
+        self.is_mps() || self.mps_compute
     }
 
     /// Whether something outside gpud's database is set for it while it is active (the
     /// driver's limits, an MPS daemon), which its end must undo before it is forgotten.
     pub fn is_enforced(&self) -> bool {
-        self.is_driver() || self.is_mps()
+        self.is_driver() || self.has_mps_daemon()
     }
 
     /// Advisory, for `reason`, on `cgroup` (which gpud made, when `owned`).
@@ -532,15 +545,19 @@ impl ReservationIsolation {
             reason: Some(reason),
             owned,
             mps_shm: None,
+            mps_compute: false,
         }
     }
 
     /// This isolation made advisory for `reason`, on the same cgroup. An MPS daemon's
     /// shared-memory directory stays recorded: a daemon started for it again (its container
-    /// attached) is started the same way.
+    /// attached) is started the same way. A daemon that holds its compute share beside the
+    /// driver's limit (which the driver refused) keeps running, and stays recorded so that
+    /// its end stops it.
     pub fn made_advisory(&self, reason: String) -> ReservationIsolation {
         ReservationIsolation {
             mps_shm: self.mps_shm.clone(),
+            mps_compute: self.mps_compute,
             ..ReservationIsolation::advisory(self.cgroup.clone(), self.owned.clone(), reason)
         }
     }
@@ -664,8 +681,9 @@ pub struct AuditedReservation {
     /// the driver limits for it (none yet while it is `pending`); one outside is an
     /// `unlimited` finding.
     pub limit_required: bool,
-    /// The pipe directory of its own MPS daemon, when MPS holds it: each of its processes
-    /// must be a client of that daemon's server (one that is not is an `unlimited`
+    /// The pipe directory of its own MPS daemon, when it has one (MPS holds its memory, or
+    /// its compute share beside the driver's limit): each of its processes must be a client
+    /// of that daemon's server (one that is not escapes the server's caps: an `unlimited`
     /// finding), and the daemon's servers are its.
     pub mps_pipe: Option<std::path::PathBuf>,
 }
@@ -680,7 +698,10 @@ impl AuditedReservation {
         mps_dir: &std::path::Path,
     ) -> AuditedReservation {
         AuditedReservation {
-            mps_pipe: r.isolation.is_mps().then(|| mps_pipe_dir(mps_dir, &r.id)),
+            mps_pipe: r
+                .isolation
+                .has_mps_daemon()
+                .then(|| mps_pipe_dir(mps_dir, &r.id)),
             // An MPS reservation's server holds it wherever its processes run.
             limit_required: require
                 && matches!(

@@ -276,10 +276,10 @@ impl IsolationMode {
     }
 }
 
-/// How a reservation's memory is held to what it reserved.
+/// How a reservation's memory (and its compute share) is held to what it reserved.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct Isolation {
-    /// `driver`, `pending` or `advisory`.
+    /// `driver`, `pending`, `mps` or `advisory`.
     pub mode: IsolationMode,
     /// The cgroup the limits are on (full path under the cgroup2 mount), if it has one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -287,6 +287,12 @@ pub struct Isolation {
     /// Why it is advisory, or what it waits for (pending).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
+    /// In `driver` or `pending` mode: an MPS server of its own also holds it to its compute
+    /// share (asked with `compute`, below 100, on GPUs whose `isolation.mps` is true),
+    /// reached through `CUDA_MPS_PIPE_DIRECTORY` in its environment; the driver holds its
+    /// memory. Absent when false, and from gpuds before it was added.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub mps_compute: bool,
 }
 
 /// `POST /v1/reservations/{id}/renew` body (may be empty).
@@ -386,8 +392,8 @@ pub struct Reservation {
     /// What it asked (`compute`); 100 when exclusive; otherwise, when all its GPUs are in
     /// `mps` mode, in proportion to its memory (`floor(100 × memory / total)` on the
     /// tightest of its GPUs, at least 1). Enforced by its MPS server when `isolation.mode`
-    /// is `mps`; elsewhere only counted (no GPU is promised past 100 %). Absent from gpuds
-    /// before it was added.
+    /// is `mps` or `isolation.mps_compute` is true; elsewhere only counted (no GPU is
+    /// promised past 100 %). Absent from gpuds before it was added.
     #[serde(default)]
     #[schemars(range(max = 100))]
     pub compute: u32,
@@ -478,14 +484,39 @@ pub struct GpuIsolation {
     /// Why not (`driver 550.54 is older than R615`, `MIG mode`, …).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
+    /// gpud can run an MPS daemon of a reservation's own here: in `mps` mode (it holds the
+    /// memory and the compute share), and in `driver` mode where MPS is available and the
+    /// GPU is not in MIG mode (the driver holds the memory, the daemon a compute share
+    /// asked with `compute`). Absent when false, and from gpuds before it was added.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub mps: bool,
 }
 
 impl GpuIsolation {
-    /// Driver-enforced limits.
+    /// Driver-enforced limits (no MPS).
     pub fn driver() -> GpuIsolation {
         GpuIsolation {
             mode: IsolationMode::Driver,
             reason: None,
+            mps: false,
+        }
+    }
+
+    /// Held by MPS: its memory and its compute share.
+    pub fn mps() -> GpuIsolation {
+        GpuIsolation {
+            mode: IsolationMode::Mps,
+            reason: None,
+            mps: true,
+        }
+    }
+
+    /// Advisory, for `reason`.
+    pub fn advisory(reason: impl Into<String>) -> GpuIsolation {
+        GpuIsolation {
+            mode: IsolationMode::Advisory,
+            reason: Some(reason.into()),
+            mps: false,
         }
     }
 }

@@ -2,8 +2,10 @@
 //! so the GPUs are advisory to the driver) with the fake MPS programs (`tests/fake-mps`)
 //! as its `[isolation] mps_control`. One control daemon per reservation, its caps set
 //! before the reservation is answered, nothing left when it ends, a crash undone at the
-//! next start, and a process that bypasses its server found and ended. Needs root (MPS
-//! runs a daemon per user's reservation, as root).
+//! next start, and a process that bypasses its server found and ended. On an R615 driver
+//! (the fixture edited, real cgroups), a compute share asked beside the driver's memory
+//! limit gets a daemon of its own. Needs root (MPS runs a daemon per user's reservation,
+//! as root).
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step should stop with its line
 
@@ -583,4 +585,241 @@ fn a_claim_s_daemon_has_a_dev_shm_of_its_own_and_a_lease_s_the_host_s() {
 fn kill_now(pid: u32) {
     let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
     assert!(wait_for(PATIENCE, || (!alive(pid)).then_some(())).is_some());
+}
+
+// ---------------------------------------------------------------------------------------
+// R615 and later: the driver holds the memory, MPS a compute share asked beside it
+// ---------------------------------------------------------------------------------------
+
+/// gpud on an R615 t4-pair (the driver limits each cgroup's memory), its workload cgroups
+/// under a directory of the test's own, and MPS through the fake control program, plus
+/// `extra` under `[isolation]`; `None` when the tests cannot run here (root, cgroup v2).
+fn start_r615(name: &str, extra: &str) -> Option<(gpud_tests::isolation::Isolated, MpsDir)> {
+    start_r615_with(name, &fake("nvidia-cuda-mps-control"), extra)
+}
+
+/// [`start_r615`] with `control` as the MPS control program.
+fn start_r615_with(
+    name: &str,
+    control: &Path,
+    extra: &str,
+) -> Option<(gpud_tests::isolation::Isolated, MpsDir)> {
+    let mount = gpud_tests::isolation::prerequisites()?;
+    let mps = MpsDir(
+        tempfile::Builder::new()
+            .prefix("gpud-mps")
+            .tempdir()
+            .unwrap(),
+    );
+    let extra = format!(
+        "mps_control = \"{}\"\nmps_dir = \"{}\"\n{extra}",
+        control.display(),
+        mps.display()
+    );
+    let iso =
+        gpud_tests::isolation::Isolated::start(&mount, name, &extra, gpud_tests::isolation::r615);
+    Some((iso, mps))
+}
+
+#[test]
+fn on_r615_an_asked_compute_share_gets_its_own_daemon_beside_the_driver_s_memory_limit() {
+    let Some((iso, mps)) = start_r615("mps-compute", "") else {
+        return;
+    };
+    let d = &iso.d;
+    // The driver holds memory on both GPUs, and MPS can hold compute shares beside it.
+    let gpus = d.get("/v1/gpus").body;
+    for gpu in gpus["gpus"].as_array().unwrap() {
+        assert_eq!(gpu["isolation"]["mode"], "driver", "{gpu}");
+        assert_eq!(gpu["isolation"]["mps"], true, "{gpu}");
+    }
+    let listed = d.gpuctl().arg("gpus").output().unwrap();
+    let listed = String::from_utf8_lossy(&listed.stdout);
+    assert!(
+        listed.contains("driver on GPU 0,1: compute shares (--compute) held by MPS"),
+        "{listed}"
+    );
+
+    // A workload asking 25 % of the SMs: its own cgroup, limited by the driver, and its
+    // own daemon, told the share before the workload started.
+    let mut run = d
+        .gpuctl()
+        .args(["reserve", "--mem", "2GiB", "--compute", "25", "--"])
+        .arg(fake("fake-cuda-client"))
+        .args(["--hold", "3"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(run.stdout.take().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    let got: Value = serde_json::from_str(&line).unwrap();
+    let active = d.active();
+    assert_eq!(active.len(), 1, "{active:?}");
+    let r = &active[0];
+    let id = r["id"].as_str().unwrap();
+    assert_eq!(r["isolation"]["mode"], "driver", "{r}");
+    assert_eq!(r["isolation"]["mps_compute"], true, "{r}");
+    let cgroup = r["isolation"]["cgroup"].as_str().unwrap();
+    let uuid = r["gpus"][0]["uuid"].as_str().unwrap();
+    assert_eq!(
+        gpud_tests::isolation::limits_left(d)[uuid][cgroup],
+        json!([2 * GIB, 2 * GIB]),
+        "the driver holds its memory"
+    );
+    assert_eq!(r["compute"], 25);
+    let pipe = mps.join(id).join("pipe").display().to_string();
+    assert_eq!(r["env"]["CUDA_MPS_PIPE_DIRECTORY"], pipe, "{r}");
+    assert_eq!(got["mps"], true, "{got}");
+    assert_eq!(got["pipe"], pipe, "{got}");
+    assert_eq!(
+        got["active_thread_percentage"].as_f64(),
+        Some(25.0),
+        "{got}"
+    );
+    assert_eq!(got["pinned_mem_limits"]["0"], 2 * GIB, "{got}");
+    let s = state(&mps, id);
+    assert_eq!(s["default_active_thread_percentage"].as_f64(), Some(25.0));
+    let events: Vec<&str> = s["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e.as_str().unwrap())
+        .collect();
+    let first_client = events.iter().position(|e| e.starts_with("client "));
+    let caps = events.iter().position(|e| e.starts_with("caps"));
+    assert!(caps < first_client && caps.is_some(), "{events:?}");
+    // gpuctl show says what holds the share.
+    let shown = d.gpuctl().args(["show", id]).output().unwrap();
+    let shown = String::from_utf8_lossy(&shown.stdout);
+    assert!(
+        shown.contains("25% of each GPU's SMs, enforced by its MPS server"),
+        "{shown}"
+    );
+    // The workload ends, and with it the reservation: no daemon, directory or limit left.
+    assert!(run.wait().unwrap().success());
+    wait_all_gone(&mps);
+    assert!(
+        wait_for(PATIENCE, || d.active().is_empty().then_some(())).is_some(),
+        "{:?}",
+        d.active()
+    );
+    assert_eq!(gpud_tests::isolation::limits_left(d), json!({}));
+
+    // Without --compute: the driver's limit alone; no daemon, no pipe.
+    let out = d
+        .gpuctl()
+        .args(["reserve", "--mem", "2GiB", "--"])
+        .arg(fake("fake-cuda-client"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let got: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(got, json!({"mps": false}));
+    assert_eq!(std::fs::read_dir(&*mps).map_or(0, |d| d.count()), 0);
+}
+
+#[test]
+fn on_r615_a_lease_s_compute_share_is_held_by_its_daemon_while_its_memory_waits_for_a_cgroup() {
+    let Some((iso, mps)) = start_r615("mps-lease", "") else {
+        return;
+    };
+    let d = &iso.d;
+    let r = lease(
+        d,
+        json!({"memory": "2GiB", "compute": 25, "devices": ["0"], "ttl_seconds": 300}),
+    );
+    let id = r["id"].as_str().unwrap().to_owned();
+    // Pending: the driver limits its memory once a container's cgroup is attached; its
+    // compute share is held now, by its own daemon.
+    assert_eq!(r["isolation"]["mode"], "pending", "{r}");
+    assert_eq!(r["isolation"]["mps_compute"], true, "{r}");
+    let pipe = mps.join(&id).join("pipe").display().to_string();
+    assert_eq!(r["env"]["CUDA_MPS_PIPE_DIRECTORY"], pipe, "{r}");
+    assert_eq!(
+        state(&mps, &id)["default_active_thread_percentage"].as_f64(),
+        Some(25.0)
+    );
+    let (got, code) = client(&[("CUDA_MPS_PIPE_DIRECTORY", &pipe)], &[]);
+    assert_eq!(code, 0, "{got}");
+    assert_eq!(
+        got["active_thread_percentage"].as_f64(),
+        Some(25.0),
+        "{got}"
+    );
+
+    // Without a share asked: pending as well, and nothing of MPS.
+    let plain = lease(
+        d,
+        json!({"memory": "2GiB", "devices": ["0"], "ttl_seconds": 300}),
+    );
+    let plain_id = plain["id"].as_str().unwrap();
+    assert_eq!(plain["isolation"]["mode"], "pending", "{plain}");
+    assert!(plain["isolation"].get("mps_compute").is_none(), "{plain}");
+    assert!(
+        plain["env"].get("CUDA_MPS_PIPE_DIRECTORY").is_none(),
+        "{plain}"
+    );
+    assert!(!mps.join(plain_id).exists());
+
+    // Released: nothing is left.
+    for id in [id.as_str(), plain_id] {
+        assert_eq!(d.delete(&format!("/v1/reservations/{id}")).status, 200);
+    }
+    wait_all_gone(&mps);
+}
+
+#[test]
+fn on_r615_a_compute_share_whose_daemon_cannot_start_is_not_enforced_or_under_require_refused() {
+    // A control program that is there but fails: `false`.
+    for require in [false, true] {
+        let extra = format!("require = {require}\n");
+        let Some((iso, mps)) = start_r615_with("mps-false", Path::new("/bin/false"), &extra) else {
+            return;
+        };
+        let d = &iso.d;
+        let r = d.post(
+            "/v1/reservations",
+            r#"{"memory": "1GiB", "compute": 25, "devices": ["0"], "ttl_seconds": 60}"#,
+        );
+        let events = wait_for(PATIENCE, || {
+            let events = d.get("/v1/events?kind=isolation").body["events"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default();
+            (!events.is_empty()).then_some(events)
+        })
+        .expect("no isolation event");
+        let message = events[0]["message"].as_str().unwrap();
+        assert!(
+            message.contains("its compute share (25%) is not enforced"),
+            "{message}"
+        );
+        if require {
+            assert_eq!(r.status, 422, "{}", r.text);
+            let says = r.body["error"]["message"].as_str().unwrap();
+            assert!(says.contains("MPS daemon"), "{says}");
+            assert!(d.active().is_empty());
+        } else {
+            // The memory stays the driver's to hold (pending, a lease); the share is only
+            // counted.
+            assert_eq!(r.status, 201, "{}", r.text);
+            assert_eq!(r.body["isolation"]["mode"], "pending", "{}", r.text);
+            assert!(
+                r.body["isolation"].get("mps_compute").is_none(),
+                "{}",
+                r.text
+            );
+            assert_eq!(r.body["compute"], 25);
+            assert_eq!(events[0]["action"], "compute not enforced");
+        }
+        assert_eq!(std::fs::read_dir(&*mps).unwrap().count(), 0);
+    }
 }

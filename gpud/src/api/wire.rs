@@ -246,6 +246,7 @@ pub fn to_wire(r: model::Reservation) -> schema::Reservation {
             mode: r.isolation.mode,
             cgroup: r.isolation.cgroup,
             reason: r.isolation.reason,
+            mps_compute: r.isolation.mps_compute,
         },
         compute: r.compute,
         id: r.id,

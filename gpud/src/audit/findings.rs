@@ -47,7 +47,20 @@ pub(super) fn findings(
                     EventKind::Unlimited,
                     Some(r.id.clone()),
                     match (&r.mps_pipe, &r.driver_limit) {
-                        (Some(pipe), _) => format!(
+                        // The driver holds its memory; its server, its compute share.
+                        (Some(pipe), Some((limited, _))) => format!(
+                            "process {}{cgroup} uses {} on GPU {} for reservation {} but is no \
+                             client of the reservation's MPS server ({}): it bypassed MPS \
+                             (its CUDA_MPS_PIPE_DIRECTORY is missing or names another), and \
+                             nothing holds it to the reservation's compute share (the driver \
+                             limits its memory only inside {limited})",
+                            s.process.pid,
+                            format_bytes(bytes),
+                            s.gpu_index,
+                            r.id,
+                            pipe.display()
+                        ),
+                        (Some(pipe), None) => format!(
                             "process {}{cgroup} uses {} on GPU {} for reservation {} but is no \
                              client of the reservation's MPS server ({}): it bypassed MPS \
                              (its CUDA_MPS_PIPE_DIRECTORY is missing or names another), and \

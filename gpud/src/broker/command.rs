@@ -79,6 +79,9 @@ pub enum Command {
         refused: Vec<(String, String)>,
         /// Ended reservations whose limits could not be reset: `(reservation id, reason)`.
         unreset: Vec<(String, String)>,
+        /// Reservations whose memory the driver holds and whose MPS daemon, for their
+        /// compute share, could not start: `(reservation id, reason)`.
+        compute_unenforced: Vec<(String, String)>,
     },
     /// The cgroup attached to reservation `id` (a container's) emptied or was removed: the
     /// container ended, its limits are reset, and the reservation waits for the next one.

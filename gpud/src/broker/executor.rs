@@ -38,13 +38,19 @@ type Answer = Box<dyn FnOnce(Option<&BrokerError>, &Fixups) + Send>;
 /// (with the reason) instead of driver, or, under `[isolation] require`, is this error.
 type Fixups = HashMap<String, Fix>;
 
-/// One reservation's answer to change after the driver refused its limits.
+/// One reservation's answer to change after the driver refused its limits, or its MPS
+/// daemon could not start.
 #[derive(Debug, Clone)]
 enum Fix {
     /// It stays, advisory, for this reason.
     Advisory(String),
     /// It ends (`[isolation] require`).
     Refused(String),
+    /// Its memory stays the driver's to hold, but the MPS daemon that was to hold its
+    /// compute share could not start: the share is not enforced (the event says why).
+    ComputeUnenforced,
+    /// As [`Fix::ComputeUnenforced`], and it ends (`[isolation] require`).
+    ComputeRefused(String),
 }
 
 /// A command's answer that carries reservations, corrected by [`Fixups`].
@@ -71,6 +77,16 @@ impl Patch for Reservation {
             Some(Fix::Refused(reason)) => Err(BrokerError::IsolationUnavailable(format!(
                 "the GPU driver refused this reservation's memory limit ({reason}), and this \
                  gpud requires it ([isolation] require); nothing is reserved"
+            ))),
+            Some(Fix::ComputeUnenforced) => {
+                self.isolation.mps_compute = false;
+                Ok(self)
+            }
+            Some(Fix::ComputeRefused(reason)) => Err(BrokerError::IsolationUnavailable(format!(
+                "this reservation's MPS daemon, which was to hold it to its compute share \
+                 ({}%), could not start ({reason}), and this gpud requires what it promises \
+                 enforced ([isolation] require); nothing is reserved",
+                self.compute
             ))),
         }
     }
@@ -348,15 +364,29 @@ impl Executor {
         }
         let require = self.ledger.settings().config.isolation.require;
         let mut refused: Vec<(String, String)> = Vec::new();
-        for (id, e) in self.start_mps(std::mem::take(&mut effects.mps_started)) {
-            tracing::error!(reservation = %id, error = %e, "its MPS daemon could not start");
-            let fix = if require {
-                Fix::Refused(e.clone())
+        let mut compute_unenforced: Vec<(String, String)> = Vec::new();
+        for (r, e) in self.start_mps(std::mem::take(&mut effects.mps_started)) {
+            let id = r.id;
+            if r.isolation.is_mps() {
+                tracing::error!(reservation = %id, error = %e, "its MPS daemon could not start");
+                let fix = if require {
+                    Fix::Refused(e.clone())
+                } else {
+                    Fix::Advisory(format!("its MPS daemon could not start: {e}"))
+                };
+                fixups.insert(id.clone(), fix);
+                refused.push((id, e));
             } else {
-                Fix::Advisory(format!("its MPS daemon could not start: {e}"))
-            };
-            fixups.insert(id.clone(), fix);
-            refused.push((id, e));
+                // The driver holds its memory still; only the compute share is lost.
+                tracing::error!(reservation = %id, error = %e, "its MPS daemon could not start; its compute share is not enforced");
+                let fix = if require {
+                    Fix::ComputeRefused(e.clone())
+                } else {
+                    Fix::ComputeUnenforced
+                };
+                fixups.insert(id.clone(), fix);
+                compute_unenforced.push((id, e));
+            }
         }
         let mut unreset: HashMap<(String, String), String> = HashMap::new();
         for (cgroup, uuid) in std::mem::take(&mut effects.limits) {
@@ -406,7 +436,7 @@ impl Executor {
             {
                 self.release_owned(cgroup, owned);
             }
-            if r.isolation.is_mps() {
+            if r.isolation.has_mps_daemon() {
                 // Recorded as cleared once the daemon is gone, which may take its clients'
                 // grace: off this thread.
                 self.stop_mps(r.id);
@@ -416,11 +446,16 @@ impl Executor {
         }
         refused.sort();
         refused.dedup();
-        if !cleared.is_empty() || !refused.is_empty() || !failed_resets.is_empty() {
+        if !cleared.is_empty()
+            || !refused.is_empty()
+            || !failed_resets.is_empty()
+            || !compute_unenforced.is_empty()
+        {
             self.carry.push(Command::LimitsSettled {
                 cleared,
                 refused,
                 unreset: failed_resets,
+                compute_unenforced,
             });
         }
         fixups
@@ -428,16 +463,18 @@ impl Executor {
 
     /// Starts (or adopts) the MPS daemons of `started`, at once, each with its reservation's
     /// caps; returns those that could not start, with why.
-    fn start_mps(&self, started: Vec<Reservation>) -> Vec<(String, String)> {
+    fn start_mps(&self, started: Vec<Reservation>) -> Vec<(Reservation, String)> {
         if started.is_empty() {
             return Vec::new();
         }
         let Some(mps) = &self.isolation.mps else {
             let why = "gpud found no MPS control program".to_owned();
-            return started.into_iter().map(|r| (r.id, why.clone())).collect();
+            return started.into_iter().map(|r| (r, why.clone())).collect();
         };
+        // One code path whether MPS holds the memory too or the driver does: beside the
+        // driver's limit, the daemon's memory caps (the same bytes) change nothing.
         let specs: Vec<crate::isolation::mps::DaemonSpec> = started
-            .into_iter()
+            .iter()
             .map(|r| crate::isolation::mps::DaemonSpec {
                 gpus: r
                     .units
@@ -448,12 +485,12 @@ impl Executor {
                 active_thread_percentage: (1..100).contains(&r.compute).then_some(r.compute),
                 // Kubernetes containers' reservations: a /dev/shm of its own, theirs.
                 private_shm: r.isolation.mps_shm.is_some(),
-                id: r.id,
+                id: r.id.clone(),
                 uid: r.owner_uid,
                 gid: r.owner_gid,
             })
             .collect();
-        let started = std::time::Instant::now();
+        let started_at = std::time::Instant::now();
         let results: Vec<(String, Result<bool, String>)> = std::thread::scope(|scope| {
             let runs: Vec<_> = specs
                 .iter()
@@ -471,12 +508,12 @@ impl Executor {
                 .collect()
         });
         let mut failed = Vec::new();
-        for (id, result) in results {
+        for ((id, result), r) in results.into_iter().zip(started) {
             match result {
                 Ok(adopted) => {
-                    tracing::debug!(reservation = %id, adopted, elapsed = ?started.elapsed(), "MPS daemon running");
+                    tracing::debug!(reservation = %id, adopted, elapsed = ?started_at.elapsed(), "MPS daemon running");
                 }
-                Err(e) => failed.push((id, e)),
+                Err(e) => failed.push((r, e)),
             }
         }
         failed
@@ -498,6 +535,7 @@ impl Executor {
                 cleared: vec![id],
                 refused: Vec::new(),
                 unreset: Vec::new(),
+                compute_unenforced: Vec::new(),
             });
         };
         let spawned = std::thread::Builder::new()
@@ -521,13 +559,12 @@ impl Executor {
         for (id, env) in std::mem::take(&mut effects.cdi_written) {
             let pipe = crate::model::mps_pipe_dir(&config.isolation.mps_dir, &id);
             let isolation = published.reservations.get(&id).map(|r| &r.isolation);
-            let mps =
-                isolation
-                    .filter(|i| i.is_mps() && pipe.is_dir())
-                    .map(|i| crate::cdi::MpsMounts {
-                        pipe: pipe.clone(),
-                        shm: i.mps_shm.as_ref().map(std::path::PathBuf::from),
-                    });
+            let mps = isolation
+                .filter(|i| i.has_mps_daemon() && pipe.is_dir())
+                .map(|i| crate::cdi::MpsMounts {
+                    pipe: pipe.clone(),
+                    shm: i.mps_shm.as_ref().map(std::path::PathBuf::from),
+                });
             if let Err(e) = crate::cdi::write_spec(dir, &id, &env, hook, &socket, mps.as_ref()) {
                 tracing::error!(reservation = %id, error = %e, "could not write the CDI spec");
             }
@@ -750,8 +787,11 @@ fn execute(
             cleared,
             refused,
             unreset,
+            compute_unenforced,
         } => {
-            if let Err(e) = ledger.limits_settled(txn, &cleared, &refused, &unreset, now) {
+            let settled =
+                ledger.limits_settled(txn, &cleared, &refused, &unreset, &compute_unenforced, now);
+            if let Err(e) = settled {
                 tracing::error!(error = %e, "could not record what the driver did with the memory limits");
             }
             None

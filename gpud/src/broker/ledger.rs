@@ -557,10 +557,12 @@ impl Ledger {
             totals,
             compute,
         } = self.choose(caller, request, held)?;
-        let isolation = self.isolation_for(&request.target, &units)?;
+        // Only a share asked explicitly gets a daemon beside the driver's limit: the implied
+        // one there is none, or the whole GPU.
+        let isolation = self.isolation_for(&request.target, &units, request.compute.percent())?;
         let exclusive = request.memory == MemoryAsk::Exclusive;
         let mps_dir = &settings.config.isolation.mps_dir;
-        let mps = isolation.is_mps();
+        let mps = isolation.has_mps_daemon();
         let env_for = |id: &str, units: &[ReservedUnit]| {
             let pipe = mps.then(|| crate::model::mps_pipe_dir(mps_dir, id));
             workload_env(

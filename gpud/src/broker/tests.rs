@@ -1881,3 +1881,105 @@ fn a_kubelet_allocation_under_mps_is_promised_its_memory_s_share_and_no_more_tha
     );
     assert_eq!(promised(&mut rules), [95]);
 }
+
+/// `gpus` 16 GiB GPUs whose driver limits memory, where MPS can run a daemon beside it.
+fn driver_mps_machine(gpus: u32) -> GpuInventory {
+    let mut inventory = GpuInventory::test_machine(gpus, 16);
+    for gpu in &mut inventory.gpus {
+        gpu.isolation = gpud_schema::GpuIsolation {
+            mps: true,
+            ..gpud_schema::GpuIsolation::driver()
+        };
+    }
+    inventory
+}
+
+#[test]
+fn beside_the_driver_an_asked_compute_share_gets_a_daemon_of_its_own_and_an_implied_one_none() {
+    let mut rules = Rules::on(driver_mps_machine(2), default_settings());
+    let on_cgroup = |compute| ReserveRequest {
+        target: crate::isolation::Target::on("/sys/fs/cgroup/x"),
+        compute,
+        ..lease(gib(1), 600)
+    };
+    let mps_dir = Config::default().isolation.mps_dir;
+    let started = |rules: &mut Rules| -> Vec<String> {
+        rules
+            .ledger
+            .take_effects()
+            .mps_started
+            .into_iter()
+            .map(|r| r.id)
+            .collect()
+    };
+    let _ = started(&mut rules);
+    // Asked 25 %: the driver holds the memory, its own daemon the share.
+    let asked = rules.reserved(ALICE, on_cgroup(ComputeAsk::Percent(25)), 0);
+    assert_eq!(asked.isolation.mode, gpud_schema::IsolationMode::Driver);
+    assert!(asked.isolation.mps_compute, "{:?}", asked.isolation);
+    assert_eq!(asked.compute, 25);
+    let pipe = crate::model::mps_pipe_dir(&mps_dir, &asked.id);
+    assert_eq!(
+        asked.env.get("CUDA_MPS_PIPE_DIRECTORY").map(String::as_str),
+        Some(pipe.display().to_string().as_str())
+    );
+    assert_eq!(started(&mut rules), std::slice::from_ref(&asked.id));
+    let audited = crate::model::AuditedReservation::of(&asked, 0, false, &mps_dir);
+    assert_eq!(audited.mps_pipe, Some(pipe));
+    // The implied share (none, on the driver's GPUs) and a whole GPU's: no daemon.
+    for compute in [ComputeAsk::Implied, ComputeAsk::Percent(100)] {
+        let plain = rules.reserved(BOB, on_cgroup(compute), 1_000);
+        assert_eq!(plain.isolation.mode, gpud_schema::IsolationMode::Driver);
+        assert!(!plain.isolation.has_mps_daemon(), "{compute:?}");
+        assert_eq!(plain.env.get("CUDA_MPS_PIPE_DIRECTORY"), None);
+        assert!(started(&mut rules).is_empty());
+        rules.release(BOB, &plain.id, 2_000).unwrap();
+        let ended = rules.ledger.take_effects().ended_limited;
+        assert!(ended.iter().all(|r| !r.isolation.has_mps_daemon()));
+    }
+    // Stored so: a restart adopts its daemon.
+    rules.ledger = Ledger::new(&driver_mps_machine(2), default_settings());
+    rules.run(|l, t| l.load(t, 3_000)).unwrap();
+    assert_eq!(started(&mut rules), std::slice::from_ref(&asked.id));
+    // Released: its daemon is stopped.
+    rules.release(ALICE, &asked.id, 4_000).unwrap();
+    let ended = rules.ledger.take_effects().ended_limited;
+    assert_eq!(ended.len(), 1);
+    assert!(ended[0].isolation.has_mps_daemon());
+}
+
+#[test]
+fn a_lease_s_compute_share_stays_held_by_its_daemon_as_containers_attach_and_detach() {
+    let mut rules = Rules::on(driver_mps_machine(1), default_settings());
+    let _ = rules.ledger.take_effects();
+    let r = rules.reserved(
+        ALICE,
+        ReserveRequest {
+            target: crate::isolation::Target::awaiting_attach("its container's hook"),
+            ..computing(gib(1), 25)
+        },
+        0,
+    );
+    assert_eq!(r.isolation.mode, gpud_schema::IsolationMode::Pending);
+    assert!(r.isolation.mps_compute, "{:?}", r.isolation);
+    assert_eq!(rules.ledger.take_effects().mps_started.len(), 1);
+    // Its container's cgroup attached: the driver limits it there, the daemon stays.
+    let cgroup = "/sys/fs/cgroup/ctr";
+    let attached = rules
+        .run(|l, t| l.attach_cgroup(t, &ALICE, &r.id, &crate::isolation::Target::on(cgroup)))
+        .unwrap();
+    assert_eq!(attached.isolation.mode, gpud_schema::IsolationMode::Driver);
+    assert!(attached.isolation.mps_compute, "{:?}", attached.isolation);
+    // Started again: adopted, its caps told once more.
+    assert_eq!(rules.ledger.take_effects().mps_started.len(), 1);
+    // The container ends: pending again, its daemon still there for the next.
+    rules
+        .run(|l, t| l.detach(t, &r.id, cgroup, true, 1_000))
+        .unwrap();
+    let snap = rules.ledger.snapshot((0, 0));
+    let now = &snap.reservation(&r.id).unwrap().isolation;
+    assert_eq!(now.mode, gpud_schema::IsolationMode::Pending);
+    assert!(now.mps_compute, "{now:?}");
+    let effects = rules.ledger.take_effects();
+    assert!(effects.ended_limited.is_empty() && effects.mps_started.is_empty());
+}

@@ -44,8 +44,9 @@ impl Plugin {
         }
     }
 
-    /// Prepares `claim`: its reservation (made now, or already), and the devices to answer.
-    async fn prepare(&self, claim: &ClaimRef) -> Result<Vec<Device>, String> {
+    /// Reads `claim`'s allocation from the API server (the call bounded by the source), or
+    /// why it cannot be prepared.
+    async fn read(&self, claim: &ClaimRef) -> Result<ClaimAllocation, String> {
         if !self.broker.settings().config.cdi.enabled {
             return Err(format!(
                 "gpud's DRA driver needs [cdi] enabled = true: a claim's container gets its \
@@ -70,9 +71,19 @@ impl Plugin {
                     claim.namespace, claim.name, claim.uid
                 )
             })?;
+        Ok(allocation)
+    }
+
+    /// Prepares `claim`, allocated `allocation`: its reservation (made now, or already),
+    /// and the devices to answer.
+    async fn prepare(
+        &self,
+        claim: &ClaimRef,
+        allocation: &ClaimAllocation,
+    ) -> Result<Vec<Device>, String> {
         let id = reservation_id(&claim.uid);
         let snapshot = self.broker.snapshot();
-        let request = exact_request(&allocation, &self.pool, &snapshot.units)?;
+        let request = exact_request(allocation, &self.pool, &snapshot.units)?;
         if snapshot.reservation(&id).is_none() {
             let request = AllocateRequest {
                 end: Vec::new(),
@@ -90,7 +101,7 @@ impl Plugin {
             }
             tracing::info!(reservation = %id, claim = %format!("{}/{}", claim.namespace, claim.name), "claim prepared");
         }
-        Ok(answer(&allocation, &id))
+        Ok(answer(allocation, &id))
     }
 
     /// Unprepares `claim`: ends its reservation, if it is active.
@@ -159,18 +170,31 @@ impl DraPlugin for Plugin {
         request: Request<NodePrepareResourcesRequest>,
     ) -> Result<Response<NodePrepareResourcesResponse>, Status> {
         let claims = claim_refs(request.into_inner().claims)?;
-        // At once: each claim's read of the API server is bounded, not their sum.
-        let mut prepared = tokio::task::JoinSet::new();
-        for claim in &claims {
+        // The reads at once (each is bounded, so the whole is one bound, not their sum);
+        // then the reservations in the kubelet's order, so that what fits is the same
+        // whichever read answered first.
+        let mut reads = tokio::task::JoinSet::new();
+        for (i, claim) in claims.iter().enumerate() {
             let (plugin, claim) = (self.clone(), claim.clone());
-            prepared.spawn(async move {
-                let result = plugin.prepare(&claim).await;
-                (claim, result)
-            });
+            reads.spawn(async move { (i, plugin.read(&claim).await) });
+        }
+        let mut read: Vec<Option<Result<ClaimAllocation, String>>> = vec![None; claims.len()];
+        while let Some(done) = reads.join_next().await {
+            if let Ok((i, result)) = done
+                && let Some(slot) = read.get_mut(i)
+            {
+                *slot = Some(result);
+            }
         }
         let mut answers = HashMap::new();
-        while let Some(done) = prepared.join_next().await {
-            let Ok((claim, result)) = done else { continue };
+        for (claim, allocation) in claims.into_iter().zip(read) {
+            let result = match allocation {
+                Some(Ok(allocation)) => self.prepare(&claim, &allocation).await,
+                Some(Err(e)) => Err(e),
+                None => Err(
+                    "gpud failed while reading this claim; the kubelet will ask again".to_owned(),
+                ),
+            };
             let answer = match result {
                 Ok(devices) => NodePrepareResourceResponse {
                     devices,
@@ -185,16 +209,6 @@ impl DraPlugin for Plugin {
                 }
             };
             answers.insert(claim.uid, answer);
-        }
-        // Every claim asked for gets its entry, even one whose task failed.
-        for claim in claims {
-            answers
-                .entry(claim.uid)
-                .or_insert_with(|| NodePrepareResourceResponse {
-                    devices: Vec::new(),
-                    error: "gpud failed while preparing this claim; the kubelet will ask again"
-                        .to_owned(),
-                });
         }
         Ok(Response::new(NodePrepareResourcesResponse {
             claims: answers,

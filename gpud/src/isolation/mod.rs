@@ -86,10 +86,7 @@ pub fn probe(
     driver_version: Option<&str>,
     hierarchy: Option<&cgroup::Hierarchy>,
 ) -> Vec<GpuIsolation> {
-    let advisory = |reason: String| GpuIsolation {
-        mode: IsolationMode::Advisory,
-        reason: Some(reason),
-    };
+    let advisory = GpuIsolation::advisory;
     gpus.iter()
         .map(|g| {
             if g.mig_enabled {
@@ -208,9 +205,32 @@ pub fn mps_holds(units: &[ReservedUnit], gpus: &[Gpu], all_units: &[Unit]) -> bo
         })
 }
 
-/// The GPUs of `gpus` that MPS holds, given what the driver allows (`modes`, in order) and
-/// whether MPS can run here: every one the driver leaves advisory that is not in MIG mode.
-/// Where MPS cannot run, its reason joins the advisory one.
+/// Whether a reservation of `units` (of `gpus`, `all_units`) whose memory the driver holds
+/// also gets an MPS daemon of its own for its compute share: it asked one (`asked`, not
+/// the implied share) below 100 %, and every unit is a whole GPU that can run a daemon
+/// ([`GpuIsolation::mps`]).
+pub fn mps_holds_compute(
+    asked: Option<u32>,
+    units: &[ReservedUnit],
+    gpus: &[Gpu],
+    all_units: &[Unit],
+) -> bool {
+    asked.is_some_and(|pct| (1..100).contains(&pct))
+        && !units.is_empty()
+        && units.iter().all(|u| {
+            !all_units.iter().any(|a| a.uuid == u.uuid && a.is_mig())
+                && gpus
+                    .iter()
+                    .find(|g| g.index == u.gpu_index)
+                    .is_some_and(|g| g.isolation.mps)
+        })
+}
+
+/// What MPS adds to what the driver allows (`modes`, in order of `gpus`), given whether it
+/// can run here: it holds every GPU the driver leaves advisory that is not in MIG mode
+/// (mode `mps`), and it can hold compute shares beside the driver's limits on every GPU
+/// in driver mode (`mps`, which no GPU in MIG mode is). Where MPS cannot run, its reason
+/// joins the advisory one.
 pub fn with_mps(
     modes: Vec<GpuIsolation>,
     gpus: &[Gpu],
@@ -220,18 +240,13 @@ pub fn with_mps(
         .into_iter()
         .zip(gpus)
         .map(|(mode, gpu)| match (mode.mode, mps) {
-            (IsolationMode::Advisory, _) if gpu.mig_enabled => mode,
-            (IsolationMode::Advisory, Ok(_)) => GpuIsolation {
-                mode: IsolationMode::Mps,
-                reason: None,
-            },
-            (IsolationMode::Advisory, Err(why)) => GpuIsolation {
-                mode: IsolationMode::Advisory,
-                reason: Some(match mode.reason {
-                    Some(reason) => format!("{reason}; and MPS cannot hold it: {why}"),
-                    None => why.clone(),
-                }),
-            },
+            (_, _) if gpu.mig_enabled => mode,
+            (IsolationMode::Advisory, Ok(_)) => GpuIsolation::mps(),
+            (IsolationMode::Advisory, Err(why)) => GpuIsolation::advisory(match mode.reason {
+                Some(reason) => format!("{reason}; and MPS cannot hold it: {why}"),
+                None => why.clone(),
+            }),
+            (IsolationMode::Driver, Ok(_)) => GpuIsolation { mps: true, ..mode },
             _ => mode,
         })
         .collect()
@@ -240,12 +255,15 @@ pub fn with_mps(
 /// Whether the driver can hold a reservation of `units` (of `gpus`, `all_units`) to its
 /// memory on `target`'s cgroup: driver mode when every GPU allows it and there is a cgroup;
 /// pending when every GPU allows it and the cgroup is to be attached later; advisory, with
-/// the first reason found, otherwise.
+/// the first reason found, otherwise. In driver or pending mode, a compute share `asked`
+/// explicitly (not the implied one) is held by an MPS daemon of its own where
+/// [`mps_holds_compute`] says so.
 pub fn decide(
     target: &Target,
     units: &[ReservedUnit],
     gpus: &[Gpu],
     all_units: &[Unit],
+    asked: Option<u32>,
 ) -> ReservationIsolation {
     let advisory = |reason: String| {
         ReservationIsolation::advisory(target.cgroup.clone(), target.owned.clone(), reason)
@@ -257,6 +275,7 @@ pub fn decide(
             reason: None,
             owned: target.owned.clone(),
             mps_shm: None,
+            mps_compute: false,
         };
     }
     if let Err(reason) = enforceable(units, gpus, all_units) {
@@ -268,6 +287,7 @@ pub fn decide(
             .clone()
             .unwrap_or_else(|| "no cgroup to put the limits on".to_owned())
     };
+    let mps_compute = mps_holds_compute(asked, units, gpus, all_units);
     match &target.cgroup {
         Some(cgroup) => ReservationIsolation {
             mode: IsolationMode::Driver,
@@ -275,6 +295,7 @@ pub fn decide(
             reason: None,
             owned: target.owned.clone(),
             mps_shm: None,
+            mps_compute,
         },
         None if target.awaits_attach => ReservationIsolation {
             mode: IsolationMode::Pending,
@@ -282,6 +303,7 @@ pub fn decide(
             reason: Some(reason()),
             owned: None,
             mps_shm: None,
+            mps_compute,
         },
         None => advisory(reason()),
     }
@@ -298,10 +320,7 @@ mod tests {
         let inventory = crate::model::GpuInventory::test_machine(2, 16);
         let mut gpus = inventory.gpus.clone();
         gpus[0].isolation = GpuIsolation::driver();
-        gpus[1].isolation = GpuIsolation {
-            mode: IsolationMode::Advisory,
-            reason: Some("old driver".to_owned()),
-        };
+        gpus[1].isolation = GpuIsolation::advisory("old driver");
         let units = inventory.units();
         let on = |gpu: u32| {
             vec![ReservedUnit {
@@ -311,14 +330,14 @@ mod tests {
             }]
         };
         let later = Target::awaiting_attach("its container's hook attaches it");
-        let pending = decide(&later, &on(0), &gpus, &units);
+        let pending = decide(&later, &on(0), &gpus, &units, None);
         assert_eq!(pending.mode, IsolationMode::Pending);
         assert_eq!(pending.cgroup, None);
         assert_eq!(
             pending.reason.as_deref(),
             Some("its container's hook attaches it")
         );
-        let old = decide(&later, &on(1), &gpus, &units);
+        let old = decide(&later, &on(1), &gpus, &units, None);
         assert_eq!(old.mode, IsolationMode::Advisory);
         assert_eq!(old.reason.as_deref(), Some("GPU 1: old driver"));
         assert_eq!(
@@ -326,7 +345,7 @@ mod tests {
             Err("GPU 1: old driver".to_owned())
         );
         // Nothing to attach later: advisory, with why.
-        let none = decide(&Target::none("root cgroup"), &on(0), &gpus, &units);
+        let none = decide(&Target::none("root cgroup"), &on(0), &gpus, &units, None);
         assert_eq!(none.mode, IsolationMode::Advisory);
         assert_eq!(none.reason.as_deref(), Some("root cgroup"));
     }
@@ -335,10 +354,7 @@ mod tests {
     fn mps_holds_what_the_driver_leaves_advisory_except_mig() {
         let mut inventory = crate::model::GpuInventory::test_machine(3, 16);
         inventory.gpus[2].mig_enabled = true;
-        let old = |reason: &str| GpuIsolation {
-            mode: IsolationMode::Advisory,
-            reason: Some(reason.to_owned()),
-        };
+        let old = GpuIsolation::advisory;
         let modes = vec![GpuIsolation::driver(), old("old driver"), old("MIG mode")];
         let mps = Ok(mps::Mps::at("/bin/sh".into(), "/run/gpud/mps".into()));
         let got = with_mps(modes.clone(), &inventory.gpus, &mps);
@@ -350,6 +366,12 @@ mod tests {
                 IsolationMode::Advisory
             ]
         );
+        // Where the driver holds the memory, MPS can hold compute shares beside it.
+        assert_eq!(
+            got.iter().map(|m| m.mps).collect::<Vec<_>>(),
+            [true, true, false]
+        );
+        assert_eq!(got[0].reason, None);
         // Without MPS, the reason says why it cannot step in.
         let off = with_mps(modes, &inventory.gpus, &Err("not installed".to_owned()));
         assert_eq!(off[0], GpuIsolation::driver());
@@ -358,16 +380,119 @@ mod tests {
             Some("old driver; and MPS cannot hold it: not installed")
         );
         assert_eq!(off[2].reason.as_deref(), Some("MIG mode"));
+        assert!(off.iter().all(|m| !m.mps));
+    }
+
+    #[test]
+    fn mps_holds_compute_shares_beside_the_driver_only_where_it_runs_and_not_on_mig() {
+        let mut inventory = crate::model::GpuInventory::test_machine(2, 16);
+        // A GPU in MIG mode that the driver were to limit: no daemon there all the same.
+        inventory.gpus[1].mig_enabled = true;
+        let modes = vec![GpuIsolation::driver(), GpuIsolation::driver()];
+        let mps = Ok(mps::Mps::at("/bin/sh".into(), "/run/gpud/mps".into()));
+        let got = with_mps(modes.clone(), &inventory.gpus, &mps);
+        assert_eq!(
+            got,
+            [
+                GpuIsolation {
+                    mps: true,
+                    ..GpuIsolation::driver()
+                },
+                GpuIsolation::driver()
+            ]
+        );
+        // MPS off or not installed: the driver's GPUs stay as they were, with no reason.
+        let off = with_mps(modes.clone(), &inventory.gpus, &Err("off".to_owned()));
+        assert_eq!(off, modes);
+    }
+
+    #[test]
+    fn only_an_explicit_share_below_the_whole_on_mps_capable_gpus_gets_a_daemon_beside_the_driver()
+    {
+        let inventory = crate::model::GpuInventory::test_machine(3, 16);
+        let mut gpus = inventory.gpus.clone();
+        let with_mps = GpuIsolation {
+            mps: true,
+            ..GpuIsolation::driver()
+        };
+        gpus[0].isolation = with_mps.clone();
+        gpus[1].isolation = with_mps;
+        gpus[2].isolation = GpuIsolation::driver();
+        let units = inventory.units();
+        let on = |gpus: &[u32]| -> Vec<ReservedUnit> {
+            gpus.iter()
+                .map(|&gpu| ReservedUnit {
+                    uuid: units[gpu as usize].uuid.clone(),
+                    gpu_index: gpu,
+                    memory_bytes: GIB,
+                })
+                .collect()
+        };
+        let cgroup = Target::on("/sys/fs/cgroup/x");
+        let later = Target::awaiting_attach("later");
+        let decided =
+            |target: &Target, at: &[u32], asked| decide(target, &on(at), &gpus, &units, asked);
+        // Asked 25 %, on GPUs that can run a daemon: driver (or pending), with one.
+        let driver = decided(&cgroup, &[0, 1], Some(25));
+        assert_eq!(driver.mode, IsolationMode::Driver);
+        assert!(driver.mps_compute && driver.has_mps_daemon() && !driver.is_mps());
+        assert!(driver.is_enforced());
+        let pending = decided(&later, &[0], Some(25));
+        assert_eq!(pending.mode, IsolationMode::Pending);
+        assert!(pending.mps_compute && pending.has_mps_daemon() && pending.is_enforced());
+        // Not asked (the implied share), the whole GPU, or 0: none.
+        for asked in [None, Some(100), Some(0)] {
+            let none = decided(&cgroup, &[0], asked);
+            assert_eq!(none.mode, IsolationMode::Driver, "{asked:?}");
+            assert!(!none.has_mps_daemon(), "{asked:?}");
+        }
+        // One of its GPUs cannot run one: none.
+        assert!(!decided(&cgroup, &[0, 2], Some(25)).mps_compute);
+        // Advisory (nothing to limit): none, whatever was asked.
+        let advisory = decided(&Target::none("root cgroup"), &[0], Some(25));
+        assert_eq!(advisory.mode, IsolationMode::Advisory);
+        assert!(!advisory.has_mps_daemon());
+    }
+
+    #[test]
+    fn a_row_from_before_compute_shares_held_by_mps_reads_as_none() {
+        for (old, mode) in [
+            (
+                r#"{"mode":"driver","cgroup":"/sys/fs/cgroup/x"}"#,
+                IsolationMode::Driver,
+            ),
+            (
+                r#"{"mode":"pending","reason":"later"}"#,
+                IsolationMode::Pending,
+            ),
+            (r#"{"mode":"mps"}"#, IsolationMode::Mps),
+        ] {
+            let read: ReservationIsolation = serde_json::from_str(old).unwrap();
+            assert_eq!(read.mode, mode, "{old}");
+            assert!(!read.mps_compute, "{old}");
+            // Written as it was.
+            assert_eq!(serde_json::to_string(&read).unwrap(), old);
+        }
+        let with = ReservationIsolation {
+            mode: IsolationMode::Driver,
+            mps_compute: true,
+            ..ReservationIsolation::default()
+        };
+        let text = serde_json::to_string(&with).unwrap();
+        assert_eq!(text, r#"{"mode":"driver","mps_compute":true}"#);
+        assert_eq!(
+            serde_json::from_str::<ReservationIsolation>(&text).unwrap(),
+            with
+        );
+        // The driver refusing its limit leaves the daemon recorded, to be stopped at its end.
+        assert!(with.made_advisory("refused".into()).has_mps_daemon());
     }
 
     #[test]
     fn a_reservation_on_mps_gpus_alone_is_held_by_mps_wherever_its_processes_run() {
         let inventory = crate::model::GpuInventory::test_machine(2, 16);
         let mut gpus = inventory.gpus.clone();
-        gpus[0].isolation = GpuIsolation {
-            mode: IsolationMode::Mps,
-            reason: None,
-        };
+        gpus[0].isolation = GpuIsolation::mps();
         let units = inventory.units();
         let on = |gpu: u32| ReservedUnit {
             uuid: units[gpu as usize].uuid.clone(),
@@ -379,14 +504,22 @@ mod tests {
             Target::awaiting_attach("later"),
             Target::on("/sys/fs/cgroup/x"),
         ] {
-            let held = decide(&target, &[on(0)], &gpus, &units);
+            let held = decide(&target, &[on(0)], &gpus, &units, Some(25));
             assert_eq!(held.mode, IsolationMode::Mps, "{target:?}");
             assert_eq!(held.reason, None);
             assert_eq!(held.cgroup, target.cgroup);
-            assert!(held.is_mps() && held.is_enforced());
+            assert!(held.is_mps() && held.is_enforced() && held.has_mps_daemon());
+            // MPS holds it all: no compute share "beside" anything.
+            assert!(!held.mps_compute);
         }
         // One of its GPUs is not held by MPS: advisory, as before.
-        let mixed = decide(&Target::none("root cgroup"), &[on(0), on(1)], &gpus, &units);
+        let mixed = decide(
+            &Target::none("root cgroup"),
+            &[on(0), on(1)],
+            &gpus,
+            &units,
+            None,
+        );
         assert_eq!(mixed.mode, IsolationMode::Advisory);
         assert!(!mps_holds(&[], &gpus, &units));
     }

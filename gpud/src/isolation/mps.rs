@@ -1,7 +1,9 @@
 //! CUDA MPS (the Multi-Process Service), one control daemon per reservation: on GPUs whose
 //! driver cannot limit a cgroup's memory (before R615), the reservation's own MPS server
-//! holds its clients to the reservation's memory. NVIDIA's `nvidia-cuda-mps-control` does
-//! the work; this module starts it, sets its caps, and quits it.
+//! holds its clients to the reservation's memory and compute share; on R615 and later,
+//! where the driver holds the memory, to a compute share asked beside it. NVIDIA's
+//! `nvidia-cuda-mps-control` does the work; this module starts it, sets its caps, and
+//! quits it.
 //!
 //! Depends on `model` and `config`; the broker thread calls it right after the commit that
 //! records a reservation (before anyone is told of it) and after one that ends it, and
@@ -228,12 +230,16 @@ impl Mps {
             while daemon.answers() && Instant::now() < deadline {
                 std::thread::sleep(Duration::from_millis(20));
             }
-            for pid in servers.into_iter().chain(pid) {
-                kill(pid);
+            // Still there after the grace: what runs of it is killed. A daemon that quit
+            // is not signalled: its pid may be another process's by now.
+            if daemon.answers() {
+                for pid in servers.into_iter().chain(pid) {
+                    kill_mps(pid);
+                }
             }
         } else if let Some(pid) = daemon.pid() {
             // A daemon that no longer answers may still run (wedged): it goes too.
-            kill(pid);
+            kill_mps(pid);
         }
         match std::fs::remove_dir_all(&daemon.root) {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(MpsError::Io {
@@ -485,8 +491,14 @@ fn own_dev_shm(shm: &CStr) -> std::io::Result<()> {
     Ok(())
 }
 
-/// Kills `pid` (SIGKILL); gone already is fine.
-fn kill(pid: u32) {
+/// Kills `pid` (SIGKILL) if it is one of MPS's programs (`nvidia-cuda-mps-control` or
+/// `-server`, whose names the kernel keeps as `nvidia-cuda-mps`), never another process
+/// that took a pid MPS left; gone already is fine.
+fn kill_mps(pid: u32) {
+    let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+    if !comm.starts_with("nvidia-cuda-mps") {
+        return;
+    }
     if let Ok(pid) = i32::try_from(pid) {
         let _ = nix::sys::signal::kill(
             nix::unistd::Pid::from_raw(pid),
@@ -591,6 +603,7 @@ case "$1" in
 -d)
     stat -L -c '%d:%i' /dev/shm > "$CUDA_MPS_LOG_DIRECTORY/dev-shm" || exit 1
     readlink /proc/self/ns/mnt > "$CUDA_MPS_LOG_DIRECTORY/mnt-ns" || exit 1
+    echo $$ > "$pipe/nvidia-cuda-mps-control.pid"
     : > "$pipe/up"
     ;;
 *)

@@ -158,3 +158,47 @@ fn an_unreserved_process_is_named_with_its_cgroup() {
          reservation"
     );
 }
+
+#[test]
+fn a_process_that_bypasses_the_server_holding_a_compute_share_beside_the_driver_is_unlimited() {
+    // The driver limits d's memory on its cgroup; its own MPS server, its compute share.
+    let cgroup = "/sys/fs/cgroup/gpud/d";
+    let reservations = [AuditedReservation {
+        driver_limit: Some((cgroup.to_owned(), 0)),
+        mps_pipe: Some("/run/gpud/mps/d/pipe".into()),
+        ..audited("d", None, "GPU-0", 4)
+    }];
+    let client = crate::gpu::GpuProcess {
+        mps_client: true,
+        ..process(700, "GPU-0", 1)
+    };
+    let listed = [(0, vec![client, process(701, "GPU-0", 1)])];
+    let inside = || ProcessFacts {
+        uid: Some(ME),
+        start_time: Some(1),
+        reservation_env: Some("d".into()),
+        cgroup: Some("/gpud/d".into()),
+        ..ProcessFacts::default()
+    };
+    let facts = Facts {
+        processes: HashMap::from([(700, inside()), (701, inside())]),
+        ..Facts::default()
+    };
+    let attribution = attribute(&reservations, &inventory().units(), &listed, &facts);
+    let found: Vec<(Option<u32>, EventKind, String)> =
+        findings(&reservations, &attribution, &AuditConfig::default(), 1)
+            .into_values()
+            .map(|(e, _)| (e.pid, e.kind, e.message))
+            .collect();
+    // The client is left alone; the one that is no client escapes the compute share,
+    // inside its memory limit.
+    assert_eq!(found.len(), 1, "{found:?}");
+    let (pid, kind, message) = &found[0];
+    assert_eq!((*pid, *kind), (Some(701), EventKind::Unlimited));
+    assert!(message.contains("bypassed MPS"), "{message}");
+    assert!(
+        message.contains("nothing holds it to the reservation's compute share"),
+        "{message}"
+    );
+    assert!(message.contains(cgroup), "{message}");
+}

@@ -24,11 +24,12 @@ pub(in crate::broker) struct Effects {
     pub served: Vec<Served>,
     /// (cgroup, GPU) pairs whose driver limits must be made what the ledger says.
     pub limits: BTreeSet<Pair>,
-    /// Ended driver-mode and MPS reservations: their limits reset or their MPS daemon
-    /// stopped, their cgroup removed if gpud made it, then recorded as cleared.
+    /// Ended driver-mode reservations and those with an MPS daemon: their limits reset,
+    /// their MPS daemon stopped, their cgroup removed if gpud made it, then recorded as
+    /// cleared.
     pub ended_limited: Vec<Reservation>,
-    /// MPS reservations now active (made, or loaded at start): their daemons are started
-    /// (or adopted) with their caps before anyone is told of them.
+    /// Reservations with an MPS daemon of their own now active (made, or loaded at start):
+    /// their daemons are started (or adopted) with their caps before anyone is told of them.
     pub mps_started: Vec<Reservation>,
     /// Cgroups that hold reservations, to watch: `(reservation id, cgroup)`.
     pub cgroup_watches: Vec<(String, String)>,

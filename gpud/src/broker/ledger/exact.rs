@@ -230,12 +230,14 @@ impl Ledger {
                  device only with [cdi] enabled",
             )
         };
-        let mut isolation = self.isolation_for(&target, &units)?;
+        // The kubelet asks no compute share (the implied one): the driver's GPUs give it no
+        // daemon of its own, MPS ones do.
+        let mut isolation = self.isolation_for(&target, &units, None)?;
         let mps_dir = &self.settings.config.isolation.mps_dir;
         let pipe = isolation
-            .is_mps()
+            .has_mps_daemon()
             .then(|| crate::model::mps_pipe_dir(mps_dir, &id));
-        if isolation.is_mps() {
+        if isolation.has_mps_daemon() {
             // A container has a /dev/shm of its own, and an MPS client reaches its server
             // through shared memory there: the daemon gets a directory as its /dev/shm,
             // which the CDI spec mounts as the containers' (docs/cdi.md, "MPS reservations").

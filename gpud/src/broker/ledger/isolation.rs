@@ -46,14 +46,16 @@ fn isolation_event(now: Millis, id: &str, action: &str, message: String) -> Even
 }
 
 impl Ledger {
-    /// The isolation a new reservation of `units` gets on `target`; under `[isolation]
+    /// The isolation a new reservation of `units` gets on `target`, given the compute share
+    /// it `asked` explicitly (`--compute`; `None`: the implied share); under `[isolation]
     /// require`, an error instead of advisory.
     pub(super) fn isolation_for(
         &self,
         target: &Target,
         units: &[ReservedUnit],
+        asked: Option<u32>,
     ) -> Result<ReservationIsolation, BrokerError> {
-        let decided = isolation::decide(target, units, self.machine.gpus(), self.units());
+        let decided = isolation::decide(target, units, self.machine.gpus(), self.units(), asked);
         match (&decided.reason, self.settings.config.isolation.require) {
             (Some(reason), true) if decided.mode == IsolationMode::Advisory => {
                 Err(BrokerError::IsolationUnavailable(format!(
@@ -68,7 +70,7 @@ impl Ledger {
     /// Records that `r` (now active) limits its pairs: they are set after the commit; and
     /// that its MPS daemon, if it has one, is to run.
     pub(super) fn limits_added(&mut self, r: &Reservation) {
-        if r.isolation.is_mps() {
+        if r.isolation.has_mps_daemon() {
             self.effects.mps_started.push(r.clone());
         }
         let pairs = self.limits.claim(r);
@@ -95,7 +97,7 @@ impl Ledger {
     pub(super) fn limits_removed(&mut self, r: &Reservation) {
         // A cgroup gpud made goes too, limited or not (an advisory workload's as well), and
         // an MPS daemon.
-        if self.limits_released(r) || r.isolation.owned.is_some() || r.isolation.is_mps() {
+        if self.limits_released(r) || r.isolation.owned.is_some() || r.isolation.has_mps_daemon() {
             self.effects.ended_limited.push(r.clone());
         }
     }
@@ -174,8 +176,11 @@ impl Ledger {
                  {why}"
             )));
         }
-        let mut isolation = self.isolation_for(target, &r.units)?;
-        if isolation.is_mps() {
+        // A compute share held by MPS stays so (and one whose daemon could not start stays
+        // without): the share asked is not recorded apart from that.
+        let asked = r.isolation.mps_compute.then_some(r.compute);
+        let mut isolation = self.isolation_for(target, &r.units, asked)?;
+        if isolation.has_mps_daemon() {
             // The daemon keeps the /dev/shm it was made with.
             isolation.mps_shm.clone_from(&r.isolation.mps_shm);
         }
@@ -232,7 +237,13 @@ impl Ledger {
             &r.units,
             self.machine.gpus(),
             self.units(),
+            r.isolation.mps_compute.then_some(r.compute),
         );
+        let mut isolation = isolation;
+        if isolation.has_mps_daemon() {
+            // Its daemon keeps serving the next container, as it was made.
+            isolation.mps_shm.clone_from(&r.isolation.mps_shm);
+        }
         let event = if reset {
             tracing::info!(reservation = %id, %cgroup, "container ended; limits reset, waiting for the next");
             isolation_event(
@@ -264,33 +275,75 @@ impl Ledger {
 
     /// What the driver refused after a commit: each reservation named becomes advisory with
     /// the reason, or, under `[isolation] require`, ends. `cleared`: ended reservations
-    /// whose limits are reset.
+    /// whose limits are reset. `compute_unenforced`: reservations whose memory the driver
+    /// holds and whose MPS daemon, for their compute share, could not start: their share is
+    /// no longer held (the memory still is), or, under `require`, they end.
     pub fn limits_settled(
         &mut self,
         txn: &mut Txn<'_>,
         cleared: &[String],
         refused: &[(String, String)],
         unreset: &[(String, String)],
+        compute_unenforced: &[(String, String)],
         now: Millis,
     ) -> Result<(), BrokerError> {
         if !cleared.is_empty() {
             txn.limits_cleared(cleared)?;
         }
         let require = self.settings.config.isolation.require;
-        let mut events: Vec<Event> = unreset
-            .iter()
-            .map(|(id, reason)| {
+        let mut events = Vec::new();
+        for (id, reason) in compute_unenforced {
+            let Some(r) = self.active.get(id).cloned() else {
+                continue;
+            };
+            let refusal = format!(
+                "reservation {id}'s MPS daemon could not start ({reason}): its compute share \
+                 ({}%) is not enforced, its memory still is by the driver",
+                r.compute
+            );
+            events.push(if require {
                 isolation_warning(
                     now,
                     id,
-                    "retry at start",
-                    format!(
-                        "the memory limits of ended reservation {id} could not be reset \
-                         ({reason}); gpud tries again at its next start"
-                    ),
+                    "ended",
+                    format!("{refusal}; ended, as [isolation] require says"),
                 )
-            })
-            .collect();
+            } else {
+                isolation_warning(
+                    now,
+                    id,
+                    "compute not enforced",
+                    format!("{refusal}; it stays"),
+                )
+            });
+            // Its pairs stay as they are: only the daemon is gone (it leaves nothing).
+            let isolation = ReservationIsolation {
+                mps_compute: false,
+                ..r.isolation.clone()
+            };
+            txn.set_isolation(id, &isolation)?;
+            let mut updated = Reservation::clone(&r);
+            updated.isolation = isolation;
+            self.active.put(updated);
+            if require {
+                let its = format!(
+                    "its MPS daemon could not start, so its compute share could not be \
+                     enforced: {reason}"
+                );
+                self.end_by_gpud(txn, id, &its, now)?;
+            }
+        }
+        events.extend(unreset.iter().map(|(id, reason)| {
+            isolation_warning(
+                now,
+                id,
+                "retry at start",
+                format!(
+                    "the memory limits of ended reservation {id} could not be reset \
+                         ({reason}); gpud tries again at its next start"
+                ),
+            )
+        }));
         for (id, reason) in refused {
             let Some(r) = self.active.get(id).cloned() else {
                 continue;

@@ -355,10 +355,7 @@ fn a_lease_waits_for_its_container_is_limited_while_it_runs_and_waits_again_afte
 fn an_advisory_reservation_s_recorded_cgroup_does_not_hold_back_the_next_container() {
     let limiter = Arc::new(Recorder::default());
     let mut inventory = inventory();
-    inventory.gpus[0].isolation = GpuIsolation {
-        mode: IsolationMode::Advisory,
-        reason: Some("old driver".to_owned()),
-    };
+    inventory.gpus[0].isolation = GpuIsolation::advisory("old driver");
     inventory.gpus[1].isolation = inventory.gpus[0].isolation.clone();
     let dyn_limiter: Arc<dyn Limiter> = limiter.clone();
     let b = Broker::start_with(
@@ -434,6 +431,82 @@ fn a_kubelet_allocation_waits_for_its_container_and_under_require_needs_cdi() {
                 assert!(e.to_string().contains("[cdi] enabled"), "{e}");
                 assert_eq!(b.snapshot().active(), 0);
             }
+        }
+    }
+}
+
+#[test]
+fn a_compute_share_whose_daemon_cannot_start_is_not_enforced_or_under_require_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let cg = dir.path().display().to_string();
+    // GPUs where MPS could hold compute shares beside the driver, and no control program
+    // after all: every daemon fails to start.
+    let mut inventory = inventory();
+    for g in &mut inventory.gpus {
+        g.isolation.mps = true;
+    }
+    for require in [false, true] {
+        let limiter = Arc::new(Recorder::default());
+        let dyn_limiter: Arc<dyn Limiter> = limiter.clone();
+        let b = Broker::start_with(
+            Store::open_in_memory().unwrap(),
+            &inventory,
+            BrokerSettings {
+                admin_gids: vec![],
+                config: config(require, false),
+                groups: GroupLookup::default(),
+            },
+            crate::clock::wall(),
+            crate::isolation::Enforcement {
+                limiter: Some(dyn_limiter),
+                workloads: None,
+                mps: None,
+            },
+        )
+        .unwrap();
+        let answer = reserve(
+            &b,
+            ReserveRequest {
+                compute: ComputeAsk::Percent(25),
+                ..on(dir.path(), 4)
+            },
+        );
+        b.ping().wait().unwrap();
+        let events = recorded(&b);
+        assert_eq!(events.len(), 1, "{events:?}");
+        assert_eq!(events[0].kind, EventKind::Isolation);
+        assert!(
+            events[0]
+                .message
+                .contains("its compute share (25%) is not enforced"),
+            "{}",
+            events[0].message
+        );
+        if require {
+            let e = answer.unwrap_err();
+            assert!(matches!(e, BrokerError::IsolationUnavailable(_)), "{e}");
+            assert!(e.to_string().contains("compute share (25%)"), "{e}");
+            assert_eq!(b.snapshot().active(), 0);
+            assert_eq!(events[0].action, "ended");
+            // Its limit was set, then reset as it ended.
+            let calls = limiter.take();
+            assert_eq!(calls.last().map(|c| (c.2, c.3)), Some((0, NO_LIMIT)));
+        } else {
+            // The memory stays the driver's to hold; the share is only counted.
+            let r = answer.unwrap();
+            assert_eq!(r.isolation.mode, IsolationMode::Driver);
+            assert!(!r.isolation.mps_compute, "{:?}", r.isolation);
+            let now = isolation_of(&b, &r.id);
+            assert_eq!(now.mode, IsolationMode::Driver);
+            assert_eq!(now.cgroup.as_deref(), Some(cg.as_str()));
+            assert!(!now.has_mps_daemon());
+            assert_eq!(events[0].action, "compute not enforced");
+            assert_eq!(limiter.take().len(), 1);
+            // Without a share asked nothing is tried, and nothing is said.
+            let plain = reserve(&b, on(dir.path(), 1)).unwrap();
+            b.ping().wait().unwrap();
+            assert!(!plain.isolation.mps_compute);
+            assert_eq!(recorded(&b).len(), 1);
         }
     }
 }
