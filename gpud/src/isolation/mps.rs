@@ -315,16 +315,44 @@ impl<'a> Daemon<'a> {
             .mode(0o755)
             .create(&self.mps.dir)
             .map_err(io("make", &self.mps.dir))?;
+        // Open to pass through, whatever gpud's umask (gpud.service's is 0077): each
+        // reservation's directory below it is what keeps others out.
+        let open = |m: std::fs::Metadata| m.permissions().mode() & 0o777 == 0o755;
+        if !std::fs::metadata(&self.mps.dir).is_ok_and(open) {
+            std::fs::set_permissions(&self.mps.dir, std::fs::Permissions::from_mode(0o755))
+                .map_err(io("set the mode of", &self.mps.dir))?;
+        }
         let shm = private_shm.then_some(&self.shm);
-        for dir in [&self.root, &self.pipe, &self.log].into_iter().chain(shm) {
+        let dirs: Vec<&PathBuf> = [&self.root, &self.pipe, &self.log]
+            .into_iter()
+            .chain(shm)
+            .collect();
+        // All made first, then given away from the inside out: the outer one, once it is
+        // the owner's, is closed to a gpud without CAP_DAC_OVERRIDE.
+        // A directory already the owner's and closed (a daemon adopted after a restart) is
+        // left as it is: changing it would need CAP_FOWNER.
+        let settled = |dir: &Path| {
+            std::fs::metadata(dir).is_ok_and(|m| {
+                use std::os::unix::fs::MetadataExt;
+                m.uid() == uid && m.gid() == gid && m.mode() & 0o777 == 0o700
+            })
+        };
+        for dir in &dirs {
             match std::fs::DirBuilder::new().mode(0o700).create(dir) {
                 Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => {
                     return Err(io("make", dir)(e));
                 }
                 _ => {}
             }
-            std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
-                .map_err(io("set the mode of", dir))?;
+            if !settled(dir) {
+                std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+                    .map_err(io("set the mode of", dir))?;
+            }
+        }
+        for dir in dirs.into_iter().rev() {
+            if settled(dir) {
+                continue;
+            }
             nix::unistd::chown(
                 dir.as_path(),
                 Some(nix::unistd::Uid::from_raw(uid)),
@@ -364,6 +392,18 @@ impl<'a> Daemon<'a> {
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null());
+        // What the daemon makes in its pipe directory is open to all (umask 0): the
+        // directory, 0700 and the owner's, keeps everyone else out, and the owner's clients
+        // must reach the sockets a root daemon makes there, whatever gpud's own umask
+        // (gpud.service's is 0077).
+        // SAFETY: the closure runs in the child between fork and exec; umask(2) is
+        // async-signal-safe, and it allocates nothing and takes no lock.
+        unsafe {
+            command.pre_exec(|| {
+                nix::sys::stat::umask(nix::sys::stat::Mode::empty());
+                Ok(())
+            });
+        }
         if spec.private_shm {
             // Made before the fork: the child allocates nothing.
             let shm = CString::new(self.shm.as_os_str().as_bytes())
