@@ -123,6 +123,22 @@ fn client(env: &[(&str, &str)], args: &[&str]) -> (Value, i32) {
     (value, out.status.code().unwrap_or(-1))
 }
 
+/// `fake-cuda-client` run as `uid` (its own group) with `env` added; its JSON line and
+/// exit code.
+fn client_as(uid: u32, env: &[(&str, &str)]) -> (Value, i32) {
+    use std::os::unix::process::CommandExt;
+    let out = Command::new(fake("fake-cuda-client"))
+        .envs(env.iter().copied())
+        .uid(uid)
+        .gid(uid)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let line = String::from_utf8_lossy(&out.stdout);
+    let value = serde_json::from_str(line.lines().last().unwrap_or("null")).unwrap_or(Value::Null);
+    (value, out.status.code().unwrap_or(-1))
+}
+
 fn lease(d: &Daemon, body: Value) -> Value {
     let r = d.post("/v1/reservations", &body.to_string());
     assert_eq!(r.status, 201, "{}", r.text);
@@ -174,6 +190,11 @@ fn a_reservation_gets_a_daemon_of_its_own_capped_before_any_client_and_leaves_no
     // A client gets them, and cannot raise them through its environment.
     let pipe_env = pipe.display().to_string();
     let (got, _) = client(&[("CUDA_MPS_PIPE_DIRECTORY", &pipe_env)], &[]);
+    // The lease's owner, not only root, reaches its daemon: through the MPS directory (a
+    // 0700 temporary directory here, opened by gpud) into the sockets the root daemon made.
+    let (as_owner, _) = client_as(nobody, &[("CUDA_MPS_PIPE_DIRECTORY", &pipe_env)]);
+    assert_eq!(as_owner["mps"], true, "{as_owner}");
+    assert_eq!(as_owner["pinned_mem_limits"]["0"], 2 * GIB, "{as_owner}");
     assert_eq!(got["mps"], true, "{got}");
     assert_eq!(got["pinned_mem_limits"]["0"], 2 * GIB, "{got}");
     let (raised, _) = client(
