@@ -310,7 +310,13 @@ fn sighup_applies_a_new_quota_and_keeps_the_old_config_when_the_new_one_is_broke
         "the new quota was not applied; log:\n{}",
         log()
     );
-    let text = log();
+    // The reload's lines may reach the log after a request is served under the new quota
+    // (a loaded machine): wait for them.
+    let text = wait_for(PATIENCE, || {
+        let text = log();
+        (text.contains("section=\"quotas\"") && text.contains("key=\"server\"")).then_some(text)
+    })
+    .unwrap_or_else(log);
     assert!(text.contains("section=\"quotas\""), "{text}");
     // The new value as the file writes it, not as Rust's debug output.
     assert!(text.contains("max_reservations = 2"), "{text}");
