@@ -1286,8 +1286,13 @@ fn compute_is_asked_as_a_percentage_and_every_table_shows_it() {
     expect(&d, &["release", &r.id], 0);
     assert!(waiter.wait().unwrap().success());
 
-    // Bad asks are usage errors, and nothing is reserved for them.
-    let before = active_ids(&d);
+    // Bad asks are usage errors, and nothing is reserved for them. (The waiter's reservation
+    // ends once gpud sees its command exit: waited for, so that nothing else changes.)
+    let before = wait_for(PATIENCE, || {
+        let ids = active_ids(&d);
+        ids.is_empty().then_some(ids)
+    })
+    .expect("the waiter's reservation did not end with its command");
     for args in [
         &["reserve", "--mem", "1GiB", "--compute", "0", "--ttl", "1m"][..],
         &[
