@@ -118,9 +118,7 @@ fn client(env: &[(&str, &str)], args: &[&str]) -> (Value, i32) {
         .stdin(Stdio::null())
         .output()
         .unwrap();
-    let line = String::from_utf8_lossy(&out.stdout);
-    let value = serde_json::from_str(line.lines().last().unwrap_or("null")).unwrap_or(Value::Null);
-    (value, out.status.code().unwrap_or(-1))
+    reported(&out)
 }
 
 /// `fake-cuda-client` run as `uid` (its own group) with `env` added; its JSON line and
@@ -134,6 +132,11 @@ fn client_as(uid: u32, env: &[(&str, &str)]) -> (Value, i32) {
         .stdin(Stdio::null())
         .output()
         .unwrap();
+    reported(&out)
+}
+
+/// A fake client's JSON line and exit code.
+fn reported(out: &std::process::Output) -> (Value, i32) {
     let line = String::from_utf8_lossy(&out.stdout);
     let value = serde_json::from_str(line.lines().last().unwrap_or("null")).unwrap_or(Value::Null);
     (value, out.status.code().unwrap_or(-1))
@@ -452,9 +455,7 @@ fn client_beside(pid: u32, pipe: &str) -> (Value, i32) {
         .stdin(Stdio::null())
         .output()
         .unwrap();
-    let line = String::from_utf8_lossy(&out.stdout);
-    let value = serde_json::from_str(line.lines().last().unwrap_or("null")).unwrap_or(Value::Null);
-    (value, out.status.code().unwrap_or(-1))
+    reported(&out)
 }
 
 #[test]
