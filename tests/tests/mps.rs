@@ -33,6 +33,11 @@ fn fake(name: &str) -> PathBuf {
 /// gpud with MPS through the fake control program, its daemons under `<dir>/mps`, plus
 /// `extra` TOML; `None` when the tests cannot run here (not root).
 fn start(extra: &str) -> Option<(Daemon, MpsDir)> {
+    start_with(&fake("nvidia-cuda-mps-control"), extra)
+}
+
+/// [`start`] with `control` as the control program.
+fn start_with(control: &Path, extra: &str) -> Option<(Daemon, MpsDir)> {
     if !is_root() {
         missing_prerequisite("root (gpud runs one MPS daemon per user's reservation as root)");
         return None;
@@ -45,7 +50,7 @@ fn start(extra: &str) -> Option<(Daemon, MpsDir)> {
     );
     let config = format!(
         "[isolation]\nmps_control = \"{}\"\nmps_dir = \"{}\"\n{extra}",
-        fake("nvidia-cuda-mps-control").display(),
+        control.display(),
         mps.display()
     );
     Some((Daemon::start("t4-pair", &config), mps))
@@ -315,6 +320,59 @@ fn after_a_kill_9_a_running_daemon_is_adopted_and_an_ended_one_stopped() {
     let _ = running.wait();
     assert_eq!(d.delete(&format!("/v1/reservations/{kept}")).status, 200);
     wait_all_gone(&mps);
+}
+
+#[test]
+fn a_reservation_released_while_its_client_runs_leaves_no_daemon_after_the_grace() {
+    // NVIDIA's `quit` returns only once the daemon's clients have ended, and a quitting
+    // daemon may answer nothing: this one answers no command once it quits. gpud follows
+    // the daemon's process, and kills it and its server after its grace (5 s).
+    let wrappers = tempfile::tempdir().unwrap();
+    let control = wrappers.path().join("nvidia-cuda-mps-control");
+    std::fs::write(
+        &control,
+        format!(
+            "#!/bin/sh\nFAKE_MPS_QUIT_SILENT=1 exec {} \"$@\"\n",
+            fake("nvidia-cuda-mps-control").display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&control, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let Some((d, mps)) = start_with(&control, "") else {
+        return;
+    };
+    let r = lease(
+        &d,
+        json!({"memory": "1GiB", "devices": ["0"], "ttl_seconds": 300}),
+    );
+    let id = r["id"].as_str().unwrap().to_owned();
+    let pipe = mps.join(&id).join("pipe").display().to_string();
+    let mut running = Command::new(fake("fake-cuda-client"))
+        .args(["--hold", "600"])
+        .env("CUDA_MPS_PIPE_DIRECTORY", &pipe)
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let server = wait_for(PATIENCE, || {
+        state(&mps, &id)["servers"][0]["pid"]
+            .as_u64()
+            .and_then(|pid| u32::try_from(pid).ok())
+    })
+    .expect("the client started no server");
+    let daemon = daemon_pid(&mps, &id);
+    assert_eq!(d.delete(&format!("/v1/reservations/{id}")).status, 200);
+    let gone = wait_for(std::time::Duration::from_secs(15), || {
+        (!alive(daemon) && !alive(server) && !mps.join(&id).exists()).then_some(())
+    });
+    let _ = running.kill();
+    let _ = running.wait();
+    assert!(
+        gone.is_some(),
+        "15 s after the release: daemon alive {}, server alive {}, directory there {}",
+        alive(daemon),
+        alive(server),
+        mps.join(&id).exists()
+    );
 }
 
 #[test]

@@ -79,6 +79,22 @@ pub fn daemon_pid(pipe: &Path) -> Option<u32> {
         .ok()
 }
 
+/// The daemons under `mps_dir` that wrote a pid file, as `(reservation id, pid)`: ended
+/// reservations' too, until [`Mps::stop`] has removed their directories.
+pub fn daemon_pids(mps_dir: &Path) -> Vec<(String, u32)> {
+    let Ok(entries) = std::fs::read_dir(mps_dir) else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|entry| {
+            let id = entry.file_name().into_string().ok()?;
+            let pid = daemon_pid(&crate::model::mps_pipe_dir(mps_dir, &id))?;
+            Some((id, pid))
+        })
+        .collect()
+}
+
 /// Why a daemon could not be started, told its caps, or stopped.
 #[derive(Debug, thiserror::Error)]
 pub enum MpsError {
@@ -211,35 +227,32 @@ impl Mps {
         Ok(adopted)
     }
 
-    /// Quits reservation `id`'s daemon, if one answers: its clients get [`QUIT_GRACE`] to
-    /// finish, then what still runs of it is killed; then its directory is removed, with
-    /// the pipe, log and shared-memory directories in it.
+    /// Quits reservation `id`'s daemon, if one runs: its clients get [`QUIT_GRACE`] to
+    /// finish, then the daemon and its servers, if still there, are killed; then its
+    /// directory is removed, with the pipe, log and shared-memory directories in it.
+    ///
+    /// It follows the daemon's process, not its answers: NVIDIA's `quit` returns only when
+    /// the daemon has stopped, which is when its last client has ended (measured on driver
+    /// 580), and a daemon that is quitting or wedged may not answer at all.
     pub fn stop(&self, id: &str) -> Result<(), MpsError> {
         let daemon = Daemon::of(self, id);
-        // The server list, asked once, also says whether the daemon answers.
-        let answered = daemon
-            .pipe
-            .is_dir()
-            .then(|| daemon.call("get_server_list\n").ok())
-            .flatten();
-        if let Some(list) = answered {
-            let servers: Vec<u32> = list.lines().filter_map(|l| l.trim().parse().ok()).collect();
-            let pid = daemon.pid();
-            let _ = daemon.call("quit\n");
+        if let Some(pid) = daemon.pid().filter(|&pid| is_running_mps(pid)) {
+            // No new clients from here; the daemon ends when its clients have.
+            let quitting = daemon.quit();
             let deadline = Instant::now() + QUIT_GRACE;
-            while daemon.answers() && Instant::now() < deadline {
+            while is_running_mps(pid) && Instant::now() < deadline {
                 std::thread::sleep(Duration::from_millis(20));
             }
-            // Still there after the grace: what runs of it is killed. A daemon that quit
-            // is not signalled: its pid may be another process's by now.
-            if daemon.answers() {
-                for pid in servers.into_iter().chain(pid) {
-                    kill_mps(pid);
+            if is_running_mps(pid) {
+                for server in children_of(pid) {
+                    kill_mps(server);
                 }
+                kill_mps(pid);
             }
-        } else if let Some(pid) = daemon.pid() {
-            // A daemon that no longer answers may still run (wedged): it goes too.
-            kill_mps(pid);
+            if let Some(mut quitting) = quitting {
+                let _ = quitting.kill();
+                let _ = quitting.wait();
+            }
         }
         match std::fs::remove_dir_all(&daemon.root) {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(MpsError::Io {
@@ -484,6 +497,23 @@ impl<'a> Daemon<'a> {
         Ok(out)
     }
 
+    /// Sends `quit` and returns the control program, which exits once the daemon has
+    /// stopped (`None`: it could not be started, and the daemon is left to be killed).
+    fn quit(&self) -> Option<Child> {
+        let mut child = self
+            .command()
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .ok()?;
+        // The pipe closes when `stdin` drops: the program sends the one line, then waits.
+        if let Some(mut stdin) = child.stdin.take() {
+            let _ = stdin.write_all(b"quit\n");
+        }
+        Some(child)
+    }
+
     /// Whether a daemon answers on the pipe directory.
     fn answers(&self) -> bool {
         self.pipe.is_dir() && self.call("get_server_list\n").is_ok()
@@ -545,6 +575,36 @@ fn kill_mps(pid: u32) {
             nix::sys::signal::Signal::SIGKILL,
         );
     }
+}
+
+/// Whether `pid` is one of MPS's programs and has not ended: a zombie whose parent has not
+/// reaped it yet (a daemon's parent is init, which may be slow to) counts as ended.
+fn is_running_mps(pid: u32) -> bool {
+    let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+    comm.starts_with("nvidia-cuda-mps")
+        && stat_fields(pid).is_some_and(|(state, _)| !matches!(state, 'Z' | 'X'))
+}
+
+/// The processes whose parent is `parent` (a daemon's servers).
+fn children_of(parent: u32) -> Vec<u32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|entry| entry.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|&pid| stat_fields(pid).is_some_and(|(_, ppid)| ppid == parent))
+        .collect()
+}
+
+/// `pid`'s state and parent, from `/proc/<pid>/stat` (read after the command name, which
+/// may hold spaces and parentheses).
+fn stat_fields(pid: u32) -> Option<(char, u32)> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let mut fields = stat.get(stat.rfind(')')? + 1..)?.split_whitespace();
+    let state = fields.next()?.chars().next()?;
+    let ppid = fields.next()?.parse().ok()?;
+    Some((state, ppid))
 }
 
 /// Waits for `child` at most `timeout` (then kills it); its status and what it wrote.

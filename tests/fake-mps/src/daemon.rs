@@ -36,6 +36,10 @@ use crate::wire::{ClientHello, ClientReply, Grant, Hello};
 /// ends the servers anyway (a killed client's socket can live on in a child it forked).
 const KILLED_CLIENTS_GRACE: Duration = Duration::from_secs(5);
 
+/// Set in the daemon's environment, it answers no command once it is quitting (tests of a
+/// caller that must not count on answers then).
+const QUIT_SILENT_ENV: &str = "FAKE_MPS_QUIT_SILENT";
+
 /// Every command the daemon knows, with its arguments, for usage errors.
 const USAGE: &[(&str, &str)] = &[
     (
@@ -217,6 +221,13 @@ fn serve_commands(shared: &Arc<Shared>, mut reader: BufReader<UnixStream>, mut s
         }
         let (reply, start_quitting) = {
             let mut daemon = shared.lock();
+            if daemon.quitting && std::env::var_os(QUIT_SILENT_ENV).is_some() {
+                drop(daemon);
+                // Never answers: the process ends when the quit does.
+                loop {
+                    std::thread::park();
+                }
+            }
             let outcome = daemon.execute(line.trim());
             shared.changed.notify_all();
             outcome
