@@ -737,4 +737,7 @@ pub struct AuditView {
     pub units: Vec<Unit>,
     /// Active reservations.
     pub reservations: Vec<AuditedReservation>,
+    /// `[isolation] mps_dir`, where every reservation's MPS daemon has its directory, an
+    /// ended one's too while it is being stopped.
+    pub mps_dir: std::path::PathBuf,
 }

@@ -3,7 +3,7 @@
 //! clock; and from that the memory in use per unit and per reservation, and the memory no
 //! reservation accounts for, which placement must not promise again.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use crate::gpu::GpuProcess;
 use crate::model::{AuditedReservation, Unit};
@@ -36,6 +36,10 @@ pub(super) enum Attributed {
     /// A server of reservation `i`'s own MPS daemon: gpud's doing, no finding. Its memory
     /// is outside the reservation's cap, so it counts as used by no reservation.
     MpsServer(usize),
+    /// A server of the MPS daemon of a reservation that has ended, which gpud is stopping
+    /// (its `quit` waits for its clients, [`QUIT_GRACE`](crate::isolation::mps::QUIT_GRACE)
+    /// at most): gpud's doing, no finding; its memory counts as used by no reservation.
+    EndingMpsServer,
 }
 
 /// A process as attributed in one pass.
@@ -105,6 +109,8 @@ pub(super) struct Facts {
     /// The pid of each running MPS control daemon of a reservation, with the reservation's
     /// index in the view.
     pub(super) mps_daemons: HashMap<u32, usize>,
+    /// The pids of the MPS control daemons of ended reservations, being stopped.
+    pub(super) ending_mps_daemons: HashSet<u32>,
 }
 
 /// What attribution found: whose each process is, and the memory in use.
@@ -170,15 +176,15 @@ pub(super) fn attribute<'a>(
     for (gpu_index, procs) in listed {
         for p in procs {
             let known = facts.processes.get(&p.pid).unwrap_or(&unknown);
-            let server = known
-                .ancestry
-                .first()
-                .and_then(|parent| facts.mps_daemons.get(parent).copied());
+            let parent = known.ancestry.first();
+            let server = parent.and_then(|parent| facts.mps_daemons.get(parent).copied());
+            let ending = parent.is_some_and(|parent| facts.ending_mps_daemons.contains(parent));
             let owner = match (
                 server,
                 owner_of(p, known, &holders, &by_cgroup, reservations),
             ) {
                 (Some(o), _) => Attributed::MpsServer(o),
+                (None, _) if ending => Attributed::EndingMpsServer,
                 (None, None) => Attributed::Unreserved,
                 (None, Some(o)) if holds(&reservations[o], &p.unit_uuid) => Attributed::Held(o),
                 (None, Some(o)) => Attributed::WrongGpu(o),
@@ -197,9 +203,10 @@ pub(super) fn attribute<'a>(
                                     .is_some_and(|limited| is_within_key(cg, limited))
                             }))
                 }
-                Attributed::Unreserved | Attributed::WrongGpu(_) | Attributed::MpsServer(_) => {
-                    false
-                }
+                Attributed::Unreserved
+                | Attributed::WrongGpu(_)
+                | Attributed::MpsServer(_)
+                | Attributed::EndingMpsServer => false,
             };
             let s = Seen {
                 process: p,
@@ -227,7 +234,9 @@ pub(super) fn attribute<'a>(
                     entry.2.push(s.target());
                 }
                 // Memory placement must not promise again, but nobody's finding.
-                (Attributed::MpsServer(_), Some(i)) => unaccounted[i].0 += bytes,
+                (Attributed::MpsServer(_) | Attributed::EndingMpsServer, Some(i)) => {
+                    unaccounted[i].0 += bytes;
+                }
                 (_, Some(i)) => {
                     unaccounted[i].0 += bytes;
                     unaccounted[i].1 = true;

@@ -92,7 +92,9 @@ pub(super) fn findings(
                     },
                 )
             }
-            Attributed::Held(_) | Attributed::MpsServer(_) => continue,
+            Attributed::Held(_) | Attributed::MpsServer(_) | Attributed::EndingMpsServer => {
+                continue;
+            }
             Attributed::Unreserved => (
                 EventKind::Unreserved,
                 None,

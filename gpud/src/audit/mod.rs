@@ -191,12 +191,18 @@ impl<S: ProcessSource, T: ProcessTable> Auditor<S, T> {
             changed: Vec::new(),
         };
         let listed = self.list(&view.gpus, config, now, &mut health, &mut events);
-        let facts = read_facts(
+        let mut facts = read_facts(
             &self.procs,
             self.self_pid,
             &view.reservations,
             &listed.processes,
         );
+        let active: HashSet<&str> = view.reservations.iter().map(|r| r.id.as_str()).collect();
+        facts.ending_mps_daemons = crate::isolation::mps::daemon_pids(&view.mps_dir)
+            .into_iter()
+            .filter(|(id, _)| !active.contains(id.as_str()))
+            .map(|(_, pid)| pid)
+            .collect();
 
         let attribution = attribute(&view.reservations, &view.units, &listed.processes, &facts);
         let current = findings(&view.reservations, &attribution, config, now);
@@ -213,7 +219,7 @@ impl<S: ProcessSource, T: ProcessTable> Auditor<S, T> {
             .iter()
             .map(|seen| {
                 let (reservation, wrong_gpu) = match seen.owner {
-                    Attributed::Unreserved => (None, false),
+                    Attributed::Unreserved | Attributed::EndingMpsServer => (None, false),
                     Attributed::Held(i) | Attributed::MpsServer(i) => (Some(i), false),
                     Attributed::WrongGpu(i) => (Some(i), true),
                 };

@@ -305,6 +305,7 @@ impl Snapshot {
                     )
                 })
                 .collect(),
+            mps_dir: self.settings.config.isolation.mps_dir.clone(),
         }
     }
 }

@@ -1,6 +1,6 @@
 //! Attribution from plain data: holder, then environment, then cgroup.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, HashSet};
 
 use super::*;
 use crate::audit::findings::findings;
@@ -26,6 +26,7 @@ fn a_reservation_made_on_behalf_of_a_user_owns_that_users_processes_by_environme
         own_cgroup: None,
         limited: Vec::new(),
         mps_daemons: HashMap::new(),
+        ending_mps_daemons: HashSet::new(),
     };
     let attribution = attribute(&reservations, &inventory().units(), &listed, &facts);
     assert_eq!(
@@ -99,6 +100,7 @@ fn attribution_follows_holder_then_environment_then_cgroup_from_plain_data() {
         own_cgroup: Some("/system.slice/gpud.service".into()),
         limited: Vec::new(),
         mps_daemons: HashMap::new(),
+        ending_mps_daemons: HashSet::new(),
     };
     let attribution = attribute(&reservations, &inventory().units(), &listed, &facts);
     assert_eq!(
@@ -171,6 +173,7 @@ fn attribution_ignores_a_cgroup_shared_with_gpud_and_pools_one_holders_reservati
         own_cgroup: Some(gpud),
         limited: Vec::new(),
         mps_daemons: HashMap::new(),
+        ending_mps_daemons: HashSet::new(),
     };
     let attribution = attribute(&reservations, &inventory().units(), &listed, &facts);
     // The holder's process goes to one of its reservations (the last), and is found by
@@ -194,7 +197,12 @@ fn under_mps_a_client_is_held_its_daemon_s_server_is_its_and_any_other_process_b
     };
     let listed = [(
         0,
-        vec![client, process(701, "GPU-0", 1), process(800, "GPU-0", 1)],
+        vec![
+            client,
+            process(701, "GPU-0", 1),
+            process(800, "GPU-0", 1),
+            process(900, "GPU-0", 1),
+        ],
     )];
     let with_env = |ancestry: Vec<u32>| ProcessFacts {
         uid: Some(ME),
@@ -217,8 +225,19 @@ fn under_mps_a_client_is_held_its_daemon_s_server_is_its_and_any_other_process_b
                     ..ProcessFacts::default()
                 },
             ),
+            // A child of the daemon (pid 43) of a reservation that has ended: a server
+            // gpud is stopping.
+            (
+                900,
+                ProcessFacts {
+                    uid: Some(ME),
+                    ancestry: vec![43],
+                    ..ProcessFacts::default()
+                },
+            ),
         ]),
         mps_daemons: HashMap::from([(42, 0)]),
+        ending_mps_daemons: HashSet::from([43]),
         ..Facts::default()
     };
     let attribution = attribute(&reservations, &inventory().units(), &listed, &facts);
@@ -227,7 +246,8 @@ fn under_mps_a_client_is_held_its_daemon_s_server_is_its_and_any_other_process_b
         [
             (700, Attributed::Held(0)),
             (701, Attributed::Held(0)),
-            (800, Attributed::MpsServer(0))
+            (800, Attributed::MpsServer(0)),
+            (900, Attributed::EndingMpsServer)
         ]
     );
     let outside: Vec<(u32, bool)> = attribution
@@ -235,9 +255,12 @@ fn under_mps_a_client_is_held_its_daemon_s_server_is_its_and_any_other_process_b
         .iter()
         .map(|s| (s.process.pid, s.outside_limit))
         .collect();
-    assert_eq!(outside, [(700, false), (701, true), (800, false)]);
-    // The server's memory is outside the cap: no reservation's, but not promised again.
-    assert_eq!(attribution.unaccounted[0], (GIB, false));
+    assert_eq!(
+        outside,
+        [(700, false), (701, true), (800, false), (900, false)]
+    );
+    // The servers' memory is outside the caps: no reservation's, but not promised again.
+    assert_eq!(attribution.unaccounted[0], (2 * GIB, false));
     assert_eq!(
         attribution.per_reservation[&(0, "GPU-0".to_owned())].0,
         4 * GIB
