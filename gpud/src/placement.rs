@@ -19,13 +19,11 @@
 //!   and its total is at least the need, and the assignment reserves its full memory.
 //! - **Compute** is a second capacity beside memory: the compute shares promised on a
 //!   unit ([`UnitLoad::compute_promised`]) plus the request's share there must not pass
-//!   100 %. A request's share on a unit ([`compute_need`]) is what it asks
-//!   ([`ComputeAsk::Percent`]); 100 when exclusive; otherwise, on a unit whose GPU is in
-//!   MPS mode ([`UnitLoad::compute_by_memory`]), `floor(100 × need / total)`, at least 1;
-//!   elsewhere 0. A MIG instance takes no asked share (its compute is its own). The
-//!   placement's share ([`Placement::compute`]) is one number for all its units: the ask,
-//!   100 when exclusive, or the smallest proportional share over its units when all of them
-//!   are in MPS mode (0 otherwise); never more than what was checked on any of them.
+//!   100 %. A request's share ([`compute_share`], [`Placement::compute`]) is one number
+//!   for all its units: what it asks ([`ComputeAsk::Percent`]); 100 when exclusive;
+//!   otherwise 0, whatever its memory (a share caps its SMs and gains it nothing beside a
+//!   neighbour's work, which the GPU time-slices with it: docs/isolation.md). A MIG
+//!   instance takes no asked share (its compute is its own).
 //!
 //! # One unit (binpack, the default)
 //!
@@ -99,7 +97,7 @@ use crate::model::{MemoryAsk, Policy, Topology, Unit};
 mod compute;
 mod explain;
 
-pub use compute::{compute_free, compute_need, compute_share};
+pub use compute::{compute_free, compute_share};
 use explain::*;
 
 #[cfg(test)]
@@ -137,10 +135,6 @@ pub struct UnitLoad {
     /// Percentage of the unit's SMs promised to its active reservations: their compute
     /// shares added up (at most 100).
     pub compute_promised: u32,
-    /// Whether a share of the unit's memory comes with the same share of its SMs (its GPU is
-    /// in MPS mode, whose daemon enforces both): a request that asks no compute share gets
-    /// one in proportion to its memory here.
-    pub compute_by_memory: bool,
 }
 
 /// The machine as placement sees it. `units` and `loads` are aligned by position.
@@ -238,7 +232,7 @@ fn place_explained(
         place_multi(request, state, &views)
     };
     let placed = placed.map(|mut p| {
-        p.compute = compute::share_of(request, state, &p);
+        p.compute = compute_share(request.memory, request.compute);
         p
     });
     placed.ok_or_else(|| {
@@ -396,7 +390,7 @@ fn assess(
             completely_free,
         }
     };
-    let asked = compute_need(unit, load, ask, request.compute);
+    let asked = compute_share(request.memory, request.compute);
     let free = compute_free(load);
     if asked > free {
         return Err(Blocker::NotEnoughCompute { free, asked });

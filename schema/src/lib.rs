@@ -128,7 +128,7 @@ pub struct ReservationRequest {
     /// more than 100 % of a GPU's SMs; on GPUs in `mps` mode the reservation's MPS server
     /// enforces the share (elsewhere it is bookkeeping). Not with `exclusive` (whole GPUs
     /// have all their compute), nor on a MIG instance (whose compute is its own). Without
-    /// it, a reservation gets a share in proportion to its memory on GPUs in `mps` mode.
+    /// it, a reservation is promised none, and its server (in `mps` mode) caps no SMs.
     #[serde(
         default,
         skip_serializing_if = "Option::is_none",
@@ -389,11 +389,9 @@ pub struct Reservation {
     #[serde(default)]
     pub isolation: Isolation,
     /// Its compute share: the percentage of each of its GPUs' SMs promised to it (0: none).
-    /// What it asked (`compute`); 100 when exclusive; otherwise, when all its GPUs are in
-    /// `mps` mode, in proportion to its memory (`floor(100 × memory / total)` on the
-    /// tightest of its GPUs, at least 1). Enforced by its MPS server when `isolation.mode`
-    /// is `mps` or `isolation.mps_compute` is true; elsewhere only counted (no GPU is
-    /// promised past 100 %). Absent from gpuds before it was added.
+    /// What it asked (`compute`); 100 when exclusive; otherwise 0. Enforced by its MPS
+    /// server when `isolation.mode` is `mps` or `isolation.mps_compute` is true; elsewhere
+    /// only counted (no GPU is promised past 100 %). Absent from gpuds before it was added.
     #[serde(default)]
     #[schemars(range(max = 100))]
     pub compute: u32,

@@ -1165,7 +1165,7 @@ fn compute_shares_are_kept_across_a_restart() {
 
 /// Under MPS (the fake MPS control program as `[isolation] mps_control`, which needs
 /// root), each reservation's daemon is told its compute share before gpud answers: the
-/// memory's share, or the share asked; a whole GPU is left whole.
+/// share asked, or none (all the SMs); a whole GPU is left whole.
 #[test]
 fn under_mps_each_reservation_s_daemon_is_held_to_its_compute_share() {
     if !is_root() {
@@ -1194,46 +1194,47 @@ fn under_mps_each_reservation_s_daemon_is_held_to_its_compute_share() {
         let state: Value = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
         state["default_active_thread_percentage"].clone()
     };
-    // 4 GiB of a 15 GiB T4: 26 % of its SMs.
+    // Without a share: its daemon leaves every SM to its clients.
     let implied = reserve(
         &d,
         json!({"memory": "4GiB", "devices": ["0"], "ttl_seconds": 300}),
     );
     assert_eq!(implied.status, 201, "{}", implied.text);
     assert_eq!(implied.body["isolation"]["mode"], "mps", "{}", implied.text);
-    assert_eq!(implied.body["compute"], 26);
-    assert_eq!(told(&id(&implied)).as_f64(), Some(26.0));
+    assert_eq!(implied.body["compute"], 0);
+    assert_eq!(told(&id(&implied)).as_f64(), Some(100.0));
     let asked = reserve(
         &d,
         json!({"memory": "1GiB", "compute": 40, "devices": ["0"], "ttl_seconds": 300}),
     );
     assert_eq!(asked.status, 201, "{}", asked.text);
     assert_eq!(told(&id(&asked)).as_f64(), Some(40.0));
-    assert_eq!(d.get("/v1/gpus").body["gpus"][0]["compute_promised"], 66);
-    // 40 % more does not fit beside 66 %, whatever memory is left.
+    assert_eq!(d.get("/v1/gpus").body["gpus"][0]["compute_promised"], 40);
+    // 70 % more does not fit beside 40 %, whatever memory is left.
     let over = reserve(
         &d,
-        json!({"memory": "1GiB", "compute": 40, "devices": ["0"], "ttl_seconds": 300}),
+        json!({"memory": "1GiB", "compute": 70, "devices": ["0"], "ttl_seconds": 300}),
     );
     assert_eq!(over.status, 409, "{}", over.text);
     assert!(
         over.text
-            .contains("GPU 0 has 34% of its compute unpromised; asked 40%"),
+            .contains("GPU 0 has 60% of its compute unpromised; asked 70%"),
         "{}",
         over.text
     );
-    // 34 % more fills it: memory is left, but no request could have any of it now.
+    // 60 % more fills it; a reservation without a share still fits by its memory.
     let fill = reserve(
         &d,
-        json!({"memory": "1GiB", "compute": 34, "devices": ["0"], "ttl_seconds": 300}),
+        json!({"memory": "1GiB", "compute": 60, "devices": ["0"], "ttl_seconds": 300}),
     );
     assert_eq!(fill.status, 201, "{}", fill.text);
-    let gpu0 = &d.get("/v1/gpus").body["gpus"][0];
-    assert_eq!(
-        (&gpu0["compute_promised"], &gpu0["memory_free_bytes"]),
-        (&json!(100), &json!(0)),
-        "{gpu0}"
+    assert_eq!(d.get("/v1/gpus").body["gpus"][0]["compute_promised"], 100);
+    let beside = reserve(
+        &d,
+        json!({"memory": "1GiB", "devices": ["0"], "ttl_seconds": 300}),
     );
+    assert_eq!(beside.status, 201, "{}", beside.text);
+    assert_eq!(beside.body["compute"], 0);
     // A whole GPU's daemon keeps all of it.
     let whole = reserve(
         &d,
@@ -1242,7 +1243,7 @@ fn under_mps_each_reservation_s_daemon_is_held_to_its_compute_share() {
     assert_eq!(whole.status, 201, "{}", whole.text);
     assert_eq!(whole.body["compute"], 100);
     assert_eq!(told(&id(&whole)).as_f64(), Some(100.0));
-    for r in [implied, asked, fill, whole] {
+    for r in [implied, asked, fill, beside, whole] {
         assert_eq!(
             d.delete(&format!("/v1/reservations/{}", id(&r))).status,
             200

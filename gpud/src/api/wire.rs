@@ -273,17 +273,11 @@ pub fn gpu_list(broker: &Broker) -> schema::GpuList {
         entry.1 += used;
         entry.2 += load.unaccounted_bytes;
         entry.3 += load.reservations;
-        // What one request could get: a MIG instance only whole; nothing where MPS has
-        // promised all the SMs (every request there needs some).
+        // What one request could get: a MIG instance only whole.
         let here = match (load.healthy && !load.exclusive, unit.is_mig()) {
             (false, _) => 0,
             (true, true) if crate::placement::is_completely_free(load) => unit.memory_total_bytes,
             (true, true) => 0,
-            (true, false)
-                if load.compute_by_memory && crate::placement::compute_free(load) == 0 =>
-            {
-                0
-            }
             (true, false) => crate::placement::free_bytes(unit, load),
         };
         let slot = free.entry(unit.gpu_index).or_default();

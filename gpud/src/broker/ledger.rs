@@ -197,7 +197,6 @@ impl Ledger {
                     }
                 }
             }
-            let r = self.with_compute(r);
             self.add_active(r);
         }
         self.reset_pending(txn)?;
@@ -256,34 +255,9 @@ impl Ledger {
         self.leases.clear();
         self.machine.clear_reserved();
         for r in loaded {
-            let r = self.with_compute(r);
             self.add_active(r);
         }
         Ok(())
-    }
-
-    /// `r` as read from the database, with the compute share placement gives a reservation
-    /// that asked none on GPUs in MPS mode (in proportion to its memory) where it has none:
-    /// a row written before the share was stored (migration 0007). Any other share stays.
-    fn with_compute(&self, mut r: Reservation) -> Reservation {
-        if r.compute == 0 && !r.exclusive {
-            let held: Vec<(&Unit, &UnitLoad, u64)> = r
-                .units
-                .iter()
-                .filter_map(|u| {
-                    let i = self.unit_index(&u.uuid)?;
-                    Some((self.units().get(i)?, self.loads().get(i)?, u.memory_bytes))
-                })
-                .collect();
-            if held.len() == r.units.len() {
-                r.compute = crate::placement::compute_share(
-                    MemoryAsk::Bytes(1),
-                    crate::model::ComputeAsk::Implied,
-                    held,
-                );
-            }
-        }
-        r
     }
 
     /// The state as it is now, for readers. `counters`: group commits and the commands

@@ -1754,48 +1754,35 @@ fn compute_shares_are_loaded_again_after_a_restart() {
 }
 
 #[test]
-fn under_mps_a_reservation_is_promised_compute_in_proportion_to_its_memory() {
+fn under_mps_a_reservation_without_a_share_is_promised_none_and_asked_ones_add_up_to_a_gpu() {
     let mut rules = Rules::on(mps_machine(1), default_settings());
-    let quarter = rules.reserved(ALICE, lease(gib(4), 600), 0);
-    assert_eq!(quarter.compute, 25);
-    assert!(quarter.isolation.is_mps(), "{:?}", quarter.isolation);
-    let half = rules.reserved(BOB, lease(MemoryAsk::BasisPoints(5000), 600), 1_000);
-    assert_eq!(half.compute, 50);
-    let tiny = rules.reserved(CAROL, lease(MemoryAsk::Bytes(1 << 20), 600), 2_000);
-    assert_eq!(tiny.compute, 1, "at least 1 %");
-    assert_eq!(promised(&mut rules), [76]);
-    // An asked share counts the same: 30 % does not fit in the 24 % left, even with the
-    // memory free; 24 % does.
+    let plain = rules.reserved(ALICE, lease(gib(4), 600), 0);
+    assert_eq!(plain.compute, 0);
+    assert!(plain.isolation.is_mps(), "{:?}", plain.isolation);
+    let sixty = rules.reserved(BOB, computing(gib(1), 60), 1_000);
+    assert_eq!(sixty.compute, 60);
     let e = rules
-        .reserve(ALICE, computing(gib(1), 30), 3_000)
+        .reserve(CAROL, computing(gib(1), 50), 2_000)
         .unwrap_err();
     assert!(
         e.to_string()
-            .contains("GPU 0 has 24% of its compute unpromised; asked 30%"),
+            .contains("GPU 0 has 40% of its compute unpromised; asked 50%"),
         "{e}"
     );
-    let asked = rules.reserved(ALICE, computing(gib(1), 24), 4_000);
-    assert_eq!(asked.compute, 24);
+    rules.reserved(CAROL, computing(gib(1), 40), 3_000);
     assert_eq!(promised(&mut rules), [100]);
-    // Memory is left (about 3 GiB) but no compute: even a small request is refused.
-    let e = rules
-        .reserve(BOB, lease(gib(1), 600), 5_000)
-        .unwrap_err()
-        .to_string();
-    assert!(
-        e.contains("GPU 0 has 0% of its compute unpromised; asked 6%"),
-        "{e}"
-    );
+    // Every SM promised: a request without a share still fits by its memory.
+    assert_eq!(rules.reserved(ALICE, lease(gib(1), 600), 4_000).compute, 0);
     // Released, the share is free again; and it is the same after a restart.
-    rules.release(ALICE, &quarter.id, 6_000).unwrap();
-    assert_eq!(promised(&mut rules), [75]);
+    rules.release(BOB, &sixty.id, 5_000).unwrap();
+    assert_eq!(promised(&mut rules), [40]);
     rules.ledger = Ledger::new(&mps_machine(1), default_settings());
-    rules.run(|l, t| l.load(t, 7_000)).unwrap();
-    assert_eq!(promised(&mut rules), [75]);
+    rules.run(|l, t| l.load(t, 6_000)).unwrap();
+    assert_eq!(promised(&mut rules), [40]);
 }
 
 #[test]
-fn a_reservation_stored_without_a_share_gets_its_memory_s_share_under_mps_at_start() {
+fn a_reservation_stored_without_a_share_stays_without_one_under_mps() {
     // As a gpud before compute shares wrote it (the store reads such a row as 0).
     let mut rules = Rules::on(mps_machine(2), default_settings());
     let mut old = Reservation::for_test("old", 1000, &[("GPU-0", 4 * GIB)]);
@@ -1804,13 +1791,9 @@ fn a_reservation_stored_without_a_share_gets_its_memory_s_share_under_mps_at_sta
     rules.run(|_, t| t.insert(&old).unwrap());
     rules.ledger = Ledger::new(&mps_machine(2), default_settings());
     rules.run(|l, t| l.load(t, 1_000)).unwrap();
-    assert_eq!(promised(&mut rules), [25, 0]);
-    let snap = rules.ledger.snapshot((0, 0));
-    assert_eq!(snap.reservation("old").map(|r| r.compute), Some(25));
-    // Outside MPS it stays without one.
-    rules.ledger = Ledger::new(&GpuInventory::test_machine(2, 16), default_settings());
-    rules.run(|l, t| l.load(t, 1_000)).unwrap();
     assert_eq!(promised(&mut rules), [0, 0]);
+    let snap = rules.ledger.snapshot((0, 0));
+    assert_eq!(snap.reservation("old").map(|r| r.compute), Some(0));
 }
 
 #[test]
@@ -1836,7 +1819,7 @@ fn a_retry_must_ask_the_same_compute_share() {
 }
 
 #[test]
-fn a_kubelet_allocation_under_mps_is_promised_its_memory_s_share_and_no_more_than_a_gpu() {
+fn a_kubelet_allocation_under_mps_is_promised_no_share_and_fits_beside_asked_ones() {
     let mut rules = Rules::on(mps_machine(1), default_settings());
     let container = |id: &str, gib: u64| ExactRequest {
         ids: vec![id.to_owned()],
@@ -1845,41 +1828,24 @@ fn a_kubelet_allocation_under_mps_is_promised_its_memory_s_share_and_no_more_tha
         retire_ended: false,
         labels: BTreeMap::new(),
     };
-    let made = rules
-        .run(|l, t| {
+    let allocate = |rules: &mut Rules, id: &str, gib: u64, now| {
+        rules.run(|l, t| {
             l.allocate(
                 t,
                 ROOT,
                 AllocateRequest {
                     end: vec![],
-                    containers: vec![container("k8s-a", 8)],
+                    containers: vec![container(id, gib)],
                 },
-                0,
+                now,
             )
         })
-        .unwrap();
-    assert_eq!(made[0].compute, 50);
-    // 45 % more leaves 5 %: a 1 GiB container's share (6 %) does not fit, with the memory
-    // free.
-    rules.reserved(ALICE, computing(gib(1), 45), 1);
-    let e = rules
-        .run(|l, t| {
-            l.allocate(
-                t,
-                ROOT,
-                AllocateRequest {
-                    end: vec![],
-                    containers: vec![container("k8s-b", 1)],
-                },
-                2,
-            )
-        })
-        .unwrap_err();
-    assert_eq!(
-        e.to_string(),
-        "GPU 0 has 5% of its compute unpromised; asked 6%"
-    );
-    assert_eq!(promised(&mut rules), [95]);
+    };
+    assert_eq!(allocate(&mut rules, "k8s-a", 8, 0).unwrap()[0].compute, 0);
+    // Every SM promised to an asked share: a container still gets its memory.
+    rules.reserved(ALICE, computing(gib(1), 100), 1);
+    assert_eq!(allocate(&mut rules, "k8s-b", 1, 2).unwrap()[0].compute, 0);
+    assert_eq!(promised(&mut rules), [100]);
 }
 
 /// `gpus` 16 GiB GPUs whose driver limits memory, where MPS can run a daemon beside it.

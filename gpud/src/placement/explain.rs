@@ -154,8 +154,7 @@ pub(super) fn blocker_text(view: &View<'_>) -> Option<String> {
 
 /// The units whose memory would take the request but whose compute would not, in words:
 /// `GPU 0 has 10% of its compute unpromised; asked 50%` (the share asked said once when it
-/// is the same everywhere, as it is unless it comes from the memory of GPUs of different
-/// sizes). `None` when compute blocks no unit.
+/// is the same everywhere). `None` when compute blocks no unit.
 pub(super) fn compute_summary(request: &PlacementRequest, views: &[View<'_>]) -> Option<String> {
     let blocked: Vec<(&View<'_>, u32, u32)> = views
         .iter()
@@ -166,7 +165,7 @@ pub(super) fn compute_summary(request: &PlacementRequest, views: &[View<'_>]) ->
         .collect();
     let (_, _, first_asked) = *blocked.first()?;
     let implied = match request.compute {
-        ComputeAsk::Implied => " (its memory's share, which MPS enforces)",
+        ComputeAsk::Implied => " (exclusive use takes all of it)",
         ComputeAsk::Percent(_) => "",
     };
     let same = blocked.iter().all(|&(_, _, asked)| asked == first_asked);

@@ -1471,14 +1471,6 @@ impl Machine {
             &self.state(),
         )
     }
-
-    /// Every whole GPU in MPS mode: a share of memory promises that share of the SMs.
-    fn under_mps(mut self) -> Machine {
-        for (unit, load) in self.units.iter().zip(&mut self.loads) {
-            load.compute_by_memory = !unit.is_mig();
-        }
-        self
-    }
 }
 
 #[test]
@@ -1528,81 +1520,37 @@ fn compute_alone_can_make_a_request_not_fit_and_the_message_says_so() {
 }
 
 #[test]
-fn under_mps_a_share_of_memory_is_a_share_of_compute() {
-    let m = t4_pair().under_mps();
-    let share = |gpus, memory| {
-        m.place_computing(gpus, memory, ComputeAsk::Implied)
-            .unwrap()
-            .compute
+fn a_request_without_a_share_is_promised_none_of_the_compute_and_exclusive_all_of_it() {
+    let mut m = t4_pair();
+    let share = |m: &Machine, memory| {
+        m.place_computing(1, memory, ComputeAsk::Implied)
+            .map(|p| p.compute)
     };
-    // T4s of 15 GiB: 4 GiB is 26.6 %, rounded down.
-    assert_eq!(share(1, MemoryAsk::Bytes(4 * GIB)), 26);
-    assert_eq!(share(1, MemoryAsk::BasisPoints(2500)), 25);
-    assert_eq!(share(1, MemoryAsk::Bytes(1)), 1, "at least 1 %");
-    assert_eq!(share(1, EXCL), 100);
-    assert_eq!(share(2, MemoryAsk::Bytes(15 * GIB)), 100);
-    // An ask of its own wins.
+    // Whatever its memory: a share caps a reservation's SMs and gains it nothing beside a
+    // neighbour's work, which the GPU time-slices with it.
+    assert_eq!(share(&m, MemoryAsk::Bytes(4 * GIB)), Ok(0));
+    assert_eq!(share(&m, MemoryAsk::BasisPoints(2500)), Ok(0));
+    assert_eq!(share(&m, EXCL), Ok(100));
+    // An ask of its own is its share.
     let p = m
         .place_computing(1, MemoryAsk::Bytes(4 * GIB), ComputeAsk::Percent(5))
         .unwrap();
     assert_eq!(p.compute, 5);
-    // Without MPS, nothing is promised unless asked; exclusive is all of it anyway.
-    let plain = t4_pair();
-    let p = plain
-        .place_computing(1, MemoryAsk::Bytes(4 * GIB), ComputeAsk::Implied)
-        .unwrap();
-    assert_eq!(p.compute, 0);
-    assert_eq!(
-        plain
-            .place_computing(1, EXCL, ComputeAsk::Implied)
-            .unwrap()
-            .compute,
-        100
-    );
-    // A share in proportion to memory counts like an asked one: 80 % promised on GPU 0
-    // leaves no room for 4 GiB (26 %) there, so it goes to GPU 1, and once GPU 1 has 80 %
-    // promised as well, it does not fit at all.
-    let mut m = t4_pair().under_mps();
+    // Every SM of both GPUs promised: a request without a share still fits by its memory;
+    // one with a share does not.
     for load in &mut m.loads {
         load.reservations = 1;
         load.reserved_bytes = GIB;
+        load.compute_promised = 100;
     }
-    m.loads[0].compute_promised = 80;
-    let p = m
-        .place_computing(1, MemoryAsk::Bytes(4 * GIB), ComputeAsk::Implied)
-        .unwrap();
-    assert_eq!((p.assignments[0].unit, p.compute), (1, 26));
-    m.loads[1].compute_promised = 80;
+    assert_eq!(share(&m, MemoryAsk::Bytes(4 * GIB)), Ok(0));
     assert_eq!(
-        m.place_computing(1, MemoryAsk::Bytes(4 * GIB), ComputeAsk::Implied)
+        m.place_computing(1, MemoryAsk::Bytes(4 * GIB), ComputeAsk::Percent(1))
             .unwrap_err()
             .to_string(),
-        "compute does not fit: GPU 0 has 20% of its compute unpromised; GPU 1 has 20% of its \
-         compute unpromised; asked 26% (its memory's share, which MPS enforces)"
+        "compute does not fit: GPU 0 has 0% of its compute unpromised; GPU 1 has 0% of its \
+         compute unpromised; asked 1%"
     );
-}
-
-#[test]
-fn a_reservation_over_gpus_of_several_sizes_gets_the_smallest_share() {
-    let m = mixed_a100().under_mps();
-    let sizes: Vec<u64> = m.units.iter().map(|u| u.memory_total_bytes).collect();
-    let p = m
-        .place_computing(2, MemoryAsk::Bytes(20 * GIB), ComputeAsk::Implied)
-        .unwrap();
-    let shares: Vec<u64> = p
-        .assignments
-        .iter()
-        .map(|a| 100 * a.memory_bytes / sizes[a.unit])
-        .collect();
-    assert_eq!(u64::from(p.compute), *shares.iter().min().unwrap());
-    // One of its GPUs outside MPS: nothing promised.
-    let mut mixed = mixed_a100().under_mps();
-    mixed.loads[1].compute_by_memory = false;
-    let p = mixed
-        .place_computing(2, MemoryAsk::Bytes(20 * GIB), ComputeAsk::Implied)
-        .unwrap();
-    assert!(p.assignments.iter().any(|a| a.unit == 1), "{p:?}");
-    assert_eq!(p.compute, 0);
 }
 
 #[test]
@@ -1669,35 +1617,28 @@ fn impossible_compute_asks() {
 }
 
 /// The compute share a request needs on a unit, by the rules as docs/api.md states them.
-fn oracle_compute(unit: &Unit, load: &UnitLoad, memory: MemoryAsk, compute: ComputeAsk) -> u32 {
+fn oracle_compute(memory: MemoryAsk, compute: ComputeAsk) -> u32 {
     match (compute, memory) {
         (ComputeAsk::Percent(p), _) => p,
         (ComputeAsk::Implied, MemoryAsk::Exclusive) => 100,
-        (ComputeAsk::Implied, _) if load.compute_by_memory && !unit.is_mig() => {
-            let total = unit.memory_total_bytes;
-            let need = memory.bytes_on(total).max(1);
-            u32::try_from(u128::from(need) * 100 / u128::from(total))
-                .unwrap()
-                .clamp(1, 100)
-        }
         (ComputeAsk::Implied, _) => 0,
     }
 }
 
 /// Whether `unit` can take the request, memory and compute, by the oracles.
 fn oracle_fits(unit: &Unit, load: &UnitLoad, request: &PlacementRequest) -> bool {
-    let asked = oracle_compute(unit, load, request.memory, request.compute);
+    let asked = oracle_compute(request.memory, request.compute);
     oracle_fit(unit, load, request.memory).is_some()
         && !(unit.is_mig() && matches!(request.compute, ComputeAsk::Percent(_)))
         && load.compute_promised + asked <= 100
 }
 
-/// Random machines whose reserved units have some of their SMs promised, some GPUs in MPS
-/// mode, and requests that ask a compute share, or none.
+/// Random machines whose reserved units have some of their SMs promised, and requests that
+/// ask a compute share, or none.
 fn computing_strategy() -> impl Strategy<Value = (Machine, PlacementRequest)> {
     (
         machine_strategy(2..=6, true),
-        prop::collection::vec((0u32..=100, prop::bool::weighted(0.6)), 18),
+        prop::collection::vec(0u32..=100, 18),
         request_strategy(6),
         prop_oneof![
             2 => Just(ComputeAsk::Implied),
@@ -1705,8 +1646,7 @@ fn computing_strategy() -> impl Strategy<Value = (Machine, PlacementRequest)> {
         ],
     )
         .prop_map(|(mut m, shares, mut request, compute)| {
-            for ((unit, load), (share, mps)) in m.units.iter().zip(&mut m.loads).zip(shares) {
-                load.compute_by_memory = mps && !unit.is_mig();
+            for (load, share) in m.loads.iter_mut().zip(shares) {
                 load.compute_promised = if load.exclusive {
                     100
                 } else if load.reservations > 0 {
@@ -1738,7 +1678,7 @@ proptest! {
                     prop_assert!(oracle_fits(unit, load, &request), "unit {} cannot take it", a.unit);
                     prop_assert!(load.compute_promised + p.compute <= 100,
                         "unit {}: {}% promised + {}%", a.unit, load.compute_promised, p.compute);
-                    prop_assert!(p.compute <= oracle_compute(unit, load, request.memory, request.compute));
+                    prop_assert!(p.compute <= oracle_compute(request.memory, request.compute));
                 }
                 if let ComputeAsk::Percent(asked) = request.compute {
                     prop_assert_eq!(p.compute, asked);
@@ -1755,7 +1695,7 @@ proptest! {
                     oracle_fit(unit, load, request.memory).is_some()
                         && !(unit.is_mig() && matches!(request.compute, ComputeAsk::Percent(_)))
                         && load.compute_promised
-                            + oracle_compute(unit, load, request.memory, request.compute)
+                            + oracle_compute(request.memory, request.compute)
                             > 100
                 });
                 prop_assert_eq!(message.contains("compute does not fit"), compute_only, "{}", message);

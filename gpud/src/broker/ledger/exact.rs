@@ -47,14 +47,14 @@ pub struct AllocateRequest {
 
 impl Ledger {
     /// The compute share of an exact reservation of `units` (as placement would give it:
-    /// 100 when `exclusive`, in proportion to the memory on GPUs in MPS mode, else none),
+    /// 100 when `exclusive`, else none),
     /// or why it does not fit: a unit with less of its compute unpromised.
     fn exact_compute(&self, units: &[ReservedUnit], exclusive: bool) -> Result<u32, BrokerError> {
-        let held: Vec<(&Unit, &UnitLoad, u64)> = units
+        let held: Vec<(&Unit, &UnitLoad)> = units
             .iter()
             .filter_map(|u| {
                 let i = self.unit_index(&u.uuid)?;
-                Some((self.units().get(i)?, self.loads().get(i)?, u.memory_bytes))
+                Some((self.units().get(i)?, self.loads().get(i)?))
             })
             .collect();
         let memory = if exclusive {
@@ -62,8 +62,8 @@ impl Ledger {
         } else {
             MemoryAsk::Bytes(1)
         };
-        let share = placement::compute_share(memory, ComputeAsk::Implied, held.iter().copied());
-        for (unit, load, _) in held {
+        let share = placement::compute_share(memory, ComputeAsk::Implied);
+        for (unit, load) in held {
             let free = placement::compute_free(load);
             if share > free {
                 return Err(BrokerError::NoCapacity(format!(

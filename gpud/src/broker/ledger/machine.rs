@@ -6,8 +6,6 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use gpud_schema::IsolationMode;
-
 use crate::broker::{BrokerError, GpuProcessRow};
 use crate::model::{Gpu, GpuInventory, Reservation, Topology, Unit};
 use crate::placement::UnitLoad;
@@ -44,10 +42,6 @@ impl Machine {
                     .get(usize::try_from(u.gpu_index).unwrap_or(usize::MAX));
                 UnitLoad {
                     healthy: gpu.is_some_and(|g| g.healthy),
-                    // MPS holds a reservation's memory and SMs alike on a whole GPU in
-                    // MPS mode: there a share of one is a share of the other.
-                    compute_by_memory: !u.is_mig()
-                        && gpu.is_some_and(|g| g.isolation.mode == IsolationMode::Mps),
                     ..UnitLoad::default()
                 }
             })

@@ -63,20 +63,8 @@ impl Ledger {
                 ask => !r.exclusive && u.memory_bytes == ask.bytes_on(total),
             }
         });
-        let compute_matches = match request.compute {
-            ComputeAsk::Percent(p) => r.compute == p,
-            ComputeAsk::Implied => {
-                let held: Vec<(&Unit, &UnitLoad, u64)> = r
-                    .units
-                    .iter()
-                    .filter_map(|u| {
-                        let i = self.machine.unit_index(&u.uuid)?;
-                        Some((self.units().get(i)?, self.loads().get(i)?, u.memory_bytes))
-                    })
-                    .collect();
-                r.compute == placement::compute_share(request.memory, request.compute, held)
-            }
-        };
+        let compute_matches =
+            r.compute == placement::compute_share(request.memory, request.compute);
         let devices_match = request.devices.is_empty()
             || self
                 .machine
