@@ -224,8 +224,8 @@ pub struct ReserveArgs {
     #[arg(long)]
     pub exclusive: bool,
 
-    /// Compute: this percentage of each GPU's SMs, 1 to 100 (25 or 25%). gpud never
-    /// promises more than 100% of a GPU; its MPS server enforces the share on GPUs in mps
+    /// Compute: at most this percentage of each GPU's SMs, 1 to 100 (25 or 25%). gpud never
+    /// promises more than 100% of a GPU; its MPS server enforces the cap on GPUs in mps
     /// mode. Not with --exclusive, nor on a MIG instance.
     // allow_hyphen_values: `--compute -5` gets the percentage's error, not clap's tip.
     #[arg(long, value_name = "PCT", value_parser = parse_compute, conflicts_with = "exclusive", allow_hyphen_values = true)]

@@ -2,16 +2,19 @@
 """What a CUDA client sees of its MPS caps, through the CUDA driver API alone (libcuda.so.1
 via ctypes; nothing to install on a GPU machine).
 
-Usage: cuda_mps.py [--alloc MIB]... [--spin MS] [--hold]
+Usage: cuda_mps.py [--alloc MIB]... [--calibrate MS] [--work ITERATIONS] [--hold]
 On CUDA device 0: prints one JSON line with
   "sms"     the multiprocessor count the client sees (MPS's active thread percentage
             shows here),
   "total", "free"  what cuMemGetInfo reports,
   "allocs"  {MIB: CUresult} for each --alloc (2 is CUDA_ERROR_OUT_OF_MEMORY, 0 it worked;
             each is freed before the next),
-  "spin_ms" with --spin MS: how long a kernel that keeps every SM the client sees busy
-            for about MS milliseconds took, by the host's clock (two clients on one GPU
-            that run side by side take about as long as one alone; time-sliced, twice),
+  "iterations"  with --calibrate MS: how many iterations of the work kernel take about
+            MS milliseconds on this client's SMs,
+  "work_ms" with --work ITERATIONS: how long that many iterations took on one block per
+            SM the client sees, by the host's clock, and "work_start", "work_end" (Unix
+            seconds): two clients on one GPU that run side by side each take about as
+            long as alone; time-sliced, about twice as long,
   "mps"     whether CUDA_MPS_PIPE_DIRECTORY was set.
 With --hold it then waits for its stdin to close.
 """
@@ -22,22 +25,32 @@ import os
 import sys
 import time
 
-# A kernel that spins until the GPU's clock has advanced by `cycles`, one thread a block.
-SPIN_PTX = b"""
+# A kernel of fixed work, one thread a block: `iterations` steps of a dependent 64-bit
+# multiply-add, its result stored only if it is zero (never), so that nothing optimises the
+# loop away. A fixed amount of work rather than a spin on the SM clock: the clock runs on
+# while another context has the GPU, so a clock-bound kernel takes as long time-sliced as
+# alone, and a fixed one twice as long.
+WORK_PTX = b"""
 .version 7.0
 .target sm_70
 .address_size 64
-.visible .entry spin(.param .u64 cycles)
+.visible .entry work(.param .u64 iterations, .param .u64 out)
 {
-    .reg .u64 %rd<5>;
+    .reg .u64 %rd<8>;
     .reg .pred %p;
-    ld.param.u64 %rd1, [cycles];
-    mov.u64 %rd2, %clock64;
+    ld.param.u64 %rd1, [iterations];
+    ld.param.u64 %rd2, [out];
+    mov.u64 %rd3, 0;
+    mov.u64 %rd4, 1;
+    mov.u64 %rd5, 6364136223846793005;
+    mov.u64 %rd6, 1442695040888963407;
 LOOP:
-    mov.u64 %rd3, %clock64;
-    sub.u64 %rd4, %rd3, %rd2;
-    setp.lt.u64 %p, %rd4, %rd1;
+    mad.lo.u64 %rd4, %rd4, %rd5, %rd6;
+    add.u64 %rd3, %rd3, 1;
+    setp.lt.u64 %p, %rd3, %rd1;
     @%p bra LOOP;
+    setp.eq.u64 %p, %rd4, 0;
+    @%p st.global.u64 [%rd2], %rd4;
     ret;
 }
 \0"""
@@ -53,13 +66,15 @@ def check(result, what):
 
 def main():
     args = sys.argv[1:]
-    allocs, spin_ms, hold = [], None, False
+    allocs, calibrate_ms, iterations, hold = [], None, None, False
     while args:
         flag = args.pop(0)
         if flag == "--alloc":
             allocs.append(int(args.pop(0)))
-        elif flag == "--spin":
-            spin_ms = float(args.pop(0))
+        elif flag == "--calibrate":
+            calibrate_ms = float(args.pop(0))
+        elif flag == "--work":
+            iterations = int(args.pop(0))
         elif flag == "--hold":
             hold = True
         else:
@@ -82,20 +97,35 @@ def main():
         if result == 0:
             cuda.cuMemFree_v2(pointer)
         seen["allocs"][str(mib)] = result
-    if spin_ms is not None:
-        module, function = ctypes.c_void_p(), ctypes.c_void_p()
-        check(cuda.cuModuleLoadData(ctypes.byref(module), SPIN_PTX), "cuModuleLoadData")
-        check(cuda.cuModuleGetFunction(ctypes.byref(function), module, b"spin"), "cuModuleGetFunction")
-        cycles = ctypes.c_uint64(int(spin_ms * khz.value))
-        params = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.byref(cycles), ctypes.c_void_p))
-        # Warm up once, then time a launch of one block per SM the client sees.
-        for timed in (False, True):
-            started = time.monotonic()
+    if calibrate_ms is not None or iterations is not None:
+        module, function, out = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_uint64()
+        check(cuda.cuModuleLoadData(ctypes.byref(module), WORK_PTX), "cuModuleLoadData")
+        check(cuda.cuModuleGetFunction(ctypes.byref(function), module, b"work"), "cuModuleGetFunction")
+        check(cuda.cuMemAlloc_v2(ctypes.byref(out), ctypes.c_size_t(8)), "cuMemAlloc")
+
+        def work(n):
+            """Runs `n` iterations on one block per SM the client sees: (start, end), by
+            the host's wall clock, which two clients' runs can be compared on."""
+            count = ctypes.c_uint64(n)
+            params = (ctypes.c_void_p * 2)(ctypes.cast(ctypes.byref(count), ctypes.c_void_p),
+                                           ctypes.cast(ctypes.byref(out), ctypes.c_void_p))
+            started = time.time()
             check(cuda.cuLaunchKernel(function, sms.value, 1, 1, 1, 1, 1, 0, None, params, None),
                   "cuLaunchKernel")
             check(cuda.cuCtxSynchronize(), "cuCtxSynchronize")
-            if timed:
-                seen["spin_ms"] = round((time.monotonic() - started) * 1000, 1)
+            return started, time.time()
+
+        work(1 << 12)  # loads the module onto the GPU
+        if calibrate_ms is not None:
+            n = 1 << 20
+            for _ in range(2):
+                started, ended = work(n)
+                n = int(n * calibrate_ms / max((ended - started) * 1000, 0.1))
+            seen["iterations"] = n
+        if iterations is not None:
+            started, ended = work(iterations)
+            seen["work_ms"] = round((ended - started) * 1000, 1)
+            seen["work_start"], seen["work_end"] = started, ended
     print(json.dumps(seen), flush=True)
     if hold:
         sys.stdin.read()

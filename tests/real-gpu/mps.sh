@@ -5,15 +5,18 @@
 #   tests/real-gpu/mps.sh          the real driver: through gpud, a client of a 2 GiB, 25%
 #                                  reservation sees about 25% of the SMs, fails to allocate
 #                                  3 GiB and allocates 1 GiB, cannot raise its caps through
-#                                  its environment; 25% and 75% reservations run spin
-#                                  kernels side by side (each within 15% of its time
-#                                  alone); a process without the pipe is found and ended;
+#                                  its environment; 25% and 75% reservations each keep to
+#                                  their SMs when busy at once, and the GPU's time-slicing
+#                                  between their servers starves neither (each at most
+#                                  2.3x its time alone); a process without the pipe is
+#                                  found and ended;
 #                                  nothing is left after release
 #   tests/real-gpu/mps.sh --fake   the same steps against tests/fake-mps and the fake NVML
 #                                  (the side-by-side timing needs a GPU and is skipped);
 #                                  CI runs this, so the script cannot rot
 #
-# SMOKE_BIN=DIR uses the binaries in DIR (see smoke.sh --pack) instead of building.
+# SMOKE_BIN=DIR uses the binaries in DIR (see smoke.sh --pack) instead of building;
+# MPS_KEEP_LOG=FILE keeps gpud's log there.
 # Prints what it saw (nvidia-smi's and gpud's process listings among it); exits non-zero at
 # the first step that fails.
 set -euo pipefail
@@ -40,6 +43,7 @@ pids=()
 cleanup() {
     for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
     wait 2>/dev/null || true
+    [ -n "${MPS_KEEP_LOG:-}" ] && cp "$work/gpud.log" "$MPS_KEEP_LOG" 2>/dev/null
     rm -rf "$work"
 }
 trap cleanup EXIT
@@ -110,17 +114,42 @@ check_caps "$(client CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=8G CUDA_MPS_ACTIVE_THREA
     --mem 2GiB --compute 25 --devices 0)" "the same, asking for 8 GiB and 100% through its environment"
 
 if [ "$mode" = real ]; then
-    spin() { "$bin/gpuctl" reserve --mem 1GiB --compute "$1" --devices 0 -- \
-        python3 tests/real-gpu/cuda_mps.py --spin 500 | json 'd["spin_ms"]'; }
-    alone25=$(spin 25); alone75=$(spin 75)
-    spin 25 > "$work/t25" & p25=$!
-    spin 75 > "$work/t75" & p75=$!
+    # A fixed amount of work (about 2 s alone on a 25% share; one block per SM, so as long
+    # on 75%), each reservation alone, then both at once. Each reservation has its own
+    # server, and the GPU time-slices between servers (measured on driver 580): together,
+    # each may take up to twice as long as alone, no longer (neither is starved), and each
+    # keeps to its share of the SMs.
+    work() { # work PCT ITERATIONS: the client's line
+        "$bin/gpuctl" reserve --mem 1GiB --compute "$1" --devices 0 -- \
+            python3 tests/real-gpu/cuda_mps.py --work "$2"; }
+    n=$("$bin/gpuctl" reserve --mem 1GiB --compute 25 --devices 0 -- \
+        python3 tests/real-gpu/cuda_mps.py --calibrate 2000 | json 'd["iterations"]')
+    alone25=$(work 25 "$n" | json 'd["work_ms"]'); alone75=$(work 75 "$n" | json 'd["work_ms"]')
+    work 25 "$n" > "$work/t25" & p25=$!
+    work 75 "$n" > "$work/t75" & p75=$!
     wait "$p25" "$p75"
-    both25=$(cat "$work/t25"); both75=$(cat "$work/t75")
-    say "spin kernels: 25% alone ${alone25} ms, together ${both25} ms; 75% alone ${alone75} ms, together ${both75} ms"
-    within() { python3 -c "import sys; a, b = float(sys.argv[1]), float(sys.argv[2]); sys.exit(0 if b <= a * 1.15 else 1)" "$1" "$2"; }
-    within "$alone25" "$both25" || fail "the 25% reservation's kernel took ${both25} ms beside the other, ${alone25} ms alone"
-    within "$alone75" "$both75" || fail "the 75% reservation's kernel took ${both75} ms beside the other, ${alone75} ms alone"
+    both25=$(json 'd["work_ms"]' < "$work/t25"); both75=$(json 'd["work_ms"]' < "$work/t75")
+    overlap=$(python3 -c '
+import json, sys
+a, b = (json.load(open(f)) for f in sys.argv[1:])
+shared = min(a["work_end"], b["work_end"]) - max(a["work_start"], b["work_start"])
+print(round(100 * max(shared, 0) / min(a["work_end"] - a["work_start"], b["work_end"] - b["work_start"])))' \
+        "$work/t25" "$work/t75")
+    say "$n iterations: 25% alone ${alone25} ms, together ${both25} ms; 75% alone ${alone75} ms, together ${both75} ms; they overlapped for ${overlap}% of the shorter"
+    [ "$overlap" -ge 50 ] || fail "the two kernels overlapped for only ${overlap}% of the shorter: the comparison says nothing"
+    for pct in 25 75; do
+        sms=$(json 'd["sms"]' < "$work/t$pct"); want=$(( (full * pct + 50) / 100 ))
+        [ $((sms - want)) -le 2 ] && [ $((want - sms)) -le 2 ] || fail "the ${pct}% reservation ran on $sms SMs beside the other, not about $want"
+    done
+    ratio() { python3 -c "import sys; print(round(float(sys.argv[2]) / float(sys.argv[1]), 2))" "$1" "$2"; }
+    r25=$(ratio "$alone25" "$both25"); r75=$(ratio "$alone75" "$both75")
+    python3 -c "import sys; sys.exit(0 if max(map(float, sys.argv[1:])) <= 2.3 else 1)" "$r25" "$r75" ||
+        fail "beside each other, the 25% reservation's work took ${r25}x its time alone and the 75% one's ${r75}x: more than a fair time slice (2x, with 15% to spare)"
+    if python3 -c "import sys; sys.exit(0 if max(map(float, sys.argv[1:])) <= 1.15 else 1)" "$r25" "$r75"; then
+        say "side by side: each took at most 1.15x its time alone (${r25}x, ${r75}x)"
+    else
+        say "time-sliced: ${r25}x and ${r75}x their times alone, each on its share of the SMs"
+    fi
 else
     say "side by side: skipped on the fake (nothing runs on a GPU)"
 fi
