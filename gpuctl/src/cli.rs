@@ -477,7 +477,32 @@ gpud-slurm-task-prolog, gpud-slurm-epilog and gpud-slurm-health (the package ins
 links in /usr/lib/gpud) and name those. Settings: gpud-slurm.toml beside slurm.conf, or
 $GPUD_SLURM_CONFIG.";
 
+/// What a failed command prints on stdout besides its line on stderr, for whatever reads
+/// its stdout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnFailure {
+    /// Nothing.
+    Nothing,
+    /// The error as JSON (`-o json`).
+    Json,
+    /// `false`, for `eval "$(gpuctl reserve …)"`: the eval fails as the reservation did
+    /// (an empty string would eval to success, and a script would carry on without its GPU).
+    /// Only when stdout is not a terminal: a person reading it needs no `false`.
+    Eval,
+}
+
 impl Command {
+    /// What the command prints on stdout when it fails ([`OnFailure`]).
+    pub fn on_failure(&self) -> OnFailure {
+        match self {
+            Command::Reserve(r) if r.command.is_empty() && r.output == ReserveOutput::Env => {
+                OnFailure::Eval
+            }
+            _ if self.prints_json() => OnFailure::Json,
+            _ => OnFailure::Nothing,
+        }
+    }
+
     /// Whether the command prints JSON (`-o json`), failures included.
     pub fn prints_json(&self) -> bool {
         let output = match self {

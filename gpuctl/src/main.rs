@@ -27,7 +27,7 @@ mod reserve;
 mod slurm;
 mod users;
 
-use std::io::Write;
+use std::io::{IsTerminal, Write};
 use std::time::SystemTime;
 
 use clap::Parser;
@@ -101,7 +101,10 @@ fn gpuctl() -> ExitCode {
     if let Some((socket, args)) =
         exec_form::parse(&args, std::env::var_os("GPUD_SOCKET").as_deref())
     {
-        return outcome(reserve::run(&args, &socket, runtime), false);
+        return outcome(
+            reserve::run(&args, &socket, runtime),
+            cli::OnFailure::Nothing,
+        );
     }
     let cli = match Cli::try_parse_from(args) {
         Ok(cli) => cli,
@@ -119,12 +122,12 @@ fn gpuctl() -> ExitCode {
             return ExitCode::from(error::exit::USAGE);
         }
     };
-    outcome(run(&cli), cli.command.prints_json())
+    outcome(run(&cli), cli.command.on_failure())
 }
 
-/// A command's exit status; a failure also as one `gpuctl: …` line on stderr, and as JSON on
-/// stdout for a command given `-o json` (`prints_json`).
-fn outcome(result: Result<ExitCode, CliError>, prints_json: bool) -> ExitCode {
+/// A command's exit status; a failure also as one `gpuctl: …` line on stderr, and on stdout
+/// what `on_failure` says.
+fn outcome(result: Result<ExitCode, CliError>, on_failure: cli::OnFailure) -> ExitCode {
     match result {
         Ok(code) => code,
         Err(e) => {
@@ -136,8 +139,14 @@ fn outcome(result: Result<ExitCode, CliError>, prints_json: bool) -> ExitCode {
                 e => e.to_string(),
             };
             eprintln!("gpuctl: {line}");
-            if prints_json {
-                let _ = print(&format!("{}\n", e.to_json()));
+            match on_failure {
+                cli::OnFailure::Json => {
+                    let _ = print(&format!("{}\n", e.to_json()));
+                }
+                cli::OnFailure::Eval if !std::io::stdout().is_terminal() => {
+                    let _ = print("false\n");
+                }
+                cli::OnFailure::Eval | cli::OnFailure::Nothing => {}
             }
             e.exit()
         }

@@ -312,6 +312,36 @@ fn a_subshell_that_reserves_holds_it_and_ends_it_when_it_exits() {
 }
 
 #[test]
+fn a_refused_eval_form_fails_the_eval_and_sets_nothing() {
+    // More memory than a T4 has: refused. The shell's `eval` must fail with it, so that
+    // `set -e` or `|| exit` stops a script that would run without its GPU.
+    let d = Daemon::start("t4-pair", "");
+    for shell in ["sh", "bash"] {
+        let script = r#"
+            eval "$("$GPUCTL" reserve --mem 64GiB)"
+            echo "eval $? ${GPUD_RESERVATION_ID:-unset}"
+        "#;
+        let out = Command::new(shell)
+            .args(["-c", script])
+            .env("GPUCTL", gpuctl_bin())
+            .env("GPUD_SOCKET", &d.socket)
+            .env_remove("GPUD_RESERVATION_ID")
+            .output()
+            .unwrap();
+        assert_eq!(text(&out.stdout).trim(), "eval 1 unset", "{shell}");
+        let stderr = text(&out.stderr);
+        assert_eq!(stderr.lines().count(), 1, "{shell}: {stderr}");
+        assert!(stderr.starts_with("gpuctl: "), "{shell}: {stderr}");
+    }
+    // Its stdout is the one word `false` when read by a program, and the exit status the
+    // refusal's.
+    let out = gpuctl(&d, &["reserve", "--mem", "64GiB"]);
+    assert_eq!(text(&out.stdout), "false\n");
+    assert!(!out.status.success());
+    assert!(d.active().is_empty());
+}
+
+#[test]
 fn the_eval_form_works_in_sh_and_bash() {
     let d = Daemon::start("t4-pair", "");
     for shell in ["sh", "bash"] {
