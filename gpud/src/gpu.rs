@@ -37,10 +37,7 @@ const CPU_AFFINITY_WORDS: usize = 16;
 #[derive(Debug, thiserror::Error)]
 pub enum GpuError {
     /// The library could not be loaded or initialised.
-    #[error(
-        "cannot load the NVIDIA management library {library}: {reason}. Install the NVIDIA \
-         driver, or point gpud at the library with --nvml-lib PATH (or nvml_lib in the config)"
-    )]
+    #[error("cannot load the NVIDIA management library {library}: {reason}")]
     Init {
         /// What was loaded (a path, or the default name searched on the loader path).
         library: String,
@@ -223,7 +220,7 @@ impl Nvml {
         {
             return Err(GpuError::Init {
                 library: shown,
-                reason: "no such file".to_owned(),
+                reason: format!("no such file. {INSTALL_HINT}"),
             });
         }
         let lib_path: PathBuf =
@@ -796,17 +793,32 @@ fn c_path(cgroup: &Path) -> Result<std::ffi::CString, GpuError> {
     })
 }
 
-/// The loader's or NVML's reason without nvml-wrapper's wrapping text.
+/// What to do when the library or the driver is missing.
+const INSTALL_HINT: &str = "Install the NVIDIA driver, or point gpud at the library with \
+                            --nvml-lib PATH (or nvml_lib in the config)";
+
+/// The loader's or NVML's reason without nvml-wrapper's wrapping text, and what to do where
+/// the library or the driver is missing. A library that fails its own start with
+/// `NVML_ERROR_UNKNOWN` (the fake NVML does, when its fixture is missing) has said why on
+/// stderr, just above: the reason points there, never at the driver.
 fn init_reason(e: &NvmlError) -> String {
     match e {
         NvmlError::LibloadingError(inner) => {
             let text = inner.to_string();
             // libloading: "... : <dlerror text>"; the dlerror text is what a person needs.
-            text.rsplit_once(": ")
-                .map_or(text.clone(), |(_, tail)| tail.to_owned())
+            let why = text
+                .rsplit_once(": ")
+                .map_or(text.clone(), |(_, tail)| tail.to_owned());
+            format!("{why}. {INSTALL_HINT}")
         }
-        NvmlError::DriverNotLoaded => "the NVIDIA kernel driver is not loaded".to_owned(),
+        NvmlError::DriverNotLoaded => {
+            format!("the NVIDIA kernel driver is not loaded. {INSTALL_HINT}")
+        }
         NvmlError::NoPermission => "permission denied (is gpud running as root?)".to_owned(),
+        NvmlError::Unknown => "its nvmlInit failed without naming a cause \
+                               (NVML_ERROR_UNKNOWN); the library's own message, if it printed \
+                               one, is the line above"
+            .to_owned(),
         other => other.to_string(),
     }
 }

@@ -364,6 +364,37 @@ fn the_readme_troubleshooting_messages_are_the_ones_printed() {
         expected
     );
 
+    // The fake NVML without its fixture: gpud's last line points at the fake's own, above.
+    let no_fixture =
+        quoted("gpud: cannot load the NVIDIA management library target/debug/libfake_nvml.so");
+    let out = Command::new(gpud_bin())
+        .arg("--socket")
+        .arg(dir.path().join("fake.sock"))
+        .arg("--state-dir")
+        .arg(dir.path().join("fake-state"))
+        .arg("--nvml-lib")
+        .arg(gpud_tests::fake_nvml())
+        .env_remove("FAKE_NVML_CONFIG")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert_eq!(
+        lines.last().copied().unwrap_or_default(),
+        no_fixture.replace(
+            "target/debug/libfake_nvml.so",
+            &gpud_tests::fake_nvml().display().to_string()
+        ),
+        "{stderr}"
+    );
+    assert_eq!(
+        lines.get(lines.len().wrapping_sub(2)).copied(),
+        Some("fake-nvml: FAKE_NVML_CONFIG is not set; it must name a fixture JSON file"),
+        "{stderr}"
+    );
+
     // No driver: only where this machine has no libnvidia-ml.so.1 for gpud to find.
     let no_driver = quoted("gpud: cannot load the NVIDIA management library libnvidia-ml.so.1");
     let mut child = Command::new(gpud_bin())

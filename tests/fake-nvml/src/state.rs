@@ -79,7 +79,7 @@ fn complain(message: &str) {
 fn load(path: &Path) -> Result<Loaded, (NvmlReturn, String)> {
     let unreadable = |e: std::io::Error| {
         (
-            codes::DRIVER_NOT_LOADED,
+            codes::UNKNOWN,
             format!("cannot read fixture {}: {e}", path.display()),
         )
     };
@@ -142,7 +142,7 @@ pub fn init() -> NvmlReturn {
             complain(&format!(
                 "{CONFIG_ENV} is not set; it must name a fixture JSON file"
             ));
-            return codes::DRIVER_NOT_LOADED;
+            return codes::UNKNOWN;
         };
         match load(Path::new(&path)) {
             Ok(loaded) => {
