@@ -167,7 +167,7 @@ pub enum Command {
     Events(EventsArgs),
     /// The CDI hook of a reservation's device: puts its memory limits on a new container's
     /// cgroup.
-    #[command(after_help = CDI_HOOK_AFTER_HELP)]
+    #[command(name = gpud_schema::cdi_hook::SUBCOMMAND, after_help = CDI_HOOK_AFTER_HELP)]
     CdiHook(CdiHookArgs),
     /// Slurm's node hooks: gpud as the GPU allocator of a Slurm node (see docs/slurm.md).
     /// slurm.conf names links to gpuctl (gpud-slurm-prolog, ...).
@@ -776,14 +776,10 @@ mod tests {
     #[test]
     fn the_cdi_hook_parses_as_gpud_writes_it() {
         // The hook's args in the spec gpud writes (gpud::cdi::spec).
-        let cli = Cli::try_parse_from([
-            "gpuctl",
-            "--socket",
+        let cli = Cli::try_parse_from(gpud_schema::cdi_hook::args(
             "/run/gpud/gpud.sock",
-            "cdi-hook",
-            "--reservation",
             "19a2b3c4d5e00001",
-        ])
+        ))
         .unwrap();
         assert_eq!(cli.socket, PathBuf::from("/run/gpud/gpud.sock"));
         let Command::CdiHook(args) = cli.command else {

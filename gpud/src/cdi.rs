@@ -43,8 +43,6 @@ use serde_json::{Value, json};
 pub const KIND: &str = "gpud.io/reservation";
 /// The CDI spec version written (see the module doc).
 pub const CDI_VERSION: &str = "0.5.0";
-/// The gpuctl subcommand the hook runs.
-pub const HOOK_SUBCOMMAND: &str = "cdi-hook";
 
 /// A spec file that could not be written, read or removed: the path, and why.
 #[derive(Debug, thiserror::Error)]
@@ -130,14 +128,7 @@ pub fn spec(id: &str, env: &Env, hook: &Path, socket: &Path, mps: Option<&MpsMou
         "hooks": [{
             "hookName": "createContainer",
             "path": hook.to_string_lossy(),
-            "args": [
-                "gpuctl",
-                "--socket",
-                socket.to_string_lossy(),
-                HOOK_SUBCOMMAND,
-                "--reservation",
-                id,
-            ],
+            "args": gpud_schema::cdi_hook::args(&socket.to_string_lossy(), id),
         }],
     });
     if let (Some(mps), Some(edits)) = (mps, edits.as_object_mut()) {

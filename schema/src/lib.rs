@@ -27,6 +27,28 @@ pub use env::Env;
 /// The default socket path, also the value gpuctl uses unless `--socket` or `GPUD_SOCKET`.
 pub const DEFAULT_SOCKET: &str = "/run/gpud/gpud.sock";
 
+/// The CDI hook: the command line gpud writes into a reservation's CDI spec and the
+/// container runtime runs, which gpuctl parses (docs/cdi.md).
+pub mod cdi_hook {
+    /// gpuctl's subcommand.
+    pub const SUBCOMMAND: &str = "cdi-hook";
+
+    /// The hook's `args` (its `argv`, `gpuctl` first) for reservation `id`, reaching gpud at
+    /// `socket`.
+    pub fn args(socket: &str, id: &str) -> Vec<String> {
+        [
+            "gpuctl",
+            "--socket",
+            socket,
+            SUBCOMMAND,
+            "--reservation",
+            id,
+        ]
+        .map(str::to_owned)
+        .to_vec()
+    }
+}
+
 /// Memory per GPU: an integer number of bytes, or a size string (`"4GiB"`, `"4G"`, `"25%"`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, JsonSchema)]
 #[serde(untagged)]
