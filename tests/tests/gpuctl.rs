@@ -1077,7 +1077,8 @@ fn ctrl_c_while_waiting_cancels_and_holds_nothing() {
         Some("gpuctl: interrupted by SIGINT while waiting for capacity; nothing is held"),
         "{err}"
     );
-    assert!(out.stdout.is_empty());
+    // The eval form's stdout: `false`, so that an `eval` of it fails too.
+    assert_eq!(text(&out.stdout), "false\n");
     wait_for(PATIENCE, || (waiting(&d) == 0).then_some(())).expect("gpud dropped the waiter");
     // What frees up now goes to nobody, even after a whole audit pass (the queue is also
     // served on the audit's usage updates).
