@@ -127,7 +127,7 @@ pub fn check_against_api_schema(objects: &[Value]) -> Result<String, String> {
     let dir = crate::repo_root().join("tests/kube-schema");
     assert!(
         dir.join("node_modules/kubernetes-models").is_dir(),
-        "the Kubernetes schemas are not installed: run `npm install --prefix {}` (.ci/run does)",
+        "the Kubernetes schemas are not installed: run `npm install --prefix {}` (tests/run does)",
         dir.display()
     );
     let mut child = Command::new("node")

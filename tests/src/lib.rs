@@ -30,11 +30,11 @@ pub const PATIENCE: Duration = Duration::from_secs(60);
 
 /// For a test that cannot run here because `what` is missing (a tool, root, a kernel
 /// feature): the test fails, saying what to install. A test that checks nothing must never
-/// pass; `.ci/run` installs every prerequisite and runs the tests as root.
+/// pass; `tests/run` installs every prerequisite and runs the tests (as root).
 pub fn missing_prerequisite(what: &str) {
     panic!(
-        "this test needs {what}: without it it checks nothing (`bash .ci/run` installs the \
-         tests' prerequisites; run the tests as root)"
+        "this test needs {what}: without it it checks nothing (`tests/run`, as root, installs \
+         the tests' prerequisites, then runs them)"
     );
 }
 

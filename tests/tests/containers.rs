@@ -8,7 +8,7 @@
 //!
 //! Needs root, cgroup v2 (pure or hybrid), `podman`, `runc`, a static busybox (the image is
 //! made from it, no registry), `.venv` with nvidia-ml-py, and for the rootless cases the user
-//! [`ROOTLESS`] with subordinate ids (`.ci/run` installs and makes all of it). Podman reads
+//! [`ROOTLESS`] with subordinate ids (`tests/run` installs and makes all of it). Podman reads
 //! CDI specs only from `/etc/cdi` and `/var/run/cdi`, so these tests' gpuds write to
 //! `/var/run/cdi` and run one at a time.
 
@@ -28,7 +28,7 @@ use gpud_tests::dra::{self, Kubelet};
 use gpud_tests::isolation::{Isolated, limits_left, limits_on, prerequisites, python, r615};
 use gpud_tests::{Daemon, GIB, PATIENCE, curl_as, missing_prerequisite, wait_for};
 
-/// The user rootless containers run as (`.ci/run` makes it, with subordinate ids).
+/// The user rootless containers run as (`tests/run` makes it, with subordinate ids).
 const ROOTLESS: &str = "gpud-rootless";
 
 /// What a test needs: the cgroup v2 mount and nvidia-ml-py's Python; the image is made.

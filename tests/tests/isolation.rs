@@ -2,7 +2,7 @@
 //! workload sees, what another process reads back, and that nothing is left behind.
 //!
 //! Needs root (cgroups are made and processes moved) and cgroup v2 (pure or hybrid); the
-//! pynvml checks need `.venv` with nvidia-ml-py (`.ci/run` makes it).
+//! pynvml checks need `.venv` with nvidia-ml-py (`tests/run` makes it).
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step should stop with its line
 

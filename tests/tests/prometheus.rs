@@ -28,7 +28,7 @@ fn prometheus_tool(name: &str) -> PathBuf {
     assert!(
         path.exists(),
         "{} is missing: install Debian's prometheus package (apt-get install prometheus), \
-         as .ci/run does",
+         as tests/run does",
         path.display()
     );
     path
