@@ -546,19 +546,19 @@ fn parse_user(s: &str) -> Result<u32, String> {
         .ok_or_else(|| format!("no user {s:?} on this machine; give a user name or a uid"))
 }
 
-/// A size for `--mem`. A plain number is bytes, as in the API; one below 1 MiB is surely a
-/// forgotten unit (`--mem 16`), so it is refused with the spellings meant.
+/// A size for `--mem`, always with its unit: a number without one is refused with the
+/// spellings it could mean, whatever its size (`--mem 16` is a forgotten `GiB`, and so may
+/// `--mem 4096` or `--mem 1048576` be). Bytes are `B`: `--mem 1048576B`. The API's plain
+/// numbers are bytes; a person's are not sure to be.
 pub fn parse_size(s: &str) -> Result<MemoryAmount, String> {
     let amount = parse_memory(s).map_err(|e| e.to_string())?;
     let plain = s.trim();
-    match amount {
-        MemoryAmount::Bytes(b) if b < 1 << 20 && plain.bytes().all(|c| c.is_ascii_digit()) => {
-            Err(format!(
-                "{plain} would be {plain} bytes; give a unit: {plain}GiB or {plain}MiB (a plain number is bytes)"
-            ))
-        }
-        amount => Ok(amount),
+    if plain.bytes().all(|c| c.is_ascii_digit()) {
+        return Err(format!(
+            "{plain} has no unit; give one: {plain}GiB, {plain}MiB, or {plain}B for bytes"
+        ));
     }
+    Ok(amount)
 }
 
 /// `--compute`: a whole percentage of each GPU's SMs from 1 to 100, with or without `%`.
@@ -691,17 +691,21 @@ mod tests {
     }
 
     #[test]
-    fn a_plain_small_number_is_a_forgotten_unit() {
-        let e = reserve(&["--mem", "16"]).unwrap_err().to_string();
-        assert!(
-            e.contains("16 would be 16 bytes; give a unit: 16GiB"),
-            "{e}"
-        );
+    fn a_number_without_a_unit_is_refused_whatever_its_size() {
+        for plain in ["16", "4096", "1048576", "17179869184"] {
+            let e = reserve(&["--mem", plain]).unwrap_err().to_string();
+            assert!(
+                e.contains(&format!(
+                    "{plain} has no unit; give one: {plain}GiB, {plain}MiB, or {plain}B for bytes"
+                )),
+                "{e}"
+            );
+        }
         let e = reserve(&["--mem", "1.5"]).unwrap_err().to_string();
         assert!(e.contains("must be whole"), "{e}");
         let e = reserve(&["--mem", "-1GiB"]).unwrap_err().to_string();
         assert!(e.contains(r#"invalid memory size "-1GiB""#), "{e}");
-        let r = reserve(&["--mem", "17179869184"]).unwrap();
+        let r = reserve(&["--mem", "17179869184B"]).unwrap();
         assert_eq!(r.mem, Some(MemoryAmount::Bytes(16 << 30)));
         let r = reserve(&["--mem", "512KiB"]).unwrap();
         assert_eq!(r.mem, Some(MemoryAmount::Bytes(512 << 10)));
