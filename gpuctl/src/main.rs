@@ -114,7 +114,7 @@ fn gpuctl() -> ExitCode {
             return ExitCode::SUCCESS;
         }
         Err(e) => {
-            let mut line = one_line(&e.render().to_string());
+            let mut line = gpud_schema::manual::usage_error_line(&e);
             if let Some(hint) = command_hint(&e) {
                 line.push_str(hint);
             }
@@ -204,24 +204,6 @@ pub fn write_stdout(text: &str) -> std::io::Result<()> {
     out.flush()
 }
 
-/// clap's multi-line usage error as one line: the message and any tip, without the usage
-/// block (`--help` has it).
-fn one_line(rendered: &str) -> String {
-    let mut out = String::new();
-    for line in rendered.lines().map(str::trim) {
-        if line.is_empty() || line.starts_with("Usage:") || line.starts_with("For more information")
-        {
-            continue;
-        }
-        let line = line.strip_prefix("error: ").unwrap_or(line);
-        if !out.is_empty() {
-            out.push_str(if out.ends_with(':') { " " } else { "; " });
-        }
-        out.push_str(line);
-    }
-    out
-}
-
 /// `gpuctl reserve --mem 4G python x`: the command belongs after `--`.
 fn command_hint(e: &clap::Error) -> Option<&'static str> {
     use clap::error::{ContextKind, ContextValue, ErrorKind};
@@ -240,7 +222,7 @@ mod tests {
 
     fn usage_error(args: &[&str]) -> String {
         let e = Cli::try_parse_from(args).unwrap_err();
-        one_line(&e.render().to_string())
+        gpud_schema::manual::usage_error_line(&e)
     }
 
     #[test]
@@ -251,7 +233,7 @@ mod tests {
         );
         let e = Cli::try_parse_from(["gpuctl", "reserve", "--mem", "1G", "python"]).unwrap_err();
         assert_eq!(
-            one_line(&e.render().to_string()),
+            gpud_schema::manual::usage_error_line(&e),
             "unexpected argument 'python' found"
         );
         assert!(command_hint(&e).unwrap().contains("after `--`"));

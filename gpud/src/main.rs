@@ -69,7 +69,19 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) if !e.use_stderr() => {
+            // --help, --version: clap prints them to stdout.
+            let _ = e.print();
+            return ExitCode::SUCCESS;
+        }
+        Err(e) => {
+            // One line, as every other failure of gpud's (and gpuctl's usage errors).
+            eprintln!("gpud: {} (see --help)", manual::usage_error_line(&e));
+            return ExitCode::from(2);
+        }
+    };
     gpud::logging::init();
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,

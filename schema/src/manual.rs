@@ -154,3 +154,21 @@ pub fn write_package_files(
     }
     Ok(written)
 }
+
+/// clap's multi-line usage error as one line: the message and any tip, without the usage
+/// block (`--help` has it). gpud and gpuctl print it as `NAME: LINE (see --help)`.
+pub fn usage_error_line(e: &clap::Error) -> String {
+    let mut out = String::new();
+    for line in e.render().to_string().lines().map(str::trim) {
+        if line.is_empty() || line.starts_with("Usage:") || line.starts_with("For more information")
+        {
+            continue;
+        }
+        let line = line.strip_prefix("error: ").unwrap_or(line);
+        if !out.is_empty() {
+            out.push_str(if out.ends_with(':') { " " } else { "; " });
+        }
+        out.push_str(line);
+    }
+    out
+}

@@ -522,3 +522,30 @@ fn the_readme_and_docs_link_to_pages_and_headings_that_exist() {
     }
     assert!(broken.is_empty(), "broken links:\n{}", broken.join("\n"));
 }
+
+#[test]
+fn gpud_s_flag_errors_are_one_line_and_exit_2() {
+    for (args, line) in [
+        (
+            &["--bogus"][..],
+            "gpud: unexpected argument '--bogus' found (see --help)",
+        ),
+        (
+            &["--socket"],
+            "gpud: a value is required for '--socket <PATH>' but none was supplied (see --help)",
+        ),
+    ] {
+        let out = Command::new(gpud_bin())
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        assert_eq!(String::from_utf8_lossy(&out.stderr), format!("{line}\n"));
+        assert!(out.stdout.is_empty());
+    }
+    // --help still prints the whole help, on stdout.
+    let out = Command::new(gpud_bin()).arg("--help").output().unwrap();
+    assert!(out.status.success());
+    assert!(String::from_utf8_lossy(&out.stdout).contains("Usage: gpud"));
+}
