@@ -355,6 +355,9 @@ fn the_readme_troubleshooting_messages_are_the_ones_printed() {
         last_line(&mut d.command_on(&other_socket, &d.state_dir)),
         expected
     );
+    // The first gpud's state is untouched by the second's failed start.
+    assert!(d.state_dir.join("gpud.db").exists() && d.state_dir.join("gpud.lock").exists());
+    assert_eq!(d.get("/v1/health").status, 200);
 
     let socket_taken = quoted("gpud: another process (probably another gpud) is serving on");
     let expected = substitute(&socket_taken, "/tmp/gpud.sock", &d.socket);
@@ -363,6 +366,15 @@ fn the_readme_troubleshooting_messages_are_the_ones_printed() {
         last_line(&mut d.command_on(&d.socket, &other_state)),
         expected
     );
+    // A failed start leaves no state directory it made, with no lock or database in it.
+    assert!(!other_state.exists(), "{}", other_state.display());
+    // One that was there stays, as empty as it was.
+    std::fs::create_dir(&other_state).unwrap();
+    assert_eq!(
+        last_line(&mut d.command_on(&d.socket, &other_state)),
+        expected
+    );
+    assert_eq!(std::fs::read_dir(&other_state).unwrap().count(), 0);
 
     // The fake NVML without its fixture: gpud's last line points at the fake's own, above.
     let no_fixture =
@@ -394,6 +406,7 @@ fn the_readme_troubleshooting_messages_are_the_ones_printed() {
         Some("fake-nvml: FAKE_NVML_CONFIG is not set; it must name a fixture JSON file"),
         "{stderr}"
     );
+    assert!(!dir.path().join("fake-state").exists());
 
     // No driver: only where this machine has no libnvidia-ml.so.1 for gpud to find.
     let no_driver = quoted("gpud: cannot load the NVIDIA management library libnvidia-ml.so.1");

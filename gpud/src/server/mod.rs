@@ -106,7 +106,7 @@ fn lock_state_dir(dir: &Path) -> Result<nix::fcntl::Flock<std::fs::File>, ServeE
 
     std::fs::create_dir_all(dir)
         .map_err(ServeError::at("cannot create the state directory", dir))?;
-    let path = dir.join("gpud.lock");
+    let path = dir.join(LOCK_FILE);
     let file = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
@@ -138,6 +138,58 @@ fn lock_state_dir(dir: &Path) -> Result<nix::fcntl::Flock<std::fs::File>, ServeE
     }
 }
 
+/// What a start made in the state directory (the directory itself, the lock file, a new
+/// database), undone when the start fails before gpud serves, so that a failed start leaves
+/// the directory as it found it. Armed only once gpud holds the directory's lock: before
+/// that, what is there may be another gpud's. A database that was there stays, migrated or
+/// not.
+struct StartMarks {
+    dir: PathBuf,
+    made_dir: bool,
+    made_lock: bool,
+    made_db: bool,
+    armed: bool,
+}
+
+impl StartMarks {
+    /// What is in `dir` before the start touches it.
+    fn before(dir: &Path) -> StartMarks {
+        StartMarks {
+            dir: dir.to_owned(),
+            made_dir: !dir.exists(),
+            made_lock: !dir.join(LOCK_FILE).exists(),
+            made_db: !dir.join(crate::store::DB_FILE).exists(),
+            armed: false,
+        }
+    }
+}
+
+impl Drop for StartMarks {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        if self.made_dir {
+            let _ = std::fs::remove_dir_all(&self.dir);
+            return;
+        }
+        if self.made_db {
+            // SQLite's companions of a database in WAL mode, or mid-transaction.
+            for suffix in ["", "-wal", "-shm", "-journal"] {
+                let _ = std::fs::remove_file(
+                    self.dir.join(format!("{}{suffix}", crate::store::DB_FILE)),
+                );
+            }
+        }
+        if self.made_lock {
+            let _ = std::fs::remove_file(self.dir.join(LOCK_FILE));
+        }
+    }
+}
+
+/// The lock file in the state directory ([`lock_state_dir`]).
+const LOCK_FILE: &str = "gpud.lock";
+
 /// Resolves admin group names (or numeric gids) to gids.
 pub fn resolve_groups(names: &[String]) -> Result<Vec<u32>, ServeError> {
     names
@@ -166,9 +218,12 @@ async fn serve(config: Config, config_path: Option<PathBuf>) -> Result<(), Serve
         .and_then(|path| Config::load(path, false).ok())
         .unwrap_or_else(|| config.clone());
     let admin_gids = resolve_groups(&config.admin_groups)?;
+    let mut marks = StartMarks::before(&config.state_dir);
     // Held until the process exits, not until `serve` returns: the runtime's blocking tasks
     // (an audit pass in a slow NVML call) may still use the database after that.
     std::mem::forget(lock_state_dir(&config.state_dir)?);
+    // From here a failed start removes what it made (`StartMarks`), up to serving.
+    marks.armed = true;
     let lib = config.nvml_lib.clone();
     let nvml = tokio::task::spawn_blocking(move || Nvml::open(lib.as_deref())).await??;
     let nvml = Arc::new(nvml);
@@ -310,6 +365,9 @@ async fn serve(config: Config, config_path: Option<PathBuf>) -> Result<(), Serve
         tokio::spawn(crate::dra::driver::run(broker.clone(), config.clone()));
     }
 
+    // Started: what the start made stays.
+    marks.armed = false;
+    drop(marks);
     // State is loaded and the socket accepts: tell systemd (a no-op without NOTIFY_SOCKET).
     if let Err(e) = sd_notify::notify(&[sd_notify::NotifyState::Ready]) {
         tracing::warn!(error = %e, "cannot send the readiness notification to systemd");
