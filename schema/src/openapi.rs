@@ -75,7 +75,7 @@ pub fn document() -> Value {
                          "schema": {"type": "integer", "minimum": 1, "maximum": 10000}},
                         {"name": "after", "in": "query", "required": false,
                          "description": "A listing's next cursor, or 0: the first reservations created after it, oldest first (default: the newest)",
-                         "schema": {"type": "string"}}
+                         "schema": cursor_schema()}
                     ],
                     "responses": {
                         "200": reply("Reservations", &reservation_list),
@@ -213,10 +213,20 @@ fn id_schema() -> Value {
            "pattern": "^(?!\\.\\.?$)[A-Za-z0-9._-]+$"})
 }
 
-/// `KEY=VALUE`, percent-encoded (the `=` may be written `%3D`).
+/// `KEY=VALUE`, percent-encoded (the `=` may be written `%3D`), the key not empty.
 fn label_schema() -> Value {
     json!({"type": "string",
-           "pattern": "^([^%]|%[0-9A-Fa-f]{2})*(=|%3[Dd])([^%]|%[0-9A-Fa-f]{2})*$"})
+           "pattern": "^([^%=]|%[0-9A-Fa-f]{2})+(=|%3[Dd])([^%]|%[0-9A-Fa-f]{2})*$"})
+}
+
+/// A listing's cursor as its `next` gives it: `CREATED_MS.ID`, or `0` (the start).
+fn cursor_schema() -> Value {
+    json!({"type": "string", "pattern": "^[0-9]+(\\.(?!\\.?$)[A-Za-z0-9._-]+)?$"})
+}
+
+/// `field` given, and not as null (which gpud reads as absent).
+fn present(field: &str) -> Value {
+    json!({"required": [field], "not": {"properties": {field: {"enum": [null]}}}})
 }
 
 /// Unix seconds, or an RFC 3339 time (its colons may be written `%3A`).
@@ -241,21 +251,21 @@ fn add_rules_serde_cannot_say(components: &mut serde_json::Map<String, Value>) {
                 {"required": ["exclusive"], "properties": {"exclusive": {"enum": [true]}}}
             ]},
             // A lifetime: a holder process, a holder cgroup, a lease, or a chosen id (held
-            // until released).
+            // until released). A field given as null is absent to gpud.
             {"anyOf": [
-                {"required": ["holder_pid"]},
-                {"required": ["holder_cgroup"]},
-                {"required": ["ttl_seconds"]},
-                {"required": ["id"]}
+                present("holder_pid"),
+                present("holder_cgroup"),
+                present("ttl_seconds"),
+                present("id")
             ]},
             // A cgroup of its own is made for the holder process.
             {"anyOf": [
                 {"not": {"required": ["own_cgroup"]}},
                 {"properties": {"own_cgroup": {"enum": [false]}}},
-                {"required": ["holder_pid"]}
+                present("holder_pid")
             ]},
             // A holder cgroup is the holder: no process beside it.
-            {"not": {"required": ["holder_cgroup", "holder_pid"]}},
+            {"not": {"allOf": [present("holder_cgroup"), present("holder_pid")]}},
             // A compute share is a part of a shared GPU: not with whole GPUs, which have
             // all their compute.
             {"anyOf": [
@@ -282,11 +292,7 @@ fn add_rules_serde_cannot_say(components: &mut serde_json::Map<String, Value>) {
     }
     // The cgroup, a process in it, or a container's first process: one of the three.
     if let Some(attach) = components.get_mut("AttachCgroupRequest") {
-        attach["oneOf"] = json!([
-            {"required": ["cgroup"]},
-            {"required": ["pid"]},
-            {"required": ["container_pid"]}
-        ]);
+        attach["oneOf"] = json!([present("cgroup"), present("pid"), present("container_pid")]);
     }
 }
 

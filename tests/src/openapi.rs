@@ -80,6 +80,10 @@ pub const UNSTATABLE: &[(&str, &str)] = &[
         "not valid percent-encoded UTF-8",
         "UTF-8 under percent-encoding",
     ),
+    (
+        "since must be RFC 3339",
+        "a date's calendar (month 13, February 30): a pattern checks its form",
+    ),
 ];
 
 /// The document, with its schemas made plain JSON Schema (see [`to_json_schema`]).
@@ -480,6 +484,32 @@ mod tests {
         assert!(refused(events, "reservation=a%2Fb", ""));
         assert!(!refused(events, "reservation=k8s-pod.a_1", ""));
         assert!(refused(list, "label=", ""));
+        assert!(refused(list, "label=%3D", ""));
+        assert!(refused(list, "label==x", ""));
+        assert!(!refused(list, "label=job%3Dasr", ""));
+        assert!(!refused(list, "label=job=", ""));
+        assert!(refused(list, "after=", ""));
+        assert!(refused(list, "after=5..", ""));
+        assert!(!refused(list, "after=0", ""));
+        assert!(!refused(list, "after=1764300000000.1a2b.c", ""));
+        // A field given as null is absent to gpud: no lifetime, and no holder conflict.
+        assert!(refused(
+            reserve,
+            "",
+            r#"{"memory": "1G", "ttl_seconds": null}"#
+        ));
+        assert!(refused(
+            reserve,
+            "",
+            r#"{"memory": "1G", "holder_pid": null, "holder_cgroup": null}"#
+        ));
+        assert!(!refused(
+            reserve,
+            "",
+            r#"{"memory": "1G", "holder_pid": 9, "holder_cgroup": null}"#
+        ));
+        assert!(refused(attach, "", r#"{"cgroup": null}"#));
+        assert!(!refused(attach, "", r#"{"cgroup": null, "pid": 4}"#));
         assert!(refused("/paths/~1v1~1reservations/delete", "", ""));
         assert!(refused(
             reserve,

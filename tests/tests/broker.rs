@@ -873,6 +873,19 @@ fn bad_requests_get_4xx_json_and_change_nothing() {
         ("GET", "/v1/reservations?state=bogus", "", 400),
         ("GET", "/v1/nothing-here", "", 404),
         ("PUT", "/v1/reservations", "", 405),
+        ("TRACE", "/v1/gpus", "", 405),
+        // What a schema-driven fuzzer found the document accepting and gpud refusing; each
+        // exchange is also checked against openapi.json (gpud_tests::openapi).
+        (
+            "POST",
+            "/v1/reservations",
+            r#"{"memory": "1GiB", "ttl_seconds": null}"#,
+            400,
+        ),
+        ("GET", "/v1/reservations?after=", "", 400),
+        ("GET", "/v1/reservations?label=%3D", "", 400),
+        ("DELETE", "/v1/reservations?label=%3D", "", 400),
+        ("GET", "/v1/events?since=2026-13-45T00:00:00Z", "", 400),
     ] {
         let r = gpud_tests::http(&d.socket, method, path, Some(body));
         assert_eq!(r.status, status, "{method} {path} {body}: {}", r.text);

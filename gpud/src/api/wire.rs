@@ -208,11 +208,15 @@ pub(super) fn label_param(value: &str) -> Result<(String, String), ApiError> {
             "label: {value:?} is not valid percent-encoded UTF-8"
         ))
     })?;
-    let (k, v) = decoded.split_once('=').ok_or_else(|| {
-        ApiError::invalid(format!(
-            "label must be KEY=VALUE (label=job%3Dasr, or label=job=asr); got {decoded:?}"
-        ))
-    })?;
+    let (k, v) = decoded
+        .split_once('=')
+        .filter(|(k, _)| !k.is_empty())
+        .ok_or_else(|| {
+            ApiError::invalid(format!(
+                "label must be KEY=VALUE, the key not empty (label=job%3Dasr, or \
+                 label=job=asr); got {decoded:?}"
+            ))
+        })?;
     Ok((k.to_owned(), v.to_owned()))
 }
 
