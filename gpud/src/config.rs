@@ -271,7 +271,9 @@ pub enum QueuePolicy {
     /// Not a policy to run, and not accepted in the configuration: the queue simulator's
     /// reference for how full an order of serving alone can keep a node. Every waiter that
     /// fits goes at once, the largest first (whole GPUs before parts of one), whatever its
-    /// age: requests for several GPUs and the largest parts of one can wait for ever.
+    /// age: requests for several GPUs and the largest parts of one can wait for ever. Only
+    /// with the `sim` feature (the simulator's), never in the shipped gpud.
+    #[cfg(feature = "sim")]
     #[serde(skip)]
     PackingBound,
 }

@@ -231,7 +231,9 @@ impl Ledger {
 
     /// The ids of the waiters served since the last call, for a driver of the ledger that
     /// has no broker thread to tell them (the queue simulator). The other effects (limits,
-    /// watches, CDI specs) are dropped: such a driver has nothing to apply them to.
+    /// watches, CDI specs) are dropped: such a driver has nothing to apply them to. Only
+    /// with the `sim` feature.
+    #[cfg(feature = "sim")]
     pub fn take_served(&mut self) -> Vec<String> {
         self.take_effects()
             .served

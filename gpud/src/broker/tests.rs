@@ -1433,6 +1433,7 @@ fn a_hold_without_a_lease_never_goes_ahead_on_its_estimate() {
 
 /// The queue simulator's packing reference serves the largest waiter that fits first,
 /// whatever its age; the configuration does not accept it.
+#[cfg(feature = "sim")]
 #[test]
 fn the_packing_reference_serves_the_largest_waiter_first_and_is_not_configurable() {
     let packing = Config {

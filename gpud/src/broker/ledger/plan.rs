@@ -425,6 +425,7 @@ impl Ledger {
         let first = match self.settings.config.wait.policy {
             QueuePolicy::Planned => self.project(now, 1).planned.into_iter().next(),
             QueuePolicy::Guard => None,
+            #[cfg(feature = "sim")]
             QueuePolicy::PackingBound => return Gate::Open,
         };
         self.gate_for(now, first)

@@ -78,6 +78,7 @@ impl Ledger {
     }
 
     fn serve_in_order(&mut self, txn: &mut Txn<'_>, now: Millis) {
+        #[cfg(feature = "sim")]
         if self.settings.config.wait.policy == QueuePolicy::PackingBound {
             // Largest first (all it asks for, on the largest GPU); the sort is stable, so
             // equals keep their order.
@@ -265,7 +266,9 @@ impl Ledger {
         let planned = if whole { PLANNED_AHEAD } else { 1 };
         let projected = match self.settings.config.wait.policy {
             QueuePolicy::Planned => self.project(now, planned),
-            QueuePolicy::Guard | QueuePolicy::PackingBound => Projection::default(),
+            QueuePolicy::Guard => Projection::default(),
+            #[cfg(feature = "sim")]
+            QueuePolicy::PackingBound => Projection::default(),
         };
         let gate = self.gate_for(now, projected.planned.first().cloned());
         let mut told = Told {
