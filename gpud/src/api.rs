@@ -15,7 +15,7 @@ use hyper::header::{CONTENT_TYPE, HeaderValue};
 use hyper::{Method, Request, Response, StatusCode};
 use serde::Serialize;
 
-use gpud_schema::{self as schema, codes};
+use gpud_schema::{self as schema, codes, routes};
 
 use crate::broker::{Broker, BrokerError, Caller};
 use crate::clock::rfc3339;
@@ -46,7 +46,7 @@ pub struct ApiError {
     code: &'static str,
     message: String,
     /// The methods the route takes, for the `Allow` header of a 405.
-    allow: Option<&'static str>,
+    allow: Option<String>,
 }
 
 impl ApiError {
@@ -140,23 +140,14 @@ fn error_reply(e: &ApiError) -> Reply {
             },
         },
     );
-    if let Some(allow) = e.allow {
-        reply
-            .headers_mut()
-            .insert(hyper::header::ALLOW, HeaderValue::from_static(allow));
+    if let Some(allow) = e
+        .allow
+        .as_deref()
+        .and_then(|a| HeaderValue::from_str(a).ok())
+    {
+        reply.headers_mut().insert(hyper::header::ALLOW, allow);
     }
     reply
-}
-
-/// The methods a route takes, `None` for no route.
-fn allowed(segments: &[&str]) -> Option<&'static str> {
-    match segments {
-        ["v1", "health" | "gpus" | "events" | "waiters" | "processes"] | ["metrics"] => Some("GET"),
-        ["v1", "reservations"] => Some("GET, POST, DELETE"),
-        ["v1", "reservations", _] => Some("GET, DELETE"),
-        ["v1", "reservations", _, "renew" | "cgroup"] => Some("POST"),
-        _ => None,
-    }
 }
 
 /// Refuses query parameters on a route that takes none.
@@ -191,40 +182,52 @@ impl Api {
     async fn route(&self, caller: Caller, req: Request<Incoming>) -> Result<Reply, ApiError> {
         let path = req.uri().path().to_owned();
         let query = req.uri().query().unwrap_or("").to_owned();
-        let segments: Vec<&str> = path.trim_end_matches('/').split('/').skip(1).collect();
         let method = req.method().clone();
-        // Only listings and events take query parameters; a mistyped one anywhere else
-        // would otherwise be ignored without a word.
-        if !matches!(
-            (segments.as_slice(), &method),
-            (["v1", "reservations"] | ["v1", "events"], &Method::GET)
-                | (["v1", "reservations"], &Method::DELETE)
-        ) {
+        let Some((template, values)) = routes::matching(&path) else {
+            return Err(ApiError::new(
+                StatusCode::NOT_FOUND,
+                codes::NOT_FOUND,
+                format!(
+                    "no route {path}; see the API in docs/api.md (GET /v1/gpus, POST /v1/reservations, ...)"
+                ),
+            ));
+        };
+        let Some(endpoint) = routes::endpoint(method.as_str(), template) else {
+            let allow = routes::allow(template);
+            return Err(ApiError {
+                allow: Some(allow.clone()),
+                ..ApiError::new(
+                    StatusCode::METHOD_NOT_ALLOWED,
+                    codes::METHOD_NOT_ALLOWED,
+                    format!("{method} is not allowed on {path}; it takes {allow}"),
+                )
+            });
+        };
+        // A mistyped query parameter on a route that takes none would otherwise be ignored
+        // without a word.
+        if !endpoint.query {
             no_query(&query, &path)?;
         }
-        match (segments.as_slice(), &method) {
-            (["v1", "health"], &Method::GET) => Ok(self.health()),
-            (["v1", "gpus"], &Method::GET) => Ok(self.gpus()),
-            (["v1", "reservations"], &Method::GET) => self.list(&query).await,
-            (["v1", "reservations"], &Method::DELETE) => {
-                self.release_labelled(caller, &query).await
-            }
-            (["v1", "reservations"], &Method::POST) => {
+        let id = || valid_id(values.first().copied().unwrap_or_default());
+        match (endpoint.method, endpoint.template) {
+            ("GET", "/v1/health") => Ok(self.health()),
+            ("GET", "/v1/gpus") => Ok(self.gpus()),
+            ("GET", "/v1/reservations") => self.list(&query).await,
+            ("DELETE", "/v1/reservations") => self.release_labelled(caller, &query).await,
+            ("POST", "/v1/reservations") => {
                 let body = self.body(req).await?;
                 self.create(caller, &body).await
             }
-            (["v1", "reservations", id], &Method::GET) => {
-                let id = valid_id(id)?;
-                let r = self.broker.get(id).await?;
+            ("GET", "/v1/reservations/{id}") => {
+                let r = self.broker.get(id()?).await?;
                 Ok(json(StatusCode::OK, &to_wire(r)))
             }
-            (["v1", "reservations", id], &Method::DELETE) => {
-                let id = valid_id(id)?;
-                let r = self.broker.release(caller, id).await?;
+            ("DELETE", "/v1/reservations/{id}") => {
+                let r = self.broker.release(caller, id()?).await?;
                 Ok(json(StatusCode::OK, &to_wire(r)))
             }
-            (["v1", "reservations", id, "renew"], &Method::POST) => {
-                let id = valid_id(id)?;
+            ("POST", "/v1/reservations/{id}/renew") => {
+                let id = id()?;
                 let body = self.body(req).await?;
                 let renew: schema::RenewRequest = if body.iter().all(u8::is_ascii_whitespace) {
                     schema::RenewRequest::default()
@@ -234,29 +237,19 @@ impl Api {
                 let r = self.broker.renew(caller, id, renew.ttl_seconds).await?;
                 Ok(json(StatusCode::OK, &to_wire(r)))
             }
-            (["v1", "reservations", id, "cgroup"], &Method::POST) => {
-                let id = valid_id(id)?;
+            ("POST", "/v1/reservations/{id}/cgroup") => {
+                let id = id()?;
                 let body = self.body(req).await?;
                 self.attach_cgroup(caller, id, &body).await
             }
-            (["metrics"], &Method::GET) => Ok(self.metrics_reply().await),
-            (["v1", "events"], &Method::GET) => self.events(&query).await,
-            (["v1", "waiters"], &Method::GET) => Ok(self.waiters()),
-            (["v1", "processes"], &Method::GET) => Ok(self.processes()),
-            (segments, _) if let Some(allow) = allowed(segments) => Err(ApiError {
-                allow: Some(allow),
-                ..ApiError::new(
-                    StatusCode::METHOD_NOT_ALLOWED,
-                    codes::METHOD_NOT_ALLOWED,
-                    format!("{method} is not allowed on {path}; it takes {allow}"),
-                )
-            }),
-            _ => Err(ApiError::new(
-                StatusCode::NOT_FOUND,
-                codes::NOT_FOUND,
-                format!(
-                    "no route {path}; see the API in docs/api.md (GET /v1/gpus, POST /v1/reservations, ...)"
-                ),
+            ("GET", "/metrics") => Ok(self.metrics_reply().await),
+            ("GET", "/v1/events") => self.events(&query).await,
+            ("GET", "/v1/waiters") => Ok(self.waiters()),
+            ("GET", "/v1/processes") => Ok(self.processes()),
+            (method, template) => Err(ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                codes::INTERNAL,
+                format!("{method} {template} is in the route table but has no handler"),
             )),
         }
     }
@@ -608,22 +601,9 @@ impl From<ServiceError> for ApiError {
     }
 }
 
-/// A low-cardinality name for the metrics label (ids replaced by `{id}`).
+/// A low-cardinality name for the metrics label: the route's template (ids as `{id}`).
 fn route_name(path: &str) -> &'static str {
-    let segments: Vec<&str> = path.trim_end_matches('/').split('/').skip(1).collect();
-    match segments.as_slice() {
-        ["v1", "health"] => "/v1/health",
-        ["v1", "gpus"] => "/v1/gpus",
-        ["v1", "reservations"] => "/v1/reservations",
-        ["v1", "reservations", _] => "/v1/reservations/{id}",
-        ["v1", "reservations", _, "renew"] => "/v1/reservations/{id}/renew",
-        ["v1", "reservations", _, "cgroup"] => "/v1/reservations/{id}/cgroup",
-        ["v1", "events"] => "/v1/events",
-        ["v1", "waiters"] => "/v1/waiters",
-        ["v1", "processes"] => "/v1/processes",
-        ["metrics"] => "/metrics",
-        _ => "other",
-    }
+    routes::matching(path).map_or("other", |(template, _)| template)
 }
 
 /// A JSON object body. Only an object: serde would also take the fields of a struct from

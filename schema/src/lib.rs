@@ -15,6 +15,7 @@ pub mod duration;
 #[cfg(feature = "manual")]
 pub mod manual;
 pub mod openapi;
+pub mod routes;
 pub mod size;
 
 pub use duration::format_duration;

@@ -348,6 +348,32 @@ mod tests {
     }
 
     #[test]
+    fn the_paths_are_the_route_table_s() {
+        let doc = document();
+        let mut documented = Vec::new();
+        for (path, item) in doc["paths"].as_object().unwrap() {
+            for (method, op) in item.as_object().unwrap() {
+                let query = op["parameters"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .any(|p| p["in"] == "query");
+                documented.push((method.to_uppercase(), path.clone(), query));
+            }
+        }
+        let mut table: Vec<(String, String, bool)> = crate::routes::ENDPOINTS
+            .iter()
+            .map(|e| (e.method.to_owned(), e.template.to_owned(), e.query))
+            .collect();
+        documented.sort();
+        table.sort();
+        assert_eq!(
+            documented, table,
+            "openapi.json's paths against schema::routes"
+        );
+    }
+
+    #[test]
     fn every_ref_resolves() {
         let doc = document();
         let text = doc.to_string();
