@@ -1,6 +1,7 @@
 //! docs/architecture.md stays a true map of the daemon: its table of `gpud/src` lists every
-//! source file there is (test files aside), and names none that is gone; and each module
-//! uses only the modules its "may use" column allows (and what those may use).
+//! source file there is (test files aside), and names none that is gone; no such file is over
+//! 900 lines; and each module uses only the modules its "may use" column allows (and what
+//! those may use).
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step should stop with its line
 
@@ -55,6 +56,18 @@ fn the_file_table_lists_every_source_file_of_the_daemon() {
         missing.is_empty() && gone.is_empty(),
         "docs/architecture.md's file table lacks {missing:?} and names {gone:?}, which are not in gpud/src"
     );
+    // A file that grows past this is doing two things: split it.
+    let long: Vec<String> = present
+        .iter()
+        .filter_map(|file| {
+            let lines = std::fs::read_to_string(root.join(file))
+                .unwrap()
+                .lines()
+                .count();
+            (lines > 900).then(|| format!("{file}: {lines} lines"))
+        })
+        .collect();
+    assert!(long.is_empty(), "over 900 lines: {long:?}");
 }
 
 /// The modules table under "## Modules": each module with the modules it may use, as the
