@@ -27,6 +27,7 @@ pub mod metrics;
 pub mod model;
 pub mod placement;
 pub mod probe;
+pub mod proto;
 pub mod server;
 pub mod service;
 pub mod store;

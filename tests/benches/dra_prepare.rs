@@ -20,13 +20,11 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use gpud::kubelet::connect_unix;
-use gpud::kubelet::proto::dra_v1::NodePrepareResourcesRequest;
-use gpud::kubelet::proto::dra_v1::dra_plugin_client::DraPluginClient;
-use gpud::kubelet::proto::v1beta1::device_plugin_client::DevicePluginClient;
-use gpud::kubelet::proto::v1beta1::registration_server::{Registration, RegistrationServer};
-use gpud::kubelet::proto::v1beta1::{
-    AllocateRequest, ContainerAllocateRequest, Empty, RegisterRequest,
-};
+use gpud::proto::dra_v1::NodePrepareResourcesRequest;
+use gpud::proto::dra_v1::dra_plugin_client::DraPluginClient;
+use gpud::proto::v1beta1::device_plugin_client::DevicePluginClient;
+use gpud::proto::v1beta1::registration_server::{Registration, RegistrationServer};
+use gpud::proto::v1beta1::{AllocateRequest, ContainerAllocateRequest, Empty, RegisterRequest};
 use gpud_tests::apiserver::ApiServer;
 use gpud_tests::dra::{claim, config, share};
 use gpud_tests::{Daemon, PATIENCE, wait_for};

@@ -6,12 +6,12 @@
 use std::path::Path;
 
 use gpud::kubelet::connect_unix;
-use gpud::kubelet::proto::dra_v1::dra_plugin_client::DraPluginClient;
-use gpud::kubelet::proto::dra_v1::{
+use gpud::proto::dra_v1::dra_plugin_client::DraPluginClient;
+use gpud::proto::dra_v1::{
     Claim, NodePrepareResourcesRequest, NodePrepareResourcesResponse, NodeUnprepareResourcesRequest,
 };
-use gpud::kubelet::proto::pluginregistration::InfoRequest;
-use gpud::kubelet::proto::pluginregistration::registration_client::RegistrationClient;
+use gpud::proto::pluginregistration::InfoRequest;
+use gpud::proto::pluginregistration::registration_client::RegistrationClient;
 use serde_json::{Value, json};
 
 use crate::apiserver::ApiServer;
@@ -67,7 +67,7 @@ impl Kubelet {
     }
 
     /// What the plugin watcher does: `GetInfo` on the registration socket, once served.
-    pub fn get_info(&self) -> gpud::kubelet::proto::pluginregistration::PluginInfo {
+    pub fn get_info(&self) -> gpud::proto::pluginregistration::PluginInfo {
         let socket = self.dir.join("plugins_registry/gpu.gpud.io-reg.sock");
         wait_for(PATIENCE, || socket.exists().then_some(())).expect("registration socket");
         self.runtime.block_on(async {

@@ -10,10 +10,10 @@
 use std::path::Path;
 
 use gpud::dra::registration::Sockets;
-use gpud::kubelet::proto::dra_v1::{NodePrepareResourcesResponse, NodeUnprepareResourcesResponse};
-use gpud::kubelet::proto::pluginregistration::{PluginInfo, RegistrationStatusResponse};
-use gpud::kubelet::proto::v1beta1::registration_server::{Registration, RegistrationServer};
-use gpud::kubelet::proto::v1beta1::{DevicePluginOptions, Empty, RegisterRequest};
+use gpud::proto::dra_v1::{NodePrepareResourcesResponse, NodeUnprepareResourcesResponse};
+use gpud::proto::pluginregistration::{PluginInfo, RegistrationStatusResponse};
+use gpud::proto::v1beta1::registration_server::{Registration, RegistrationServer};
+use gpud::proto::v1beta1::{DevicePluginOptions, Empty, RegisterRequest};
 use gpud_tests::apiserver::ApiServer;
 use gpud_tests::grpc_go::{self, Answer};
 use gpud_tests::{Daemon, PATIENCE, wait_for};

@@ -13,17 +13,17 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use gpud::kubelet::connect_unix;
-use gpud::kubelet::proto::podresources_v1::pod_resources_lister_server::{
+use gpud::proto::podresources_v1::pod_resources_lister_server::{
     PodResourcesLister, PodResourcesListerServer,
 };
-use gpud::kubelet::proto::podresources_v1::{
+use gpud::proto::podresources_v1::{
     AllocatableResourcesRequest, AllocatableResourcesResponse, ContainerDevices,
     ContainerResources, GetPodResourcesRequest, GetPodResourcesResponse, ListPodResourcesRequest,
     ListPodResourcesResponse, PodResources,
 };
-use gpud::kubelet::proto::v1beta1::device_plugin_client::DevicePluginClient;
-use gpud::kubelet::proto::v1beta1::registration_server::{Registration, RegistrationServer};
-use gpud::kubelet::proto::v1beta1::{
+use gpud::proto::v1beta1::device_plugin_client::DevicePluginClient;
+use gpud::proto::v1beta1::registration_server::{Registration, RegistrationServer};
+use gpud::proto::v1beta1::{
     AllocateRequest, ContainerAllocateRequest, ContainerPreferredAllocationRequest,
     DevicePluginOptions, Empty, ListAndWatchResponse, PreferredAllocationRequest, RegisterRequest,
 };
@@ -675,7 +675,7 @@ async fn whole_gpus_are_preferred_by_topology() {
 async fn allocate_one(
     plugin: &mut DevicePluginClient<Channel>,
     devices_ids: Vec<String>,
-) -> Result<tonic::Response<gpud::kubelet::proto::v1beta1::AllocateResponse>, tonic::Status> {
+) -> Result<tonic::Response<gpud::proto::v1beta1::AllocateResponse>, tonic::Status> {
     plugin
         .allocate(AllocateRequest {
             container_requests: vec![ContainerAllocateRequest { devices_ids }],

@@ -3,10 +3,10 @@
 
 use std::collections::BTreeMap;
 
-use super::driver::{CLAIM_LABEL, CLAIM_UID_LABEL};
 use super::{ClaimAllocation, ClaimRef, DRIVER, quantity};
 use crate::broker::ExactRequest;
 use crate::model::{Reservation, Unit};
+use gpud_schema::origin::{DRA_CLAIM as CLAIM_LABEL, DRA_CLAIM_UID as CLAIM_UID_LABEL};
 
 /// Unit `unit`'s device name in this node's pool: `gpu-<index>` for a whole GPU,
 /// `gpu-<index>-mig-<n>` for its MIG instance `n` (DNS labels, as DRA device names must be).

@@ -16,11 +16,6 @@ use super::{ClaimRef, Claims, DRIVER, slices};
 use crate::broker::Broker;
 use crate::config::{Config, DraConfig};
 
-/// The label of a DRA reservation that names its claim (`namespace/name`).
-pub const CLAIM_LABEL: &str = gpud_schema::origin::DRA_CLAIM;
-/// The label of a DRA reservation that holds its claim's UID.
-pub const CLAIM_UID_LABEL: &str = gpud_schema::origin::DRA_CLAIM_UID;
-
 /// This node's name: configured, else `NODE_NAME`, else the host name.
 pub fn node_name(config: &DraConfig) -> String {
     config

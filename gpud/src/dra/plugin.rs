@@ -11,8 +11,8 @@ use tonic::{Request, Response, Status};
 use super::claims::{exact_request, reservation_id};
 use super::{ClaimAllocation, ClaimRef, Claims, DRIVER};
 use crate::broker::{AllocateRequest, Broker, Caller};
-use crate::kubelet::proto::dra_v1::dra_plugin_server::DraPlugin;
-use crate::kubelet::proto::dra_v1::{
+use crate::proto::dra_v1::dra_plugin_server::DraPlugin;
+use crate::proto::dra_v1::{
     Claim, Device, NodePrepareResourceResponse, NodePrepareResourcesRequest,
     NodePrepareResourcesResponse, NodeUnprepareResourceResponse, NodeUnprepareResourcesRequest,
     NodeUnprepareResourcesResponse,
@@ -240,12 +240,11 @@ fn same<A: prost::Message, B: prost::Message + Default>(a: &A) -> Result<B, Stat
 
 /// The v1beta1 service: the v1 one, its messages carried across.
 #[tonic::async_trait]
-impl crate::kubelet::proto::dra_v1beta1::dra_plugin_server::DraPlugin for Plugin {
+impl crate::proto::dra_v1beta1::dra_plugin_server::DraPlugin for Plugin {
     async fn node_prepare_resources(
         &self,
-        request: Request<crate::kubelet::proto::dra_v1beta1::NodePrepareResourcesRequest>,
-    ) -> Result<Response<crate::kubelet::proto::dra_v1beta1::NodePrepareResourcesResponse>, Status>
-    {
+        request: Request<crate::proto::dra_v1beta1::NodePrepareResourcesRequest>,
+    ) -> Result<Response<crate::proto::dra_v1beta1::NodePrepareResourcesResponse>, Status> {
         let request = Request::new(same(request.get_ref())?);
         let answer = DraPlugin::node_prepare_resources(self, request).await?;
         Ok(Response::new(same(answer.get_ref())?))
@@ -253,9 +252,8 @@ impl crate::kubelet::proto::dra_v1beta1::dra_plugin_server::DraPlugin for Plugin
 
     async fn node_unprepare_resources(
         &self,
-        request: Request<crate::kubelet::proto::dra_v1beta1::NodeUnprepareResourcesRequest>,
-    ) -> Result<Response<crate::kubelet::proto::dra_v1beta1::NodeUnprepareResourcesResponse>, Status>
-    {
+        request: Request<crate::proto::dra_v1beta1::NodeUnprepareResourcesRequest>,
+    ) -> Result<Response<crate::proto::dra_v1beta1::NodeUnprepareResourcesResponse>, Status> {
         let request = Request::new(same(request.get_ref())?);
         let answer = DraPlugin::node_unprepare_resources(self, request).await?;
         Ok(Response::new(same(answer.get_ref())?))

@@ -11,11 +11,9 @@ use tonic::{Request, Response, Status};
 use super::plugin::Plugin;
 use super::{DRIVER, SUPPORTED_VERSIONS};
 use crate::kubelet::authority::incoming;
-use crate::kubelet::proto::dra_v1::dra_plugin_server::DraPluginServer;
-use crate::kubelet::proto::pluginregistration::registration_server::{
-    Registration, RegistrationServer,
-};
-use crate::kubelet::proto::pluginregistration::{
+use crate::proto::dra_v1::dra_plugin_server::DraPluginServer;
+use crate::proto::pluginregistration::registration_server::{Registration, RegistrationServer};
+use crate::proto::pluginregistration::{
     InfoRequest, PluginInfo, RegistrationStatus, RegistrationStatusResponse,
 };
 
@@ -100,9 +98,7 @@ pub async fn serve(
     };
     let dra = tonic::transport::Server::builder()
         .add_service(DraPluginServer::new(plugin.clone()))
-        .add_service(
-            crate::kubelet::proto::dra_v1beta1::dra_plugin_server::DraPluginServer::new(plugin),
-        )
+        .add_service(crate::proto::dra_v1beta1::dra_plugin_server::DraPluginServer::new(plugin))
         .serve_with_incoming_shutdown(incoming(endpoint), wait(stopped.clone()));
     let registrar = Registrar {
         endpoint: sockets.endpoint.clone(),

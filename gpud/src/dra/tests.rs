@@ -13,13 +13,13 @@ use super::*;
 use crate::broker::{Broker, BrokerSettings, ReserveOutcome, ReserveRequest};
 use crate::config::Config;
 use crate::kubelet::connect_unix;
-use crate::kubelet::proto::dra_v1::dra_plugin_client::DraPluginClient;
-use crate::kubelet::proto::dra_v1::{
+use crate::model::{Caller, GpuInventory, MemoryAsk, ReservationState};
+use crate::proto::dra_v1::dra_plugin_client::DraPluginClient;
+use crate::proto::dra_v1::{
     Claim, NodePrepareResourcesRequest, NodePrepareResourcesResponse, NodeUnprepareResourcesRequest,
 };
-use crate::kubelet::proto::pluginregistration::registration_client::RegistrationClient;
-use crate::kubelet::proto::pluginregistration::{InfoRequest, RegistrationStatus};
-use crate::model::{Caller, GpuInventory, MemoryAsk, ReservationState};
+use crate::proto::pluginregistration::registration_client::RegistrationClient;
+use crate::proto::pluginregistration::{InfoRequest, RegistrationStatus};
 use crate::store::Store;
 
 const GIB: u64 = 1 << 30;
@@ -379,7 +379,7 @@ async fn a_claim_without_its_uid_is_a_malformed_call() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_kubelet_speaking_v1beta1_gets_the_same_answers() {
-    use crate::kubelet::proto::dra_v1beta1 as beta;
+    use crate::proto::dra_v1beta1 as beta;
 
     let dir = tempfile::tempdir().unwrap();
     let b = broker(dir.path(), true);

@@ -67,7 +67,6 @@
 pub(crate) mod authority;
 pub mod devices;
 mod plugin;
-pub mod proto;
 mod reconcile;
 mod registration;
 

@@ -15,18 +15,18 @@ use tonic::{Request, Response, Status};
 
 use super::Shared;
 use super::devices::{self, Advertised, Resource};
-use super::proto::v1beta1::{
+use crate::broker::{self, BrokerError, ExactRequest};
+use crate::cdi;
+use crate::clock::now_millis;
+use crate::model::Reservation;
+use crate::proto::v1beta1::{
     AllocateRequest, AllocateResponse, CdiDevice, ContainerAllocateResponse,
     ContainerPreferredAllocationResponse, Device, DevicePluginOptions, DeviceSpec, Empty,
     ListAndWatchResponse, Mount, NumaNode, PreStartContainerRequest, PreStartContainerResponse,
     PreferredAllocationRequest, PreferredAllocationResponse, TopologyInfo,
     device_plugin_server::DevicePlugin,
 };
-use super::proto::{HEALTHY, UNHEALTHY};
-use crate::broker::{self, BrokerError, ExactRequest};
-use crate::cdi;
-use crate::clock::now_millis;
-use crate::model::Reservation;
+use crate::proto::{HEALTHY, UNHEALTHY};
 
 /// Device nodes every GPU container needs besides its `/dev/nvidiaN`.
 const CONTROL_DEVICES: [&str; 3] = ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"];

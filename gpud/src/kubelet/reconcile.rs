@@ -11,11 +11,11 @@ use std::time::Duration;
 use super::Shared;
 use super::connect_unix;
 use super::devices::{self, InUse};
-use super::proto::podresources_v1::ListPodResourcesRequest;
-use super::proto::podresources_v1::pod_resources_lister_client::PodResourcesListerClient;
 use crate::clock::now_millis;
 use crate::metrics::PodName;
 use crate::model::Reservation;
+use crate::proto::podresources_v1::ListPodResourcesRequest;
+use crate::proto::podresources_v1::pod_resources_lister_client::PodResourcesListerClient;
 
 /// `(resource name, device id)` for every device a pod holds, and the pod.
 async fn devices_in_use(socket: &Path) -> Result<InUse, String> {

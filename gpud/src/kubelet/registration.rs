@@ -23,10 +23,10 @@ use super::authority;
 use super::connect_unix;
 use super::devices::Resource;
 use super::plugin::Plugin;
-use super::proto::DEVICE_PLUGIN_VERSION;
-use super::proto::v1beta1::device_plugin_server::DevicePluginServer;
-use super::proto::v1beta1::registration_client::RegistrationClient;
-use super::proto::v1beta1::{DevicePluginOptions, RegisterRequest};
+use crate::proto::DEVICE_PLUGIN_VERSION;
+use crate::proto::v1beta1::device_plugin_server::DevicePluginServer;
+use crate::proto::v1beta1::registration_client::RegistrationClient;
+use crate::proto::v1beta1::{DevicePluginOptions, RegisterRequest};
 
 /// How often `kubelet.sock` and gpud's sockets are checked.
 const POLL: Duration = Duration::from_secs(1);

@@ -505,10 +505,8 @@ fn exact_reservations_never_overcommit_and_end_with_a_reason() {
 /// names the reservation's CDI device, so the runtime runs its hook; without, none.
 #[test]
 fn allocate_names_the_cdi_device_only_when_cdi_is_enabled() {
-    use crate::kubelet::proto::v1beta1::device_plugin_server::DevicePlugin;
-    use crate::kubelet::proto::v1beta1::{
-        AllocateRequest as KubeletAllocate, ContainerAllocateRequest,
-    };
+    use crate::proto::v1beta1::device_plugin_server::DevicePlugin;
+    use crate::proto::v1beta1::{AllocateRequest as KubeletAllocate, ContainerAllocateRequest};
     // The broker's start and commands block: only the gRPC handler runs on the runtime.
     let runtime = tokio::runtime::Builder::new_current_thread()
         .build()
