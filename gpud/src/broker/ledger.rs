@@ -11,7 +11,7 @@
 //! their state and are changed only through their methods: the machine and each unit's
 //! load ([`machine`]), the active reservations ([`active`]), the quota book ([`quota`]),
 //! the leases ([`leases`]), the change rate ([`rate`]), the isolation limits per (cgroup,
-//! GPU) ([`limits`]) and the wait queue (`super::queue`) with its plan ([`plan`]). The
+//! GPU) ([`limits`]) and the wait queue ([`queue`]) with its plan ([`plan`]). The
 //! `Ledger` keeps the rules that cross them: a reservation starts in every part or none,
 //! ends in every part, and what must follow the commit is collected in [`Effects`].
 //! Nothing on the request path scans all reservations.
@@ -21,7 +21,6 @@ use std::time::Duration;
 
 use gpud_schema::format_bytes;
 
-use super::queue::WaitQueue;
 use super::{
     AuditFindings, BrokerError, BrokerSettings, Caller, QuotaExceeded, QuotaLimit, QuotaOwner,
     ReserveRequest, Snapshot,
@@ -34,6 +33,7 @@ use crate::model::{
 use crate::placement::UnitLoad;
 use crate::store::{Store, StoreError, Txn};
 use crate::workload_env::workload_env;
+use queue::WaitQueue;
 
 mod active;
 mod effects;
@@ -44,6 +44,7 @@ mod limits;
 mod machine;
 mod place;
 mod plan;
+pub(super) mod queue;
 mod quota;
 mod rate;
 mod serve;

@@ -53,12 +53,11 @@ mod command;
 mod error;
 mod executor;
 mod ledger;
-mod queue;
 
 pub use command::{Command, Pending, WaitTicket};
 pub use error::{BrokerError, QuotaExceeded, QuotaLimit, QuotaOwner};
+pub use ledger::queue::Waiting;
 pub use ledger::{Admitted, AllocateRequest, ExactRequest, Ledger, MAX_TTL_SECONDS, Reservations};
-pub use queue::Waiting;
 
 /// A new random reservation id (the API chooses one for a request whose cgroup is named
 /// after it).

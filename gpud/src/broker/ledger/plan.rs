@@ -115,7 +115,7 @@ pub(in crate::broker) struct Expected {
     pub ticket: u64,
     /// When it is expected to fit, and what it waits for (`when uid 1000's lease on GPU 2
     /// ends`); or why no start can be planned.
-    pub start: crate::broker::queue::PlannedStart,
+    pub start: crate::broker::ledger::queue::PlannedStart,
     /// The units it is planned on (only for a planned start).
     pub units: Vec<usize>,
     /// The load just before it starts (for the first waiter only: the gate's).
@@ -234,7 +234,7 @@ impl Ledger {
     /// How long a reservation of `uid` without a lease is expected to be held.
     fn assumed_hold(&self, uid: u32) -> Millis {
         self.holds.of(uid).unwrap_or_else(|| {
-            crate::broker::queue::millis(self.settings.config.wait.assumed_hold).max(1)
+            crate::broker::ledger::queue::millis(self.settings.config.wait.assumed_hold).max(1)
         })
     }
 
@@ -449,7 +449,7 @@ impl Ledger {
         let Some(i) = self.queue.position(first.ticket) else {
             return Gate::Open;
         };
-        let late = crate::broker::queue::millis(self.settings.config.wait.starvation_after);
+        let late = crate::broker::ledger::queue::millis(self.settings.config.wait.starvation_after);
         // A promise is the first waiter's alone: one that stopped being first (an older
         // one came first again) gets a new one when its turn comes back.
         self.queue.keep_promise_of(first.ticket);

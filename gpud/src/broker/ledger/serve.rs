@@ -10,7 +10,7 @@ use rustc_hash::{FxHashMap, FxHashSet};
 use super::plan::{NOT_PLANNED, PLAN_EVERY, PLANNED_AHEAD, Projection};
 use super::quota::Counted;
 use super::{Gate, Ledger, Served};
-use crate::broker::queue::{Kind, Told, Waiter};
+use crate::broker::ledger::queue::{Kind, Told, Waiter};
 use crate::broker::{BrokerError, Caller, ReserveRequest};
 use crate::config::QueuePolicy;
 use crate::holder::PinnedProcess;
@@ -172,9 +172,9 @@ impl Ledger {
         if self.queue.remove_if_gone(i) {
             return Outcome::Left;
         }
-        let waiter = &mut self.queue[i];
+        let waiter = &self.queue[i];
         let (caller, request, kind) = (waiter.caller, waiter.request.clone(), waiter.kind.clone());
-        let holder = waiter.holder.take();
+        let holder = self.queue.take_holder(i);
         let tried = match gate {
             Some(gate) => self.try_behind(txn, gate, &caller, &request, holder.as_ref(), now),
             None => self.try_reserve(txn, &caller, &request, holder.as_ref(), now, None),
@@ -196,7 +196,7 @@ impl Ledger {
             // for them to end, as long as its quotas could ever let it through.
             Err(BrokerError::NoCapacity(_)) => {
                 stay.insert(&kind, behind);
-                self.queue[i].holder = holder;
+                self.queue.put_holder(i, holder);
                 Outcome::Stays
             }
             Err(BrokerError::QuotaExceeded(_))
@@ -205,7 +205,7 @@ impl Ledger {
                     .is_ok() =>
             {
                 stay.insert(&kind, behind);
-                self.queue[i].holder = holder;
+                self.queue.put_holder(i, holder);
                 Outcome::Stays
             }
             Err(e) => {
@@ -349,7 +349,8 @@ impl Ledger {
     /// healthy, and large enough for its ask). `None` while no such waiter has waited that
     /// long.
     pub(super) fn guard(&mut self, now: Millis) -> Option<(usize, Vec<bool>)> {
-        let starvation = crate::broker::queue::millis(self.settings.config.wait.starvation_after);
+        let starvation =
+            crate::broker::ledger::queue::millis(self.settings.config.wait.starvation_after);
         for i in 0..self.queue.len() {
             let w = &self.queue[i];
             if w.is_gone() {

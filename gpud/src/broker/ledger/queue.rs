@@ -1,7 +1,8 @@
 //! The wait queue: requests that asked to wait, oldest first, each with the time it gives up.
 //!
-//! Order and give-up times live here; trying the queue against free capacity, and the
-//! starvation guard, are the ledger's ([`super::Ledger`]), which owns capacity and quotas.
+//! A part of the ledger, like the others: order and give-up times live here; trying the
+//! queue against free capacity, and the starvation guard, are the ledger's rules
+//! ([`super::Ledger`]), which own capacity and quotas.
 //!
 //! A change must not cost a walk over every waiter. So what the queue tells is kept per
 //! [`Kind`] (waiters that ask the same with the same owner wait for the same reason), the
@@ -16,7 +17,7 @@ use std::time::Duration;
 use rustc_hash::{FxHashMap, FxHashSet};
 use tokio::sync::oneshot;
 
-use super::{BrokerError, Caller, ReserveRequest, WaitingRequest};
+use crate::broker::{BrokerError, Caller, ReserveRequest, WaitingRequest};
 use crate::holder::PinnedProcess;
 use crate::model::{ComputeAsk, MemoryAsk, Millis, Policy, Reservation};
 
@@ -59,20 +60,20 @@ impl Kind {
 #[derive(Debug)]
 pub(super) struct KindEntry {
     count: usize,
-    pub caller: Caller,
-    pub request: Arc<ReserveRequest>,
+    pub(in crate::broker::ledger) caller: Caller,
+    pub(in crate::broker::ledger) request: Arc<ReserveRequest>,
 }
 
 /// A request waiting for capacity.
 pub(super) struct Waiter {
-    pub ticket: u64,
-    pub caller: Caller,
-    pub request: Arc<ReserveRequest>,
-    pub kind: Arc<Kind>,
-    pub holder: Option<PinnedProcess>,
-    pub since: Millis,
-    pub gives_up_at: Millis,
-    pub reply: oneshot::Sender<Result<Reservation, BrokerError>>,
+    pub(in crate::broker::ledger) ticket: u64,
+    pub(in crate::broker::ledger) caller: Caller,
+    pub(in crate::broker::ledger) request: Arc<ReserveRequest>,
+    pub(in crate::broker::ledger) kind: Arc<Kind>,
+    pub(in crate::broker::ledger) holder: Option<PinnedProcess>,
+    pub(in crate::broker::ledger) since: Millis,
+    pub(in crate::broker::ledger) gives_up_at: Millis,
+    pub(in crate::broker::ledger) reply: oneshot::Sender<Result<Reservation, BrokerError>>,
 }
 
 impl std::fmt::Debug for Waiter {
@@ -106,20 +107,20 @@ impl Waiter {
 #[derive(Debug, Default, Clone)]
 pub(super) struct Told {
     /// Why each kind waits, in front of the first waiter (and at it).
-    pub ahead: FxHashMap<Arc<Kind>, Arc<str>>,
+    pub(in crate::broker::ledger) ahead: FxHashMap<Arc<Kind>, Arc<str>>,
     /// Why each kind waits behind the first waiter.
-    pub behind: FxHashMap<Arc<Kind>, Arc<str>>,
+    pub(in crate::broker::ledger) behind: FxHashMap<Arc<Kind>, Arc<str>>,
     /// The first waiter's ticket: the waiters after it are behind it. `None`: no waiter is
     /// protected, every one is told the reason in front.
-    pub first: Option<u64>,
+    pub(in crate::broker::ledger) first: Option<u64>,
     /// The first waiter's planned start, made at every change (`planned` policy).
-    pub first_planned: Option<(u64, PlannedStart)>,
+    pub(in crate::broker::ledger) first_planned: Option<(u64, PlannedStart)>,
     /// The planned starts of the waiters behind it, by ticket, as the last projection of
     /// the whole plan made them (at most the first `plan::PLANNED_AHEAD` waiters): shared
     /// from one change to the next until the plan is made again.
-    pub planned: Arc<FxHashMap<u64, PlannedStart>>,
+    pub(in crate::broker::ledger) planned: Arc<FxHashMap<u64, PlannedStart>>,
     /// From this ticket on, no start is planned, and this says why.
-    pub beyond: Option<(u64, Arc<str>)>,
+    pub(in crate::broker::ledger) beyond: Option<(u64, Arc<str>)>,
 }
 
 impl Told {
@@ -249,13 +250,20 @@ impl std::ops::Index<usize> for WaitQueue {
     }
 }
 
-impl std::ops::IndexMut<usize> for WaitQueue {
-    fn index_mut(&mut self, i: usize) -> &mut Waiter {
-        &mut self.waiters[i]
-    }
-}
-
 impl WaitQueue {
+    /// Takes waiter `i`'s pinned holder while a try uses it (`None` if out of range); give
+    /// it back with [`WaitQueue::put_holder`] if the waiter stays.
+    pub fn take_holder(&mut self, i: usize) -> Option<PinnedProcess> {
+        self.waiters.get_mut(i).and_then(|w| w.holder.take())
+    }
+
+    /// Gives waiter `i` back the holder [`WaitQueue::take_holder`] took.
+    pub fn put_holder(&mut self, i: usize, holder: Option<PinnedProcess>) {
+        if let Some(w) = self.waiters.get_mut(i) {
+            w.holder = holder;
+        }
+    }
+
     /// How many wait (a client that went away counts until it is withdrawn or tried).
     pub fn len(&self) -> usize {
         self.waiters.len()
