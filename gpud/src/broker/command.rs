@@ -9,10 +9,9 @@ use std::task::{Context, Poll};
 
 use tokio::sync::oneshot;
 
-use super::{
-    AllocateRequest, AuditFindings, BrokerError, BrokerSettings, Caller, ReserveOutcome,
-    ReserveRequest,
-};
+use crate::broker::error::BrokerError;
+use crate::broker::ledger::AllocateRequest;
+use crate::broker::types::{AuditFindings, BrokerSettings, Caller, ReserveOutcome, ReserveRequest};
 use crate::holder::PinnedProcess;
 use crate::model::{Event, Holder, Millis, Reservation};
 use crate::store::Store;

@@ -16,7 +16,8 @@ use arc_swap::ArcSwap;
 
 use super::command::{Command, Reply, WaitTicket};
 use super::ledger::{Admitted, Effects, Ledger};
-use super::{BrokerError, ReserveOutcome, Snapshot};
+use crate::broker::error::BrokerError;
+use crate::broker::types::{ReserveOutcome, Snapshot};
 use crate::clock::Clock;
 use crate::holder::PinnedProcess;
 use crate::isolation::{Enforcement, NO_LIMIT};
@@ -674,7 +675,7 @@ impl Executor {
                 if sent.is_err() {
                     return;
                 }
-                match super::Pending::new(rx).await {
+                match crate::broker::command::Pending::new(rx).await {
                     Err(e @ BrokerError::Storage(_)) => {
                         tracing::error!(reservation = %id, error = %e, "could not release a reservation whose holder exited; will retry");
                         tokio::time::sleep(backoff).await;

@@ -21,10 +21,8 @@ use std::time::Duration;
 
 use gpud_schema::format_bytes;
 
-use super::{
-    AuditFindings, BrokerError, BrokerSettings, Caller, QuotaExceeded, QuotaLimit, QuotaOwner,
-    ReserveRequest, Snapshot,
-};
+use crate::broker::error::{BrokerError, QuotaExceeded, QuotaLimit, QuotaOwner};
+use crate::broker::types::{AuditFindings, BrokerSettings, Caller, ReserveRequest, Snapshot};
 use crate::holder::PinnedProcess;
 use crate::model::{
     Event, GpuInventory, Holder, MemoryAsk, Millis, Reservation, ReservationState, ReservedUnit,

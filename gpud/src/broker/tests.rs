@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use super::ledger::{Admitted, Ledger, PLANNED_AHEAD};
 use super::*;
-use crate::config::{QueuePolicy, Quota};
-use crate::model::Holder;
+use crate::config::{Config, QueuePolicy, Quota};
+use crate::model::{ComputeAsk, Holder, MemoryAsk, Policy};
 
 const GIB: u64 = 1 << 30;
 const ROOT: Caller = Caller {

@@ -4,7 +4,7 @@
 use std::collections::BTreeSet;
 
 use super::limits::Pair;
-use crate::broker::BrokerError;
+use crate::broker::error::BrokerError;
 use crate::holder::PinnedProcess;
 use crate::model::Reservation;
 

@@ -7,7 +7,8 @@ use std::collections::BTreeMap;
 use gpud_schema::format_bytes;
 
 use super::Ledger;
-use crate::broker::{BrokerError, Caller};
+use crate::broker::error::BrokerError;
+use crate::broker::types::Caller;
 use crate::isolation::Target;
 use crate::model::{
     ComputeAsk, MemoryAsk, Millis, Reservation, ReservationState, ReservedUnit, Unit,

@@ -12,7 +12,8 @@ use gpud_schema::IsolationMode;
 
 use super::Ledger;
 use super::limits::pairs;
-use crate::broker::{BrokerError, Caller};
+use crate::broker::error::BrokerError;
+use crate::broker::types::Caller;
 use crate::isolation::{self, Limits, NO_LIMIT, Target};
 use crate::model::{
     Event, EventKind, EventPhase, Millis, Reservation, ReservationIsolation, ReservedUnit,

@@ -6,7 +6,8 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use crate::broker::{BrokerError, GpuProcessRow};
+use crate::broker::error::BrokerError;
+use crate::broker::types::GpuProcessRow;
 use crate::model::{Gpu, GpuInventory, Reservation, Topology, Unit};
 use crate::placement::UnitLoad;
 

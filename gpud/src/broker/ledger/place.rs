@@ -5,7 +5,8 @@
 use std::collections::HashMap;
 
 use super::Ledger;
-use crate::broker::{BrokerError, Caller, ReserveRequest};
+use crate::broker::error::BrokerError;
+use crate::broker::types::{Caller, ReserveRequest};
 use crate::holder::PinnedProcess;
 use crate::model::{ComputeAsk, MemoryAsk, Policy, Reservation, ReservedUnit, Unit};
 use crate::placement::{self, PlacementError, PlacementRequest, PlacementState, UnitLoad};

@@ -40,7 +40,8 @@ use std::collections::HashMap;
 
 use super::Ledger;
 use super::quota::Counted;
-use crate::broker::{BrokerError, Caller, ReserveRequest};
+use crate::broker::error::BrokerError;
+use crate::broker::types::{Caller, ReserveRequest};
 use crate::config::QueuePolicy;
 use crate::model::{Millis, Reservation, ReservedUnit};
 use crate::placement::UnitLoad;

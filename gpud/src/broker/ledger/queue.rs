@@ -17,7 +17,8 @@ use std::time::Duration;
 use rustc_hash::{FxHashMap, FxHashSet};
 use tokio::sync::oneshot;
 
-use crate::broker::{BrokerError, Caller, ReserveRequest, WaitingRequest};
+use crate::broker::error::BrokerError;
+use crate::broker::types::{Caller, ReserveRequest, WaitingRequest};
 use crate::holder::PinnedProcess;
 use crate::model::{ComputeAsk, MemoryAsk, Millis, Policy, Reservation};
 

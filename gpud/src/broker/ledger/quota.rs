@@ -5,7 +5,8 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
-use crate::broker::{BrokerError, BrokerSettings, Caller, QuotaExceeded, QuotaLimit, QuotaOwner};
+use crate::broker::error::{BrokerError, QuotaExceeded, QuotaLimit, QuotaOwner};
+use crate::broker::types::{BrokerSettings, Caller};
 use crate::model::{MemoryAsk, Reservation, ReservedUnit};
 
 /// What a quota check counts besides the request: what the quota's users hold now, or
@@ -256,7 +257,7 @@ impl QuotaBook {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::broker::GroupLookup;
+    use crate::broker::types::GroupLookup;
     use crate::config::{Config, Quota};
 
     const GIB: u64 = 1 << 30;

@@ -11,8 +11,9 @@ use std::sync::{Arc, Mutex};
 use gpud_schema::{GpuIsolation, IsolationMode};
 
 use crate::broker::*;
+use crate::config::Config;
 use crate::isolation::{Limiter, NO_LIMIT, Target};
-use crate::model::{EventFilter, EventKind};
+use crate::model::{ComputeAsk, EventFilter, EventKind, MemoryAsk};
 
 const GIB: u64 = 1 << 30;
 const ROOT: Caller = Caller {
