@@ -399,8 +399,10 @@ impl Executor {
             }
             let result = match &self.isolation.limiter {
                 Some(limiter) => limiter.set(&uuid, path, soft, hard),
-                None => Err("gpud has no NVML memory-limit functions".to_owned()),
-            };
+                None => Err(crate::isolation::LimitError::NoFunctions),
+            }
+            // Said to people from here: in the log, an event, an advisory reason.
+            .map_err(|e| e.to_string());
             match result {
                 Ok(()) => {
                     tracing::debug!(%cgroup, gpu = %uuid, soft, hard, "memory limits set");

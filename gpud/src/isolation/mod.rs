@@ -31,8 +31,19 @@ pub const NO_LIMIT: u64 = u64::MAX;
 /// Sets a cgroup's memory limits on one GPU: NVML in gpud, a recorder in tests. Soft 0 and
 /// hard [`NO_LIMIT`] reset them.
 pub trait Limiter: Send + Sync + std::fmt::Debug {
-    /// Sets `cgroup`'s limits on GPU `gpu_uuid`; the error says why not, for a person.
-    fn set(&self, gpu_uuid: &str, cgroup: &Path, soft: u64, hard: u64) -> Result<(), String>;
+    /// Sets `cgroup`'s limits on GPU `gpu_uuid`.
+    fn set(&self, gpu_uuid: &str, cgroup: &Path, soft: u64, hard: u64) -> Result<(), LimitError>;
+}
+
+/// Why a cgroup's limits were not set.
+#[derive(Debug, thiserror::Error)]
+pub enum LimitError {
+    /// gpud's NVML library has no memory-limit functions (a driver before R615).
+    #[error("gpud has no NVML memory-limit functions")]
+    NoFunctions,
+    /// The driver refused or failed the call.
+    #[error(transparent)]
+    Driver(#[from] crate::gpu::GpuError),
 }
 
 /// What the broker thread enforces limits with: the driver (`None`: every GPU is
@@ -71,9 +82,8 @@ pub fn limits_for(
 }
 
 impl Limiter for crate::gpu::Nvml {
-    fn set(&self, gpu_uuid: &str, cgroup: &Path, soft: u64, hard: u64) -> Result<(), String> {
-        self.set_memory_limits(gpu_uuid, cgroup, soft, hard)
-            .map_err(|e| e.to_string())
+    fn set(&self, gpu_uuid: &str, cgroup: &Path, soft: u64, hard: u64) -> Result<(), LimitError> {
+        Ok(self.set_memory_limits(gpu_uuid, cgroup, soft, hard)?)
     }
 }
 

@@ -12,7 +12,7 @@ use gpud_schema::{GpuIsolation, IsolationMode};
 
 use crate::broker::*;
 use crate::config::Config;
-use crate::isolation::{Limiter, NO_LIMIT, Target};
+use crate::isolation::{LimitError, Limiter, NO_LIMIT, Target};
 use crate::model::{ComputeAsk, EventFilter, EventKind, MemoryAsk};
 
 const GIB: u64 = 1 << 30;
@@ -30,10 +30,13 @@ struct Recorder {
 }
 
 impl Limiter for Recorder {
-    fn set(&self, gpu: &str, cgroup: &Path, soft: u64, hard: u64) -> Result<(), String> {
+    fn set(&self, gpu: &str, cgroup: &Path, soft: u64, hard: u64) -> Result<(), LimitError> {
         let cgroup = cgroup.display().to_string();
         if self.refuse.lock().unwrap().contains(&cgroup) {
-            return Err("NVML: Insufficient Permissions".to_owned());
+            return Err(LimitError::Driver(crate::gpu::GpuError::System {
+                call: "nvmlDeviceSetMemoryLimits_v1",
+                source: nvml_wrapper::error::NvmlError::NoPermission,
+            }));
         }
         self.calls
             .lock()
@@ -194,7 +197,7 @@ fn a_refused_limit_leaves_the_reservation_advisory_or_under_require_refuses_it()
         if require {
             let e = answer.unwrap_err();
             assert!(matches!(e, BrokerError::IsolationUnavailable(_)), "{e}");
-            assert!(e.to_string().contains("Insufficient Permissions"), "{e}");
+            assert!(e.to_string().contains("does not have permission"), "{e}");
             assert_eq!(b.snapshot().active(), 0);
             assert_eq!(events[0].action, "ended");
         } else {
@@ -205,7 +208,7 @@ fn a_refused_limit_leaves_the_reservation_advisory_or_under_require_refuses_it()
                     .reason
                     .as_deref()
                     .unwrap()
-                    .contains("Insufficient Permissions")
+                    .contains("does not have permission")
             );
             // The ledger says so too, from the next group on.
             let listed = isolation_of(&b, &r.id);
