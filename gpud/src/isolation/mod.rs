@@ -16,7 +16,7 @@ use std::path::Path;
 
 use gpud_schema::{GpuIsolation, IsolationMode};
 
-use crate::model::{Gpu, OwnedCgroup, ReservationIsolation, ReservedUnit, Unit};
+use crate::model::{Gpu, OwnedCgroup, Reservation, ReservationIsolation, ReservedUnit, Unit};
 
 pub mod cgroup;
 pub mod mps;
@@ -61,6 +61,27 @@ pub struct Enforcement {
 
 /// The limits one cgroup is to have on one GPU: `(soft, hard)`.
 pub type Limits = (u64, u64);
+
+/// What reservation `r` asks the driver to hold, GPU by GPU: the cgroup its limits go on,
+/// the GPU's UUID, and its bytes there (`None`: the GPU whole). Nothing unless the driver
+/// holds it (mode `driver`, on a cgroup). A (cgroup, GPU) pair's limits are [`limits_for`]
+/// the bytes of every reservation on it: the ledger sets them so, metrics show them so.
+pub fn limited(r: &Reservation) -> impl Iterator<Item = (&str, &str, Option<u64>)> {
+    let cgroup = r
+        .isolation
+        .cgroup
+        .as_deref()
+        .filter(|_| r.isolation.is_driver());
+    cgroup.into_iter().flat_map(move |cgroup| {
+        r.units.iter().map(move |u| {
+            (
+                cgroup,
+                u.uuid.as_str(),
+                (!r.exclusive).then_some(u.memory_bytes),
+            )
+        })
+    })
+}
 
 /// The limits that reservations of `reserved` bytes each (an exclusive one: `None`) give one
 /// cgroup on a GPU of `total` bytes.
@@ -324,6 +345,24 @@ mod tests {
     use super::*;
 
     const GIB: u64 = 1 << 30;
+
+    #[test]
+    fn what_a_reservation_asks_the_driver_to_hold_is_its_units_on_its_cgroup_in_driver_mode() {
+        let mut r = Reservation::for_test("r", 1000, &[("GPU-a", GIB), ("GPU-b", 2 * GIB)]);
+        // Advisory, or pending (no cgroup yet): nothing.
+        assert_eq!(limited(&r).count(), 0);
+        r.isolation.mode = gpud_schema::IsolationMode::Driver;
+        assert_eq!(limited(&r).count(), 0, "no cgroup");
+        r.isolation.cgroup = Some("/w".to_owned());
+        let on: Vec<_> = limited(&r).collect();
+        assert_eq!(
+            on,
+            [("/w", "GPU-a", Some(GIB)), ("/w", "GPU-b", Some(2 * GIB))]
+        );
+        r.exclusive = true;
+        let whole: Vec<_> = limited(&r).map(|(_, _, bytes)| bytes).collect();
+        assert_eq!(whole, [None, None], "an exclusive GPU is held whole");
+    }
 
     #[test]
     fn a_reservation_to_be_attached_is_pending_where_the_driver_can_limit_it() {

@@ -404,13 +404,8 @@ fn unreserved_use<'a>(
 fn cgroup_reservations(snap: &Snapshot) -> HashMap<(&str, &str), Vec<Option<u64>>> {
     let mut on = HashMap::<(&str, &str), Vec<Option<u64>>>::new();
     for r in snap.reservations.iter() {
-        let (IsolationMode::Driver, Some(cgroup)) = (r.isolation.mode, &r.isolation.cgroup) else {
-            continue;
-        };
-        for unit in &r.units {
-            on.entry((cgroup.as_str(), unit.uuid.as_str()))
-                .or_default()
-                .push((!r.exclusive).then_some(unit.memory_bytes));
+        for (cgroup, uuid, bytes) in crate::isolation::limited(r) {
+            on.entry((cgroup, uuid)).or_default().push(bytes);
         }
     }
     on

@@ -124,10 +124,9 @@ impl Ledger {
             .on(cgroup)
             .filter_map(|id| self.active.get(id))
             .flat_map(|r| {
-                r.units
-                    .iter()
-                    .filter(|u| u.uuid == uuid)
-                    .map(|u| (!r.exclusive).then_some(u.memory_bytes))
+                isolation::limited(r)
+                    .filter(|&(_, gpu, _)| gpu == uuid)
+                    .map(|(_, _, bytes)| bytes)
             })
             .collect();
         if reserved.is_empty() {

@@ -10,16 +10,11 @@ use crate::model::Reservation;
 /// A pair whose limits must be made what the ledger says: `(cgroup, GPU uuid)`.
 pub(in crate::broker) type Pair = (String, String);
 
-/// The pairs a driver-mode reservation limits.
+/// The pairs a driver-mode reservation limits ([`crate::isolation::limited`]).
 pub(in crate::broker) fn pairs(r: &Reservation) -> Vec<Pair> {
-    match (&r.isolation.cgroup, r.isolation.is_driver()) {
-        (Some(cgroup), true) => r
-            .units
-            .iter()
-            .map(|u| (cgroup.clone(), u.uuid.clone()))
-            .collect(),
-        _ => Vec::new(),
-    }
+    crate::isolation::limited(r)
+        .map(|(cgroup, uuid, _)| (cgroup.to_owned(), uuid.to_owned()))
+        .collect()
 }
 
 /// Active driver-mode reservations by the cgroup their limits are on.
