@@ -143,7 +143,7 @@ impl HolderError {
 /// Start time (field 22), parent pid (field 4) and state letter (field 3: `R`, `S`, `Z` for
 /// a zombie…) from `/proc/<pid>/stat`. The command name (field 2) may contain spaces and
 /// parentheses, so fields are counted after its last `)`.
-fn stat_fields(pid: u32) -> Result<(u64, u32, char), HolderError> {
+pub fn stat_fields(pid: u32) -> Result<(u64, u32, char), HolderError> {
     let stat = read_proc(pid, "stat")?;
     let parse_err = || HolderError::Proc {
         pid,

@@ -191,18 +191,13 @@ impl<S: ProcessSource, T: ProcessTable> Auditor<S, T> {
             changed: Vec::new(),
         };
         let listed = self.list(&view.gpus, config, now, &mut health, &mut events);
-        let mut facts = read_facts(
+        let facts = read_facts(
             &self.procs,
             self.self_pid,
             &view.reservations,
             &listed.processes,
+            &crate::isolation::mps::daemon_pids(&view.mps_dir),
         );
-        let active: HashSet<&str> = view.reservations.iter().map(|r| r.id.as_str()).collect();
-        facts.ending_mps_daemons = crate::isolation::mps::daemon_pids(&view.mps_dir)
-            .into_iter()
-            .filter(|(id, _)| !active.contains(id.as_str()))
-            .map(|(_, pid)| pid)
-            .collect();
 
         let attribution = attribute(&view.reservations, &view.units, &listed.processes, &facts);
         let current = findings(&view.reservations, &attribution, config, now);

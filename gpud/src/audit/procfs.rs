@@ -187,12 +187,15 @@ impl<'t, T: ProcessTable> PassCache<'t, T> {
 /// Reads from `procs` what attribution needs to know about the `listed` processes and the
 /// reservations' holders. A holder's descendant is its holder's whatever its environment
 /// and cgroup say, so those are read only for the other processes, and a process's
-/// ancestry only up to the nearest holder.
+/// ancestry only up to the nearest holder. `daemons`: the MPS control daemons under
+/// `[isolation] mps_dir` as `(reservation id, pid)`, an active reservation's or an ended
+/// one's being stopped.
 pub(super) fn read_facts<T: ProcessTable>(
     procs: &T,
     self_pid: u32,
     reservations: &[AuditedReservation],
     listed: &[(u32, Vec<GpuProcess>)],
+    daemons: &[(String, u32)],
 ) -> Facts {
     let mut cache = PassCache::new(procs);
     let holders: HashSet<u32> = reservations.iter().filter_map(|r| r.holder_pid).collect();
@@ -205,16 +208,24 @@ pub(super) fn read_facts<T: ProcessTable>(
                 procs.key_of_cgroup(full)
             })
             .collect(),
-        mps_daemons: reservations
-            .iter()
-            .enumerate()
-            .filter_map(|(i, r)| {
-                let pid = crate::isolation::mps::daemon_pid(r.mps_pipe.as_deref()?)?;
-                Some((pid, i))
-            })
-            .collect(),
         ..Facts::default()
     };
+    let with_daemon: HashMap<&str, usize> = reservations
+        .iter()
+        .enumerate()
+        .filter(|(_, r)| r.mps_pipe.is_some())
+        .map(|(i, r)| (r.id.as_str(), i))
+        .collect();
+    for (id, pid) in daemons {
+        match with_daemon.get(id.as_str()) {
+            Some(&i) => {
+                facts.mps_daemons.insert(*pid, i);
+            }
+            None => {
+                facts.ending_mps_daemons.insert(*pid);
+            }
+        }
+    }
     for &pid in &holders {
         if let Some(cgroup) = cache.cgroup(pid) {
             facts.holder_cgroups.insert(pid, cgroup);

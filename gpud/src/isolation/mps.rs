@@ -5,9 +5,10 @@
 //! `nvidia-cuda-mps-control` does the work; this module starts it, sets its caps, and
 //! quits it.
 //!
-//! Depends on `model` and `config`; the broker thread calls it right after the commit that
-//! records a reservation (before anyone is told of it) and after one that ends it, and
-//! gpud's start reconciles what a crash left (docs/isolation.md, "MPS").
+//! Depends on `model`, `config` and `holder` (`/proc/<pid>/stat`); the broker thread calls
+//! it right after the commit that records a reservation (before anyone is told of it) and
+//! after one that ends it, and gpud's start reconciles what a crash left
+//! (docs/isolation.md, "MPS").
 //!
 //! # Decisions
 //!
@@ -71,7 +72,7 @@ pub fn shm_dir(mps_dir: &Path, id: &str) -> PathBuf {
 
 /// The pid of the control daemon whose pipe directory is `pipe`, from the file it writes
 /// there; `None` when there is none.
-pub fn daemon_pid(pipe: &Path) -> Option<u32> {
+fn daemon_pid(pipe: &Path) -> Option<u32> {
     std::fs::read_to_string(pipe.join(PID_FILE))
         .ok()?
         .trim()
@@ -582,7 +583,7 @@ fn kill_mps(pid: u32) {
 fn is_running_mps(pid: u32) -> bool {
     let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
     comm.starts_with("nvidia-cuda-mps")
-        && stat_fields(pid).is_some_and(|(state, _)| !matches!(state, 'Z' | 'X'))
+        && crate::holder::stat_fields(pid).is_ok_and(|(_, _, state)| !matches!(state, 'Z' | 'X'))
 }
 
 /// The processes whose parent is `parent` (a daemon's servers).
@@ -593,18 +594,8 @@ fn children_of(parent: u32) -> Vec<u32> {
     entries
         .flatten()
         .filter_map(|entry| entry.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|&pid| stat_fields(pid).is_some_and(|(_, ppid)| ppid == parent))
+        .filter(|&pid| crate::holder::stat_fields(pid).is_ok_and(|(_, ppid, _)| ppid == parent))
         .collect()
-}
-
-/// `pid`'s state and parent, from `/proc/<pid>/stat` (read after the command name, which
-/// may hold spaces and parentheses).
-fn stat_fields(pid: u32) -> Option<(char, u32)> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let mut fields = stat.get(stat.rfind(')')? + 1..)?.split_whitespace();
-    let state = fields.next()?.chars().next()?;
-    let ppid = fields.next()?.parse().ok()?;
-    Some((state, ppid))
 }
 
 /// Waits for `child` at most `timeout` (then kills it); its status and what it wrote.
