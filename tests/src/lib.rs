@@ -21,6 +21,7 @@ pub mod dra;
 pub mod grpc_go;
 pub mod isolation;
 pub mod manifests;
+pub mod mps;
 pub mod openapi;
 
 /// How long a test waits for something that must happen before it calls the test hung.

@@ -594,23 +594,6 @@ fn client_in_container(flags: &[&str]) -> (Value, Option<i32>, String) {
     (value, out.status.code(), text(&out.stderr))
 }
 
-/// Processes whose environment names a pipe directory under `mps`: MPS daemons and servers.
-fn mps_processes(mps: &Path) -> Vec<u32> {
-    let needle = format!("CUDA_MPS_PIPE_DIRECTORY={}", mps.display());
-    std::fs::read_dir("/proc")
-        .unwrap()
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|pid| {
-            let running = std::fs::read_to_string(format!("/proc/{pid}/stat"))
-                .is_ok_and(|stat| !stat.contains(") Z "));
-            running
-                && std::fs::read(format!("/proc/{pid}/environ"))
-                    .is_ok_and(|env| String::from_utf8_lossy(&env).contains(&needle))
-        })
-        .collect()
-}
-
 #[test]
 fn an_mps_claim_s_container_reaches_its_own_server_and_a_lease_s_needs_the_host_s_ipc() {
     let Some(setup) = setup() else { return };
@@ -721,15 +704,6 @@ fn an_mps_claim_s_container_reaches_its_own_server_and_a_lease_s_needs_the_host_
         [""]
     );
     assert_eq!(d.delete(&format!("/v1/reservations/{lease}")).status, 200);
-    let gone = wait_for(PATIENCE, || {
-        let dirs = std::fs::read_dir(mps.path()).map_or(0, |d| d.count());
-        (dirs == 0 && mps_processes(mps.path()).is_empty()).then_some(())
-    });
-    assert!(
-        gone.is_some(),
-        "left: {:?}, processes {:?}",
-        std::fs::read_dir(mps.path()).map(|d| d.flatten().map(|e| e.path()).collect::<Vec<_>>()),
-        mps_processes(mps.path())
-    );
+    gpud_tests::mps::wait_all_gone(mps.path());
     assert!(!spec("dra-uid-mps").exists() && !spec(&lease).exists());
 }

@@ -16,6 +16,7 @@ use std::process::{Command, Stdio};
 
 use gpud_tests::apiserver::ApiServer;
 use gpud_tests::dra::{self, Kubelet};
+use gpud_tests::mps::{alive, wait_all_gone};
 use gpud_tests::{Daemon, GIB, PATIENCE, curl_as, is_root, missing_prerequisite, wait_for};
 use serde_json::{Value, json};
 
@@ -77,42 +78,6 @@ fn daemon_pid(mps: &Path, id: &str) -> u32 {
     let text =
         std::fs::read_to_string(mps.join(id).join("pipe/nvidia-cuda-mps-control.pid")).unwrap();
     text.trim().parse().unwrap()
-}
-
-fn alive(pid: u32) -> bool {
-    Path::new(&format!("/proc/{pid}")).exists()
-        && !std::fs::read_to_string(format!("/proc/{pid}/stat"))
-            .unwrap_or_default()
-            .contains(") Z ")
-}
-
-/// Processes whose environment names a pipe directory under `mps` (daemons, servers).
-fn processes_under(mps: &Path) -> Vec<u32> {
-    let needle = format!("CUDA_MPS_PIPE_DIRECTORY={}", mps.display());
-    std::fs::read_dir("/proc")
-        .unwrap()
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|pid| {
-            std::fs::read(format!("/proc/{pid}/environ"))
-                .is_ok_and(|env| String::from_utf8_lossy(&env).contains(&needle))
-        })
-        .filter(|pid| alive(*pid))
-        .collect()
-}
-
-/// Waits until nothing of `mps`'s daemons is left: no directory, no process.
-fn wait_all_gone(mps: &Path) {
-    let gone = wait_for(PATIENCE, || {
-        let dirs = std::fs::read_dir(mps).map_or(0, |d| d.count());
-        (dirs == 0 && processes_under(mps).is_empty()).then_some(())
-    });
-    assert!(
-        gone.is_some(),
-        "left behind: {:?}, processes {:?}",
-        std::fs::read_dir(mps).map(|d| d.flatten().map(|e| e.path()).collect::<Vec<_>>()),
-        processes_under(mps)
-    );
 }
 
 /// `fake-cuda-client ARGS` with `env` added; its JSON line and exit code.
