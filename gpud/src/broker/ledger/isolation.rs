@@ -27,6 +27,28 @@ fn isolation_warning(now: Millis, id: &str, action: &str, message: String) -> Ev
     isolation_event(now, id, action, message)
 }
 
+/// The event of reservation `id`, whose isolation failed after its commit for `refusal`:
+/// under `[isolation] require` it ends; else it stays, with `action` and `stays` saying
+/// how.
+fn refusal_event(
+    now: Millis,
+    id: &str,
+    require: bool,
+    refusal: &str,
+    (action, stays): (&str, &str),
+) -> Event {
+    if require {
+        isolation_warning(
+            now,
+            id,
+            "ended",
+            format!("{refusal}; ended, as [isolation] require says"),
+        )
+    } else {
+        isolation_warning(now, id, action, format!("{refusal}; {stays}"))
+    }
+}
+
 /// An event about reservation `id`'s limits.
 fn isolation_event(now: Millis, id: &str, action: &str, message: String) -> Event {
     Event {
@@ -301,21 +323,13 @@ impl Ledger {
                  ({}%) is not enforced, its memory still is by the driver",
                 r.compute
             );
-            events.push(if require {
-                isolation_warning(
-                    now,
-                    id,
-                    "ended",
-                    format!("{refusal}; ended, as [isolation] require says"),
-                )
-            } else {
-                isolation_warning(
-                    now,
-                    id,
-                    "compute not enforced",
-                    format!("{refusal}; it stays"),
-                )
-            });
+            events.push(refusal_event(
+                now,
+                id,
+                require,
+                &refusal,
+                ("compute not enforced", "it stays"),
+            ));
             // Its pairs stay as they are: only the daemon is gone (it leaves nothing).
             let isolation = ReservationIsolation {
                 mps_compute: false,
@@ -363,21 +377,13 @@ impl Ledger {
                     format!("the driver refused its memory limit: {reason}"),
                 )
             };
-            events.push(if require {
-                isolation_warning(
-                    now,
-                    id,
-                    "ended",
-                    format!("{refusal}; ended, as [isolation] require says"),
-                )
-            } else {
-                isolation_warning(
-                    now,
-                    id,
-                    "advisory",
-                    format!("{refusal}; it stays, advisory"),
-                )
-            });
+            events.push(refusal_event(
+                now,
+                id,
+                require,
+                &refusal,
+                ("advisory", "it stays, advisory"),
+            ));
             // Advisory first: its pairs are set to what the others of its cgroup hold
             // (the driver may have taken the limit on another of its GPUs).
             let advisory = if r.isolation.is_mps() {
