@@ -62,10 +62,20 @@ fn inventory() -> GpuInventory {
 }
 
 fn start(store: Store, config: Config, limiter: &Arc<Recorder>) -> Arc<Broker> {
+    start_on(store, &inventory(), config, limiter)
+}
+
+/// [`start`] on `inventory`.
+fn start_on(
+    store: Store,
+    inventory: &GpuInventory,
+    config: Config,
+    limiter: &Arc<Recorder>,
+) -> Arc<Broker> {
     let limiter: Arc<dyn Limiter> = limiter.clone();
     Broker::start_with(
         store,
-        &inventory(),
+        inventory,
         BrokerSettings {
             admin_gids: vec![],
             config,
@@ -361,23 +371,12 @@ fn an_advisory_reservation_s_recorded_cgroup_does_not_hold_back_the_next_contain
     let mut inventory = inventory();
     inventory.gpus[0].isolation = GpuIsolation::advisory("old driver");
     inventory.gpus[1].isolation = inventory.gpus[0].isolation.clone();
-    let dyn_limiter: Arc<dyn Limiter> = limiter.clone();
-    let b = Broker::start_with(
+    let b = start_on(
         Store::open_in_memory().unwrap(),
         &inventory,
-        BrokerSettings {
-            admin_gids: vec![],
-            config: Config::default(),
-            groups: GroupLookup::default(),
-        },
-        crate::clock::wall(),
-        crate::isolation::Enforcement {
-            limiter: Some(dyn_limiter),
-            workloads: None,
-            mps: None,
-        },
-    )
-    .unwrap();
+        Config::default(),
+        &limiter,
+    );
     let (first, second) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     let lease = reserve(
         &b,
@@ -451,23 +450,12 @@ fn a_compute_share_whose_daemon_cannot_start_is_not_enforced_or_under_require_re
     }
     for require in [false, true] {
         let limiter = Arc::new(Recorder::default());
-        let dyn_limiter: Arc<dyn Limiter> = limiter.clone();
-        let b = Broker::start_with(
+        let b = start_on(
             Store::open_in_memory().unwrap(),
             &inventory,
-            BrokerSettings {
-                admin_gids: vec![],
-                config: config(require, false),
-                groups: GroupLookup::default(),
-            },
-            crate::clock::wall(),
-            crate::isolation::Enforcement {
-                limiter: Some(dyn_limiter),
-                workloads: None,
-                mps: None,
-            },
-        )
-        .unwrap();
+            config(require, false),
+            &limiter,
+        );
         let answer = reserve(
             &b,
             ReserveRequest {
