@@ -270,6 +270,7 @@ impl Executor {
         let effects = self.ledger.take_effects();
         match &committed {
             Ok(()) => {
+                self.ledger.settle_limits(&effects.limits);
                 self.groups_committed += 1;
                 self.grouped_calls += calls;
             }
@@ -391,7 +392,7 @@ impl Executor {
         }
         let mut unreset: HashMap<(String, String), String> = HashMap::new();
         for (cgroup, uuid) in std::mem::take(&mut effects.limits) {
-            let (soft, hard) = self.ledger.desired_limits(&cgroup, &uuid);
+            let (soft, hard) = self.ledger.wanted_limits(&cgroup, &uuid);
             let path = std::path::Path::new(&cgroup);
             // A removed cgroup has no limits left to reset.
             if soft == 0 && hard == NO_LIMIT && !path.is_dir() {

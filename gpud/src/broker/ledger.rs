@@ -52,7 +52,8 @@ pub(super) use effects::{Effects, Served};
 pub use exact::{AllocateRequest, ExactRequest};
 use leases::Leases;
 use limits::LimitBook;
-pub(super) use limits::pairs;
+pub use limits::LimitMap;
+pub(super) use limits::{pairs, wanted_in};
 use machine::Machine;
 use place::PlacementMemo;
 use plan::{Gate, PastHolds};
@@ -276,6 +277,7 @@ impl Ledger {
             reservations: self.active.clone(),
             waiters: self.queue.listing(),
             settings: self.settings.clone(),
+            limits: self.limits.published(),
             groups_committed: counters.0,
             grouped_calls: counters.1,
         }

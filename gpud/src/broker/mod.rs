@@ -25,7 +25,7 @@
 //! | `ledger/quota.rs` | the quota book: what each uid and group holds, and the `[[quotas]]` checks |
 //! | `ledger/leases.rs` | when each lease ends, in order |
 //! | `ledger/rate.rs` | each uid's budget of changes (`[limits]`) |
-//! | `ledger/limits.rs` | which active reservations limit which cgroup |
+//! | `ledger/limits.rs` | which active reservations limit which cgroup, and the limits each pair is to have |
 //! | `ledger/effects.rs` | what must follow a commit (watches, limits, CDI specs, answers to waiters) |
 //! | `ledger/isolation.rs` | the rules of hard isolation: attaching and detaching a container's cgroup; what the driver refused |
 //! | `ledger/exact.rs` | the kubelet's exact requests: named units, a pod's containers all or nothing |

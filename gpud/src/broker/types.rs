@@ -14,7 +14,7 @@ use crate::model::{
 use crate::placement::UnitLoad;
 
 use super::command::WaitTicket;
-use super::ledger::Reservations;
+use super::ledger::{LimitMap, Reservations, wanted_in};
 use super::ledger::queue::Waiting;
 
 pub use crate::model::Caller;
@@ -211,6 +211,9 @@ pub struct Snapshot {
     /// Active reservations, oldest first; shared with the ledger's own (a persistent map),
     /// so that publishing costs the same whatever their number.
     pub reservations: Reservations,
+    /// The memory limits gpud has the driver hold, per cgroup and GPU (committed; set
+    /// through NVML right after).
+    pub limits: LimitMap,
     /// Queued requests, in the order they are tried.
     pub waiters: Waiting,
     /// The settings in force.
@@ -230,6 +233,12 @@ impl Snapshot {
     /// Queued requests.
     pub fn waiting(&self) -> usize {
         self.waiters.len()
+    }
+
+    /// The limits `(soft, hard)` gpud has the driver hold for `cgroup` on GPU `uuid`;
+    /// `None`: none.
+    pub fn limits_on(&self, cgroup: &str, uuid: &str) -> Option<crate::isolation::Limits> {
+        wanted_in(&self.limits, cgroup, uuid)
     }
 
     /// The active reservation `id`, if it is one.

@@ -65,7 +65,8 @@ pub type Limits = (u64, u64);
 /// What reservation `r` asks the driver to hold, GPU by GPU: the cgroup its limits go on,
 /// the GPU's UUID, and its bytes there (`None`: the GPU whole). Nothing unless the driver
 /// holds it (mode `driver`, on a cgroup). A (cgroup, GPU) pair's limits are [`limits_for`]
-/// the bytes of every reservation on it: the ledger sets them so, metrics show them so.
+/// the bytes of every reservation on it: the ledger sets them so and publishes them in the
+/// snapshot, where metrics read them.
 pub fn limited(r: &Reservation) -> impl Iterator<Item = (&str, &str, Option<u64>)> {
     let cgroup = r
         .isolation

@@ -249,13 +249,6 @@ impl State {
             })
             .collect();
         let used = reservation_use(snap);
-        let totals: HashMap<&str, u64> = snap
-            .units
-            .iter()
-            .map(|u| (u.uuid.as_str(), u.memory_total_bytes))
-            .collect();
-        let burst = snap.settings.config.isolation.burst;
-        let cgroups = cgroup_reservations(snap);
         for series in Series::ALL {
             let mut family =
                 encoder.encode_descriptor(series.name(), series.help(), None, MetricType::Gauge)?;
@@ -268,20 +261,17 @@ impl State {
                             .get(&(r.id.as_str(), unit.uuid.as_str()))
                             .copied()
                             .unwrap_or(0),
-                        Series::Limit if enforced => {
-                            let total = totals.get(unit.uuid.as_str()).copied().unwrap_or(u64::MAX);
-                            let on_cgroup = r
-                                .isolation
-                                .cgroup
-                                .as_deref()
-                                .and_then(|c| cgroups.get(&(c, unit.uuid.as_str())));
-                            let reserved = on_cgroup.map_or_else(
-                                || vec![(!r.exclusive).then_some(unit.memory_bytes)],
-                                Clone::clone,
-                            );
-                            crate::isolation::limits_for(reserved, burst, total).1
-                        }
-                        Series::Limit => continue,
+                        // The cgroup's limit: the sum of every reservation on it.
+                        Series::Limit => match r
+                            .isolation
+                            .cgroup
+                            .as_deref()
+                            .filter(|_| enforced)
+                            .and_then(|c| snap.limits_on(c, &unit.uuid))
+                        {
+                            Some((_, hard)) => hard,
+                            None => continue,
+                        },
                         Series::Compute if r.compute > 0 => u64::from(r.compute),
                         Series::Compute => continue,
                         Series::Isolation => 1,
@@ -397,18 +387,6 @@ fn unreserved_use<'a>(
         }
     }
     unreserved
-}
-
-/// What each driver-mode reservation's cgroup holds on each unit: the driver enforces one
-/// limit per cgroup and GPU, the sum of the reservations on it (`None`: one held whole).
-fn cgroup_reservations(snap: &Snapshot) -> HashMap<(&str, &str), Vec<Option<u64>>> {
-    let mut on = HashMap::<(&str, &str), Vec<Option<u64>>>::new();
-    for r in snap.reservations.iter() {
-        for (cgroup, uuid, bytes) in crate::isolation::limited(r) {
-            on.entry((cgroup, uuid)).or_default().push(bytes);
-        }
-    }
-    on
 }
 
 /// Owners' names by uid: a name from the user database, or the uid's number.

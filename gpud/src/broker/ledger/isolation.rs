@@ -10,8 +10,10 @@
 
 use gpud_schema::IsolationMode;
 
+use std::collections::BTreeSet;
+
 use super::Ledger;
-use super::limits::pairs;
+use super::limits::{Pair, pairs};
 use crate::broker::error::BrokerError;
 use crate::broker::types::Caller;
 use crate::isolation::{self, Limits, NO_LIMIT, Target};
@@ -133,10 +135,25 @@ impl Ledger {
         self.effects.limits.extend(pairs);
         had
     }
+    /// Records what each of `pairs` (changed by a group now committed) is to have: the
+    /// executor sets them so, and the snapshot publishes them.
+    pub fn settle_limits(&mut self, pairs: &BTreeSet<Pair>) {
+        for pair in pairs {
+            let limits = self.desired_limits(&pair.0, &pair.1);
+            self.limits.settle(pair, limits);
+        }
+    }
+
+    /// The limits `cgroup` is to have on GPU `uuid`, as last settled
+    /// ([`Ledger::settle_limits`]).
+    pub fn wanted_limits(&self, cgroup: &str, uuid: &str) -> Limits {
+        self.limits.wanted(cgroup, uuid)
+    }
+
 
     /// The limits `cgroup` is to have on GPU `uuid` now: the sum of its active
     /// reservations' there, or a reset (soft 0, no hard limit) when it has none.
-    pub fn desired_limits(&self, cgroup: &str, uuid: &str) -> Limits {
+    fn desired_limits(&self, cgroup: &str, uuid: &str) -> Limits {
         let burst = self.settings.config.isolation.burst;
         let Some(total) = self.machine.unit_total(uuid) else {
             return (0, NO_LIMIT);

@@ -1,11 +1,17 @@
 //! The isolation limits per (cgroup, GPU): which active driver-mode reservations limit
 //! each cgroup, so that the limits of a pair are the sum of its reservations' and a cgroup
-//! is known to be in use. Only the ledger calls it; what the limits are in bytes is
+//! is known to be in use, and the limits each pair is to have, as committed (published in
+//! the snapshot). Only the ledger calls it; what the limits are in bytes is
 //! `crate::isolation`'s rule, and setting them the executor's.
 
 use std::collections::{BTreeSet, HashMap};
 
+use crate::isolation::{Limits, NO_LIMIT};
 use crate::model::Reservation;
+
+/// The limits gpud has the driver hold, by cgroup and then GPU uuid; a pair that is not
+/// here has none (soft 0, hard [`NO_LIMIT`]). A persistent map: the snapshot shares it.
+pub type LimitMap = imbl::OrdMap<String, imbl::OrdMap<String, Limits>>;
 
 /// A pair whose limits must be made what the ledger says: `(cgroup, GPU uuid)`.
 pub(in crate::broker) type Pair = (String, String);
@@ -21,6 +27,8 @@ pub(in crate::broker) fn pairs(r: &Reservation) -> Vec<Pair> {
 #[derive(Debug, Default)]
 pub(in crate::broker) struct LimitBook {
     by_cgroup: HashMap<String, BTreeSet<String>>,
+    /// What each pair is to have, as of the last committed group.
+    wanted: LimitMap,
 }
 
 impl LimitBook {
@@ -51,9 +59,35 @@ impl LimitBook {
         pairs
     }
 
-    /// Forgets every claim.
+    /// Forgets every claim. What the pairs are to have stays as committed, until the
+    /// claims made again are committed.
     pub fn clear(&mut self) {
         self.by_cgroup.clear();
+    }
+
+    /// Records `limits` as what `(cgroup, uuid)` is to have, now that they are committed.
+    pub fn settle(&mut self, (cgroup, uuid): &Pair, limits: Limits) {
+        let mut on = self.wanted.get(cgroup).cloned().unwrap_or_default();
+        if limits == (0, NO_LIMIT) {
+            on.remove(uuid);
+        } else {
+            on.insert(uuid.clone(), limits);
+        }
+        if on.is_empty() {
+            self.wanted.remove(cgroup);
+        } else {
+            self.wanted.insert(cgroup.clone(), on);
+        }
+    }
+
+    /// The limits `(cgroup, uuid)` is to have, as last settled.
+    pub fn wanted(&self, cgroup: &str, uuid: &str) -> Limits {
+        wanted_in(&self.wanted, cgroup, uuid).unwrap_or((0, NO_LIMIT))
+    }
+
+    /// Every pair's limits, as last settled: for the snapshot.
+    pub fn published(&self) -> LimitMap {
+        self.wanted.clone()
     }
 
     /// The reservations that limit `cgroup`.
@@ -69,6 +103,11 @@ impl LimitBook {
     pub fn in_use(&self, cgroup: &str) -> bool {
         self.by_cgroup.contains_key(cgroup)
     }
+}
+
+/// The limits `map` holds for `(cgroup, uuid)`; `None`: none.
+pub fn wanted_in(map: &LimitMap, cgroup: &str, uuid: &str) -> Option<Limits> {
+    map.get(cgroup)?.get(uuid).copied()
 }
 
 #[cfg(test)]
@@ -121,5 +160,24 @@ mod tests {
             assert!(book.release(r).is_empty());
         }
         assert!(!book.in_use("/job"));
+    }
+
+    #[test]
+    fn a_settled_pair_is_published_until_it_is_reset() {
+        let mut book = LimitBook::default();
+        let pair = ("/job".to_owned(), "GPU-0".to_owned());
+        book.settle(&pair, (1 << 30, 2 << 30));
+        book.clear();
+        assert_eq!(book.wanted("/job", "GPU-0"), (1 << 30, 2 << 30));
+        let published = book.published();
+        book.settle(&pair, (0, NO_LIMIT));
+        assert_eq!(book.wanted("/job", "GPU-0"), (0, NO_LIMIT));
+        assert_eq!(wanted_in(&book.published(), "/job", "GPU-0"), None);
+        assert!(book.published().is_empty());
+        // A snapshot taken before keeps what it saw.
+        assert_eq!(
+            wanted_in(&published, "/job", "GPU-0"),
+            Some((1 << 30, 2 << 30))
+        );
     }
 }

@@ -152,14 +152,19 @@ fn a_cgroup_s_limits_are_the_sum_of_its_reservations_and_are_reset_when_none_is_
         limiter.take(),
         [(gpu.clone(), cg.clone(), 6 * GIB, 8 * GIB)]
     );
+    // Readers see the same limits, published with the change.
+    assert_eq!(b.snapshot().limits_on(&cg, &gpu), Some((6 * GIB, 8 * GIB)));
 
     b.release(ROOT, first.id).wait().unwrap();
     assert_eq!(
         limiter.take(),
         [(gpu.clone(), cg.clone(), 2 * GIB, 3 * GIB)]
     );
+    assert_eq!(b.snapshot().limits_on(&cg, &gpu), Some((2 * GIB, 3 * GIB)));
     b.release(ROOT, second.id).wait().unwrap();
-    assert_eq!(limiter.take(), [(gpu, cg, 0, NO_LIMIT)]);
+    assert_eq!(limiter.take(), [(gpu.clone(), cg.clone(), 0, NO_LIMIT)]);
+    assert_eq!(b.snapshot().limits_on(&cg, &gpu), None);
+    assert!(b.snapshot().limits.is_empty());
 }
 
 #[test]
@@ -220,9 +225,10 @@ fn a_refused_limit_leaves_the_reservation_advisory_or_under_require_refuses_it()
                     .unwrap()
                     .contains("does not have permission")
             );
-            // The ledger says so too, from the next group on.
+            // The ledger says so too, from the next group on, and publishes no limit.
             let listed = isolation_of(&b, &r.id);
             assert_eq!(listed.mode, IsolationMode::Advisory);
+            assert!(b.snapshot().limits.is_empty());
             assert_eq!(events[0].action, "advisory");
         }
     }
