@@ -17,7 +17,7 @@ use serde::Serialize;
 
 use gpud_schema::{self as schema, codes, routes};
 
-use crate::broker::{Broker, BrokerError, Caller};
+use crate::broker::{Broker, BrokerError, Caller, Forbidden};
 use crate::clock::rfc3339;
 use crate::isolation::TargetError;
 use crate::metrics::Metrics;
@@ -592,7 +592,9 @@ impl From<ServiceError> for ApiError {
         match e {
             ServiceError::Broker(e) => e.into(),
             ServiceError::Target(TargetError::Invalid(m)) => ApiError::invalid(m),
-            ServiceError::Target(TargetError::Forbidden(m)) => BrokerError::Forbidden(m).into(),
+            ServiceError::Target(TargetError::Forbidden(m)) => {
+                BrokerError::Forbidden(Forbidden::Cgroup(m)).into()
+            }
             ServiceError::Target(TargetError::Failed(m)) => {
                 tracing::error!(error = %m, "could not prepare a workload cgroup");
                 ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, codes::INTERNAL, m)

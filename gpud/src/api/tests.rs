@@ -14,7 +14,7 @@ fn every_broker_error_has_its_status() {
     let sqlite_bug = rusqlite::Error::InvalidColumnIndex(99);
     let table: Vec<(BrokerError, u16, &str)> = vec![
         (
-            BrokerError::Invalid("x".into()),
+            BrokerError::Invalid(crate::broker::Invalid::ZeroTtl),
             400,
             codes::INVALID_REQUEST,
         ),
@@ -23,7 +23,11 @@ fn every_broker_error_has_its_status() {
             422,
             codes::UNSATISFIABLE,
         ),
-        (BrokerError::NoCapacity("x".into()), 409, codes::NO_CAPACITY),
+        (
+            BrokerError::NoCapacity(crate::broker::NoCapacity::Placement("x".into())),
+            409,
+            codes::NO_CAPACITY,
+        ),
         (
             BrokerError::WaitTimeout {
                 waited: std::time::Duration::from_secs(1),
@@ -32,7 +36,11 @@ fn every_broker_error_has_its_status() {
             408,
             codes::WAIT_TIMEOUT,
         ),
-        (BrokerError::Forbidden("x".into()), 403, codes::FORBIDDEN),
+        (
+            BrokerError::Forbidden(Forbidden::Cgroup("x".into())),
+            403,
+            codes::FORBIDDEN,
+        ),
         (
             BrokerError::from(crate::holder::PinError::NotYours {
                 pid: 1,

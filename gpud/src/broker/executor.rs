@@ -16,7 +16,7 @@ use arc_swap::ArcSwap;
 
 use super::command::{Command, Reply, WaitTicket};
 use super::ledger::{Admitted, Effects, Ledger};
-use crate::broker::error::BrokerError;
+use crate::broker::error::{BrokerError, Unenforceable};
 use crate::broker::types::{ReserveOutcome, Snapshot};
 use crate::clock::Clock;
 use crate::holder::PinnedProcess;
@@ -69,26 +69,26 @@ impl Patch for Reservation {
                 self.isolation = self.isolation.made_advisory(reason.clone());
                 Ok(self)
             }
-            Some(Fix::Refused(reason)) if self.isolation.is_mps() => {
-                Err(BrokerError::IsolationUnavailable(format!(
-                    "this reservation's MPS daemon could not start ({reason}), and this gpud \
-                     requires its memory enforced ([isolation] require); nothing is reserved"
-                )))
-            }
-            Some(Fix::Refused(reason)) => Err(BrokerError::IsolationUnavailable(format!(
-                "the GPU driver refused this reservation's memory limit ({reason}), and this \
-                 gpud requires it ([isolation] require); nothing is reserved"
-            ))),
+            Some(Fix::Refused(reason)) if self.isolation.is_mps() => Err(
+                BrokerError::IsolationUnavailable(Unenforceable::MpsFailed {
+                    reason: reason.clone(),
+                }),
+            ),
+            Some(Fix::Refused(reason)) => Err(BrokerError::IsolationUnavailable(
+                Unenforceable::LimitRefused {
+                    reason: reason.clone(),
+                },
+            )),
             Some(Fix::ComputeUnenforced) => {
                 self.isolation.mps_compute = false;
                 Ok(self)
             }
-            Some(Fix::ComputeRefused(reason)) => Err(BrokerError::IsolationUnavailable(format!(
-                "this reservation's MPS daemon, which was to hold it to its compute share \
-                 ({}%), could not start ({reason}), and this gpud requires what it promises \
-                 enforced ([isolation] require); nothing is reserved",
-                self.compute
-            ))),
+            Some(Fix::ComputeRefused(reason)) => Err(BrokerError::IsolationUnavailable(
+                Unenforceable::ComputeFailed {
+                    share: self.compute,
+                    reason: reason.clone(),
+                },
+            )),
         }
     }
 }

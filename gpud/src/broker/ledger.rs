@@ -21,7 +21,9 @@ use std::time::Duration;
 
 use gpud_schema::format_bytes;
 
-use crate::broker::error::{BrokerError, QuotaExceeded, QuotaLimit, QuotaOwner};
+use crate::broker::error::{
+    BrokerError, Conflict, Forbidden, Invalid, QuotaExceeded, QuotaLimit, QuotaOwner,
+};
 use crate::broker::types::{AuditFindings, BrokerSettings, Caller, ReserveRequest, Snapshot};
 use crate::holder::PinnedProcess;
 use crate::model::{
@@ -275,9 +277,9 @@ impl Ledger {
             used: machine.used().to_vec(),
             processes: machine.processes().clone(),
             reservations: self.active.clone(),
+            limits: self.limits.published(),
             waiters: self.queue.listing(),
             settings: self.settings.clone(),
-            limits: self.limits.published(),
             groups_committed: counters.0,
             grouped_calls: counters.1,
         }
@@ -326,11 +328,10 @@ impl Ledger {
             return Ok(caller);
         };
         if !self.is_admin(&caller) {
-            return Err(BrokerError::Forbidden(format!(
-                "only root and the admin groups may reserve for another user (owner_uid {uid}); \
-                 leave owner_uid out to reserve for yourself (uid {})",
-                caller.uid
-            )));
+            return Err(BrokerError::Forbidden(Forbidden::ForAnother {
+                owner: uid,
+                caller: caller.uid,
+            }));
         }
         let gid = self
             .settings
@@ -338,11 +339,7 @@ impl Ledger {
             .of(uid)
             .first()
             .copied()
-            .ok_or_else(|| {
-                BrokerError::Invalid(format!(
-                    "owner_uid {uid}: no such user in this machine's user database"
-                ))
-            })?;
+            .ok_or(BrokerError::Invalid(Invalid::NoSuchUser { uid }))?;
         Ok(Caller { uid, gid, ..caller })
     }
 
@@ -375,14 +372,20 @@ impl Ledger {
     }
 
     /// Whether `caller` may release or renew `r`: its owner, root, or an admin.
-    fn authorize(&self, caller: &Caller, r: &Reservation, verb: &str) -> Result<(), BrokerError> {
+    fn authorize(
+        &self,
+        caller: &Caller,
+        r: &Reservation,
+        verb: &'static str,
+    ) -> Result<(), BrokerError> {
         if caller.uid == r.owner_uid || self.is_admin(caller) {
             return Ok(());
         }
-        Err(BrokerError::Forbidden(format!(
-            "reservation {} belongs to uid {}; only its owner, root or an admin group may {verb} it",
-            r.id, r.owner_uid
-        )))
+        Err(BrokerError::Forbidden(Forbidden::NotOwner {
+            id: r.id.clone(),
+            owner: r.owner_uid,
+            verb,
+        }))
     }
 
     /// The active reservation `id`, or why there is none.
@@ -416,25 +419,17 @@ impl Ledger {
         if let Some(wait) = request.wait
             && wait.as_secs() > wait_config.max_wait_seconds
         {
-            let max = wait_config.max_wait_seconds;
-            return Err(BrokerError::Invalid(format!(
-                "a wait of {} (wait_seconds {}) is longer than this gpud allows ({}); ask for less",
-                gpud_schema::format_duration(wait),
-                wait.as_secs(),
-                gpud_schema::format_duration(Duration::from_secs(max))
-            )));
+            return Err(BrokerError::Invalid(Invalid::WaitTooLong {
+                asked: wait,
+                max: Duration::from_secs(wait_config.max_wait_seconds),
+            }));
         }
         if request.holder_pid.is_none()
             && request.ttl_seconds.is_none()
             && request.id.is_none()
             && !request.target.holds
         {
-            return Err(BrokerError::Invalid(
-                "a reservation needs a lifetime: give holder_pid (released when that process exits), \
-                 holder_cgroup (released when that cgroup is empty) or ttl_seconds (released \
-                 unless renewed)"
-                    .to_owned(),
-            ));
+            return Err(BrokerError::Invalid(Invalid::NoLifetime));
         }
         if let Some(ttl) = request.ttl_seconds {
             check_ttl(ttl)?;
@@ -455,16 +450,12 @@ impl Ledger {
                 if self.is_same_request(r, &caller, &request, holder.as_ref()) {
                     return Ok(Admitted::Existing(Reservation::clone(r)));
                 }
-                return Err(BrokerError::Conflict(format!(
-                    "reservation id {id:?} is taken by a reservation made with another request; \
-                     choose another id, or repeat the first request exactly"
-                )));
+                return Err(BrokerError::Conflict(Conflict::IdOfAnother {
+                    id: id.clone(),
+                }));
             }
             if self.queue.asked_for(id) || txn.get(id)?.is_some() {
-                return Err(BrokerError::Conflict(format!(
-                    "reservation id {id:?} is already taken (by a waiting request, or one that \
-                     ended); choose another id"
-                )));
+                return Err(BrokerError::Conflict(Conflict::IdUsed { id: id.clone() }));
             }
         }
         // Waiters come first: a request goes ahead of them only as far as the queue's
@@ -583,10 +574,7 @@ impl Ledger {
         let mut attempts = 1;
         while !txn.insert(&r)? {
             if request.id.is_some() || attempts >= 3 {
-                return Err(BrokerError::Invalid(format!(
-                    "reservation id {:?} is already taken",
-                    r.id
-                )));
+                return Err(BrokerError::Invalid(Invalid::IdTaken { id: r.id }));
             }
             attempts += 1;
             r.id = new_id(now);
@@ -762,10 +750,7 @@ impl Ledger {
             (Some(t), _) => check_ttl(t)?,
             (None, Some(t)) => t,
             (None, None) => {
-                return Err(BrokerError::Invalid(format!(
-                    "reservation {id} has no lease to renew (it is held by a process); \
-                     give it one: ttl_seconds, or `gpuctl renew {id} --ttl 1h`"
-                )));
+                return Err(BrokerError::Invalid(Invalid::NoLease { id: id.to_owned() }));
             }
         };
         let expires_at = now.saturating_add(ttl.saturating_mul(1000));
@@ -866,14 +851,8 @@ impl Ledger {
 /// `ttl` when a lease may be that long (1 s to [`MAX_TTL_SECONDS`]).
 fn check_ttl(ttl: u64) -> Result<u64, BrokerError> {
     match ttl {
-        0 => Err(BrokerError::Invalid(
-            "a lease (ttl_seconds) must last at least 1 second".to_owned(),
-        )),
-        t if t > MAX_TTL_SECONDS => Err(BrokerError::Invalid(format!(
-            "a lease of {} (ttl_seconds {t}) is longer than ten years; renew a lease \
-             that must last longer, or give holder_pid to hold it as long as a process runs",
-            gpud_schema::format_duration(Duration::from_secs(t))
-        ))),
+        0 => Err(BrokerError::Invalid(Invalid::ZeroTtl)),
+        ttl if ttl > MAX_TTL_SECONDS => Err(BrokerError::Invalid(Invalid::TtlTooLong { ttl })),
         t => Ok(t),
     }
 }

@@ -53,7 +53,10 @@ mod ledger;
 mod types;
 
 pub use command::{Command, Pending, WaitTicket};
-pub use error::{BrokerError, QuotaExceeded, QuotaLimit, QuotaOwner};
+pub use error::{
+    BrokerError, Conflict, Forbidden, Invalid, NoCapacity, QuotaExceeded, QuotaLimit, QuotaOwner,
+    Unenforceable,
+};
 pub use ledger::queue::Waiting;
 pub use ledger::{Admitted, AllocateRequest, ExactRequest, Ledger, MAX_TTL_SECONDS, Reservations};
 

@@ -14,8 +14,8 @@ use crate::model::{
 use crate::placement::UnitLoad;
 
 use super::command::WaitTicket;
-use super::ledger::{LimitMap, Reservations, wanted_in};
 use super::ledger::queue::Waiting;
+use super::ledger::{LimitMap, Reservations, wanted_in};
 
 pub use crate::model::Caller;
 

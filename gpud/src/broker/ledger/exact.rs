@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use gpud_schema::format_bytes;
 
 use super::Ledger;
-use crate::broker::error::BrokerError;
+use crate::broker::error::{BrokerError, Invalid, NoCapacity};
 use crate::broker::types::Caller;
 use crate::isolation::Target;
 use crate::model::{
@@ -67,10 +67,11 @@ impl Ledger {
         for (unit, load) in held {
             let free = placement::compute_free(load);
             if share > free {
-                return Err(BrokerError::NoCapacity(format!(
-                    "GPU {} has {free}% of its compute unpromised; asked {share}%",
-                    unit.gpu_index
-                )));
+                return Err(BrokerError::NoCapacity(NoCapacity::Compute {
+                    gpu: unit.gpu_index,
+                    free,
+                    asked: share,
+                }));
             }
         }
         Ok(share)
@@ -134,9 +135,7 @@ impl Ledger {
         now: Millis,
     ) -> Result<Reservation, BrokerError> {
         if request.units.is_empty() {
-            return Err(BrokerError::Invalid(
-                "an exact reservation names at least one unit".to_owned(),
-            ));
+            return Err(BrokerError::Invalid(Invalid::NoUnits));
         }
         let mut id = None;
         for candidate in &request.ids {
@@ -151,57 +150,56 @@ impl Ledger {
             }
         }
         let Some(id) = id else {
-            return Err(BrokerError::Invalid(format!(
-                "reservation id {:?} is already taken",
-                request.ids.last().map_or("", String::as_str)
-            )));
+            return Err(BrokerError::Invalid(Invalid::IdTaken {
+                id: request.ids.last().cloned().unwrap_or_default(),
+            }));
         };
         let mut chosen: Vec<(ReservedUnit, u64)> = Vec::new();
         for (uuid, bytes) in &request.units {
-            let i = self.unit_index(uuid).ok_or_else(|| {
-                BrokerError::Invalid(format!(
-                    "{uuid} is not a GPU or MIG instance of this machine"
-                ))
-            })?;
+            let i = self
+                .unit_index(uuid)
+                .ok_or_else(|| BrokerError::Invalid(Invalid::UnknownUnit { uuid: uuid.clone() }))?;
             if chosen.iter().any(|(u, _)| &u.uuid == uuid) {
-                return Err(BrokerError::Invalid(format!("{uuid} is named twice")));
+                return Err(BrokerError::Invalid(Invalid::UnitNamedTwice {
+                    uuid: uuid.clone(),
+                }));
             }
             let (unit, load) = (&self.units()[i], &self.loads()[i]);
-            let name = match unit.mig_index {
+            let unit_name = match unit.mig_index {
                 Some(m) => format!("MIG instance {m} of GPU {}", unit.gpu_index),
                 None => format!("GPU {}", unit.gpu_index),
             };
             if !load.healthy {
-                return Err(BrokerError::NoCapacity(format!("{name} is unhealthy")));
+                return Err(BrokerError::NoCapacity(NoCapacity::Unhealthy {
+                    unit: unit_name,
+                }));
             }
             if load.exclusive {
-                return Err(BrokerError::NoCapacity(format!(
-                    "{name} is held exclusively by another reservation"
-                )));
+                return Err(BrokerError::NoCapacity(NoCapacity::HeldExclusively {
+                    unit: unit_name,
+                }));
             }
             let total = unit.memory_total_bytes;
             let memory = if request.exclusive || unit.is_mig() {
                 if load.reservations > 0 || load.reserved_bytes > 0 {
-                    return Err(BrokerError::NoCapacity(format!(
-                        "{name} is not free: {} reserved by {} other reservation(s)",
-                        format_bytes(load.reserved_bytes),
-                        load.reservations
-                    )));
+                    return Err(BrokerError::NoCapacity(NoCapacity::NotFree {
+                        unit: unit_name,
+                        reserved: load.reserved_bytes,
+                        reservations: load.reservations,
+                    }));
                 }
                 total
             } else {
                 let free = total.saturating_sub(load.reserved_bytes);
                 if *bytes == 0 {
-                    return Err(BrokerError::Invalid(
-                        "memory must be at least 1 byte".into(),
-                    ));
+                    return Err(BrokerError::Invalid(Invalid::ZeroMemory));
                 }
                 if *bytes > free {
-                    return Err(BrokerError::NoCapacity(format!(
-                        "{name} has {} unreserved; asked for {}",
-                        format_bytes(free),
-                        format_bytes(*bytes)
-                    )));
+                    return Err(BrokerError::NoCapacity(NoCapacity::Memory {
+                        unit: unit_name,
+                        free,
+                        asked: *bytes,
+                    }));
                 }
                 *bytes
             };
@@ -274,10 +272,7 @@ impl Ledger {
             compute,
         };
         if !txn.insert(&r)? {
-            return Err(BrokerError::Invalid(format!(
-                "reservation id {:?} is already taken",
-                r.id
-            )));
+            return Err(BrokerError::Invalid(Invalid::IdTaken { id: r.id }));
         }
         tracing::info!(
             reservation = %r.id,

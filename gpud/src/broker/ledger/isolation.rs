@@ -14,7 +14,7 @@ use std::collections::BTreeSet;
 
 use super::Ledger;
 use super::limits::{Pair, pairs};
-use crate::broker::error::BrokerError;
+use crate::broker::error::{BrokerError, Conflict, Unenforceable};
 use crate::broker::types::Caller;
 use crate::isolation::{self, Limits, NO_LIMIT, Target};
 use crate::model::{
@@ -83,10 +83,9 @@ impl Ledger {
         let decided = isolation::decide(target, units, self.machine.gpus(), self.units(), asked);
         match (&decided.reason, self.settings.config.isolation.require) {
             (Some(reason), true) if decided.mode == IsolationMode::Advisory => {
-                Err(BrokerError::IsolationUnavailable(format!(
-                    "the GPU driver cannot enforce this reservation's memory ({reason}), and \
-                     this gpud requires it ([isolation] require)"
-                )))
+                Err(BrokerError::IsolationUnavailable(Unenforceable::Required {
+                    reason: reason.clone(),
+                }))
             }
             _ => Ok(decided),
         }
@@ -135,6 +134,7 @@ impl Ledger {
         self.effects.limits.extend(pairs);
         had
     }
+
     /// Records what each of `pairs` (changed by a group now committed) is to have: the
     /// executor sets them so, and the snapshot publishes them.
     pub fn settle_limits(&mut self, pairs: &BTreeSet<Pair>) {
@@ -149,7 +149,6 @@ impl Ledger {
     pub fn wanted_limits(&self, cgroup: &str, uuid: &str) -> Limits {
         self.limits.wanted(cgroup, uuid)
     }
-
 
     /// The limits `cgroup` is to have on GPU `uuid` now: the sum of its active
     /// reservations' there, or a reset (soft 0, no hard limit) when it has none.
@@ -196,10 +195,10 @@ impl Ledger {
             && have != new
             && r.isolation.is_driver()
         {
-            return Err(BrokerError::Conflict(format!(
-                "reservation {id} has its limits on {have} already; a reservation limits one \
-                 cgroup (make a reservation per container)"
-            )));
+            return Err(BrokerError::Conflict(Conflict::OtherCgroup {
+                id: id.to_owned(),
+                cgroup: have.clone(),
+            }));
         }
         // Asked to limit a cgroup the driver could limit, gpud never answers with less:
         // a container started this way would run without its limit, silently.
@@ -210,10 +209,12 @@ impl Ledger {
                 .none_because
                 .as_deref()
                 .unwrap_or("no cgroup was found");
-            return Err(BrokerError::IsolationUnavailable(format!(
-                "the driver can enforce reservation {id}'s memory, but not on this workload: \
-                 {why}"
-            )));
+            return Err(BrokerError::IsolationUnavailable(
+                Unenforceable::NotOnWorkload {
+                    id: id.to_owned(),
+                    why: why.to_owned(),
+                },
+            ));
         }
         // A compute share held by MPS stays so (and one whose daemon could not start stays
         // without): the share asked is not recorded apart from that.

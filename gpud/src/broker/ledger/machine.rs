@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use crate::broker::error::BrokerError;
+use crate::broker::error::{BrokerError, Invalid};
 use crate::broker::types::GpuProcessRow;
 use crate::model::{Gpu, GpuInventory, Reservation, Topology, Unit};
 use crate::placement::UnitLoad;
@@ -165,23 +165,21 @@ impl Machine {
                         .iter()
                         .position(|u| u.gpu_index == index && !u.is_mig());
                     if whole.is_none() && self.units.iter().any(|u| u.gpu_index == index) {
-                        return Err(BrokerError::Invalid(format!(
-                            "GPU {index} is in MIG mode: name one of its MIG instances by \
-                             UUID (gpuctl gpus lists them)"
-                        )));
+                        return Err(BrokerError::Invalid(Invalid::MigWhole { index }));
                     }
                     whole
                 }
                 Err(_) => self.unit_index(name),
             };
             let position = found.ok_or_else(|| {
-                BrokerError::Invalid(format!(
-                    "{name:?} is not a GPU of this machine; name GPUs by index (0, 1, …) or \
-                     UUID, as gpuctl gpus lists them"
-                ))
+                BrokerError::Invalid(Invalid::UnknownGpu {
+                    name: name.to_owned(),
+                })
             })?;
             if positions.contains(&position) {
-                return Err(BrokerError::Invalid(format!("{name:?} is named twice")));
+                return Err(BrokerError::Invalid(Invalid::NamedTwice {
+                    name: name.to_owned(),
+                }));
             }
             positions.push(position);
         }
@@ -275,11 +273,23 @@ mod tests {
         };
         assert_eq!(named(&["1", "GPU-0"]).ok(), Some(vec![1, 0]));
         assert!(named(&[]).is_ok_and(|n| n.is_empty()));
-        for wrong in [&["2"][..], &["GPU-9"], &["0", "GPU-0"]] {
-            assert!(
-                matches!(named(wrong), Err(BrokerError::Invalid(_))),
-                "{wrong:?}"
-            );
+        let gpu = |name: &str| Some(name.to_owned());
+        for (wrong, named_wrong) in [
+            (&["2"][..], gpu("2")),
+            (&["GPU-9"], gpu("GPU-9")),
+            (&["0", "GPU-0"], None),
+        ] {
+            let Err(BrokerError::Invalid(e)) = named(wrong) else {
+                panic!("{wrong:?} was taken")
+            };
+            match e {
+                Invalid::UnknownGpu { name } => assert_eq!(Some(name), named_wrong),
+                Invalid::NamedTwice { name } => {
+                    assert_eq!(named_wrong, None);
+                    assert_eq!(name, "GPU-0");
+                }
+                e => panic!("{wrong:?}: {e}"),
+            }
         }
     }
 

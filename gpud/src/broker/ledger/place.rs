@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 
 use super::Ledger;
-use crate::broker::error::BrokerError;
+use crate::broker::error::{BrokerError, NoCapacity};
 use crate::broker::types::{Caller, ReserveRequest};
 use crate::holder::PinnedProcess;
 use crate::model::{ComputeAsk, MemoryAsk, Policy, Reservation, ReservedUnit, Unit};
@@ -152,7 +152,7 @@ impl Ledger {
         };
         let placement = placed.map_err(|e| match e {
             PlacementError::Impossible(m) => BrokerError::Unsatisfiable(m),
-            PlacementError::NoCapacity(m) => BrokerError::NoCapacity(m),
+            PlacementError::NoCapacity(m) => BrokerError::NoCapacity(NoCapacity::Placement(m)),
         })?;
         let placed = placement
             .assignments

@@ -34,13 +34,11 @@ use std::collections::BinaryHeap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use gpud_schema::format_duration;
-
 use std::collections::HashMap;
 
 use super::Ledger;
 use super::quota::Counted;
-use crate::broker::error::BrokerError;
+use crate::broker::error::{BrokerError, NoCapacity};
 use crate::broker::types::{Caller, ReserveRequest};
 use crate::config::QueuePolicy;
 use crate::model::{Millis, Reservation, ReservedUnit};
@@ -192,14 +190,6 @@ fn remove(loads: &mut [UnitLoad], units: &[(usize, u64)], exclusive: bool, compu
             }
             load.compute_promised = load.compute_promised.saturating_sub(compute);
         }
-    }
-}
-
-/// `at` as people read it against `now`: "now", "in 4 min".
-fn from_now(at: Millis, now: Millis) -> String {
-    match at.saturating_sub(now) {
-        0 => "now".to_owned(),
-        ms => format!("in {}", format_duration(Duration::from_millis(ms))),
     }
 }
 
@@ -522,18 +512,15 @@ impl Ledger {
                 if self.fits_on(first, &then).is_ok() {
                     return Ok(None);
                 }
-                Err(BrokerError::NoCapacity(format!(
-                    "it would delay the first request in line, planned to start {} on GPU {}; \
-                     it waits its turn (a lease ending by then could go ahead)",
-                    from_now(*start, now),
-                    units
+                Err(BrokerError::NoCapacity(NoCapacity::BehindFirst {
+                    starts_in: Duration::from_millis(start.saturating_sub(now)),
+                    gpus: units
                         .iter()
                         .zip(self.units().iter())
                         .filter(|(held, _)| **held)
-                        .map(|(_, u)| u.gpu_index.to_string())
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                )))
+                        .map(|(_, u)| u.gpu_index)
+                        .collect(),
+                }))
             }
         }
     }

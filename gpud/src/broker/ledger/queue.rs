@@ -17,7 +17,7 @@ use std::time::Duration;
 use rustc_hash::{FxHashMap, FxHashSet};
 use tokio::sync::oneshot;
 
-use crate::broker::error::BrokerError;
+use crate::broker::error::{BrokerError, Invalid};
 use crate::broker::types::{Caller, ReserveRequest, WaitingRequest};
 use crate::holder::PinnedProcess;
 use crate::model::{ComputeAsk, MemoryAsk, Millis, Policy, Reservation};
@@ -334,10 +334,11 @@ impl WaitQueue {
         if let Some(w) = self.remove(i)
             && let Some(holder) = &w.holder
         {
-            let _ = w.reply.send(Err(BrokerError::Invalid(format!(
-                "holder process {} exited while waiting",
-                holder.holder.pid
-            ))));
+            let _ = w
+                .reply
+                .send(Err(BrokerError::Invalid(Invalid::HolderExited {
+                    pid: holder.holder.pid,
+                })));
         }
         true
     }

@@ -10,7 +10,7 @@ use rustc_hash::{FxHashMap, FxHashSet};
 use super::plan::{NOT_PLANNED, PLAN_EVERY, PLANNED_AHEAD, Projection};
 use super::quota::Counted;
 use super::{Gate, Ledger, Served};
-use crate::broker::error::BrokerError;
+use crate::broker::error::{BrokerError, NoCapacity};
 use crate::broker::ledger::queue::{Kind, Told, Waiter};
 use crate::broker::types::{Caller, ReserveRequest};
 use crate::config::QueuePolicy;
@@ -398,11 +398,9 @@ impl Ledger {
             .try_reserve(txn, caller, request, holder, now, held.as_deref())
             .map_err(|e| match (e, &*gate) {
                 (BrokerError::NoCapacity(_), Gate::Held { .. }) => {
-                    BrokerError::NoCapacity(format!(
-                        "capacity is being held for a request that has waited more than {}; \
-                         wait for it to be served",
-                        gpud_schema::format_duration(self.settings.config.wait.starvation_after)
-                    ))
+                    BrokerError::NoCapacity(NoCapacity::HeldForStarving {
+                        starvation_after: self.settings.config.wait.starvation_after,
+                    })
                 }
                 (e, _) => e,
             })?;

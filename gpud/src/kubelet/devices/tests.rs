@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use super::*;
 use crate::broker::{
     AllocateRequest, AuditFindings, Broker, BrokerError, BrokerSettings, Caller, ExactRequest,
-    ReserveOutcome, ReserveRequest,
+    Invalid, NoCapacity, ReserveOutcome, ReserveRequest,
 };
 use crate::config::Config;
 use crate::model::{GpuInventory, Link, MemoryAsk, PcieLevel, ReservationState};
@@ -473,10 +473,19 @@ fn exact_reservations_never_overcommit_and_end_with_a_reason() {
     };
     exact(&b, request("k8s-a", 10)).unwrap();
     let e = exact(&b, request("k8s-b", 7)).unwrap_err();
-    assert!(matches!(e, BrokerError::NoCapacity(_)), "{e}");
-    assert!(e.to_string().contains("6 GiB unreserved"), "{e}");
+    assert!(
+        matches!(
+            e,
+            BrokerError::NoCapacity(NoCapacity::Memory { free, asked, .. })
+                if free == 6 * GIB && asked == 7 * GIB
+        ),
+        "{e}"
+    );
     let e = exact(&b, request("k8s-a", 1)).unwrap_err();
-    assert!(e.to_string().contains("already taken"), "{e}");
+    assert!(
+        matches!(&e, BrokerError::Invalid(Invalid::IdTaken { id }) if id == "k8s-a"),
+        "{e}"
+    );
     let mut exclusive = request("k8s-c", 0);
     exclusive.exclusive = true;
     assert!(matches!(
@@ -485,7 +494,10 @@ fn exact_reservations_never_overcommit_and_end_with_a_reason() {
     ));
     let mut unknown = request("k8s-d", 1);
     unknown.units[0].0 = "GPU-7".into();
-    assert!(matches!(exact(&b, unknown), Err(BrokerError::Invalid(_))));
+    assert!(matches!(
+        exact(&b, unknown),
+        Err(BrokerError::Invalid(Invalid::UnknownUnit { uuid })) if uuid == "GPU-7"
+    ));
     exact(&b, request("k8s-e", 6)).unwrap();
     let ended = b
         .end("k8s-a".into(), "pod gone".into())
