@@ -81,10 +81,7 @@ pub fn hook(args: &CdiHookArgs, socket: &Path, rt: &Runtime) -> Result<ExitCode,
         .take(MAX_STATE_BYTES)
         .read_to_end(&mut state)
         .map_err(|e| CliError::OciState(format!("cannot read stdin: {e}")))?;
-    let request = AttachCgroupRequest {
-        container_pid: Some(container_pid(&state)?),
-        ..AttachCgroupRequest::default()
-    };
+    let request = AttachCgroupRequest::ContainerPid(container_pid(&state)?);
     let client = Client::new(socket);
     let answer = rt.block_on(async {
         tokio::time::timeout(

@@ -4,7 +4,7 @@
 //! caller's identity comes from the connection (SO_PEERCRED), passed in by `server`.
 //! [`status_for`] is the one mapping from domain errors to HTTP statuses.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -22,7 +22,7 @@ use crate::clock::rfc3339;
 use crate::isolation::TargetError;
 use crate::metrics::Metrics;
 use crate::model::{EventFilter, EventKind, MemoryAsk, Page, ReservationState};
-use crate::service::{AttachTo, HolderCgroup, Reserved, Service, ServiceError};
+use crate::service::{HolderCgroup, Reserved, Service, ServiceError};
 
 /// What every request handler shares.
 #[derive(Debug)]
@@ -569,20 +569,7 @@ impl Api {
         id: String,
         body: &[u8],
     ) -> Result<Reply, ApiError> {
-        let wire: schema::AttachCgroupRequest = parse_json(body)?;
-        let to = match (wire.cgroup, wire.pid, wire.container_pid) {
-            (Some(cgroup), None, None) => AttachTo::Cgroup(cgroup),
-            (None, Some(pid), None) => AttachTo::Pid(pid),
-            (None, None, Some(pid)) => AttachTo::ContainerPid(pid),
-            _ => {
-                return Err(ApiError::invalid(
-                    "give the cgroup (\"cgroup\": \"/kubepods/…\"), a process in it \
-                     (\"pid\": 4242) or a container's first process as its CDI hook sees it \
-                     (\"container_pid\": 1): one of the three",
-                ));
-            }
-        };
-        let r = self.service.attach(caller, id, to).await?;
+        let r = self.service.attach(caller, id, attach_body(body)?).await?;
         Ok(json(StatusCode::OK, &to_wire(r)))
     }
 }
@@ -606,6 +593,19 @@ impl From<ServiceError> for ApiError {
 /// A low-cardinality name for the metrics label: the route's template (ids as `{id}`).
 fn route_name(path: &str) -> &'static str {
     routes::matching(path).map_or("other", |(template, _)| template)
+}
+
+/// An attach's body: one of the three. An object of one key that is none of them, or of
+/// the wrong type, is told so by serde; one of no key or several, what to give.
+fn attach_body(body: &[u8]) -> Result<schema::AttachCgroupRequest, ApiError> {
+    parse_json(body).map_err(|e| {
+        match serde_json::from_slice::<HashMap<String, serde::de::IgnoredAny>>(body) {
+            Ok(keys) if keys.len() != 1 => {
+                ApiError::invalid(schema::AttachCgroupRequest::ONE_OF_THREE)
+            }
+            _ => e,
+        }
+    })
 }
 
 /// A JSON object body. Only an object: serde would also take the fields of a struct from

@@ -9,6 +9,8 @@
 use std::path::Path;
 use std::sync::Arc;
 
+use gpud_schema::AttachCgroupRequest;
+
 use crate::broker::{Broker, BrokerError, Caller, ReserveOutcome, ReserveRequest};
 use crate::isolation::{Target, TargetError, Workloads};
 use crate::model::Reservation;
@@ -41,18 +43,6 @@ pub enum Reserved {
     Made(Reservation),
     /// Made earlier by the same request.
     Existing(Reservation),
-}
-
-/// What an attach names: a cgroup, a process in it, or a container's first process as
-/// its CDI hook sees it (exactly one).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum AttachTo {
-    /// A cgroup, as `/proc/PID/cgroup` writes it or in full.
-    Cgroup(String),
-    /// A process, in the caller's PID namespace.
-    Pid(u32),
-    /// A container's first process, in the hook's PID namespace.
-    ContainerPid(u32),
 }
 
 /// The broker and the host's cgroups, together.
@@ -143,7 +133,7 @@ impl Service {
         &self,
         caller: Caller,
         id: String,
-        to: AttachTo,
+        to: AttachCgroupRequest,
     ) -> Result<Reservation, ServiceError> {
         // Not active: the broker says which (404 or 409) before any cgroup is looked at.
         let Some(previous) = self.broker.snapshot().reservation(&id).map(|r| {
@@ -184,13 +174,13 @@ fn attach_target(
     workloads: &Workloads,
     caller: Caller,
     admin: bool,
-    to: AttachTo,
+    to: AttachCgroupRequest,
 ) -> Result<Target, TargetError> {
     let Some(h) = workloads.hierarchy() else {
         return Ok(Target::none("this host has no cgroup v2 hierarchy mounted"));
     };
     let target = match to {
-        AttachTo::ContainerPid(seen_as) => {
+        AttachCgroupRequest::ContainerPid(seen_as) => {
             let Some(hook) = caller.pid else {
                 return Ok(Target::none(
                     "gpud cannot see the hook's process (it runs in a PID namespace that \
@@ -199,10 +189,10 @@ fn attach_target(
             };
             workloads.of_container(h, hook, seen_as)
         }
-        AttachTo::Cgroup(named) => {
+        AttachCgroupRequest::Cgroup(named) => {
             return Ok(Target::on(workloads.named(h, &caller, admin, &named)?));
         }
-        AttachTo::Pid(seen_as) => {
+        AttachCgroupRequest::Pid(seen_as) => {
             // The pid as the caller sees it, like a holder's.
             let pid = match caller.pid {
                 Some(caller_pid) => {

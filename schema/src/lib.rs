@@ -243,25 +243,28 @@ fn compute_percent<'de, D: serde::Deserializer<'de>>(
 }
 
 /// `POST /v1/reservations/{id}/cgroup` body: the cgroup whose processes the reservation is
-/// for. Exactly one of the three.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
-pub struct AttachCgroupRequest {
+/// for, one of three ways: `{"cgroup": "/kubepods/…"}`, `{"pid": 4242}` or
+/// `{"container_pid": 1}`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum AttachCgroupRequest {
     /// The cgroup, written as in `holder_cgroup`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub cgroup: Option<String>,
+    Cgroup(String),
     /// A process whose cgroup it is, as the caller's PID namespace numbers it.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(range(min = 1))]
-    pub pid: Option<u32>,
+    Pid(#[schemars(range(min = 1))] u32),
     /// The first process of a container being created, as the OCI state handed to a
     /// `createContainer` hook numbers it (in the hook's PID namespace: `1` under runc).
     /// gpud checks that the container has a cgroup of its own, which nothing outside the
     /// container shares, and refuses when the driver could limit the reservation there
     /// but that cgroup cannot be found or limited.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(range(min = 1))]
-    pub container_pid: Option<u32>,
+    ContainerPid(#[schemars(range(min = 1))] u32),
+}
+
+impl AttachCgroupRequest {
+    /// What gpud answers a body that gives none of the three, or more than one.
+    pub const ONE_OF_THREE: &str = "give the cgroup (\"cgroup\": \"/kubepods/…\"), a process in \
+         it (\"pid\": 4242) or a container's first process as its CDI hook sees it \
+         (\"container_pid\": 1): one of the three";
 }
 
 /// Whether a memory limit is enforced by the GPU driver or only promised.

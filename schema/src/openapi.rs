@@ -290,10 +290,6 @@ fn add_rules_serde_cannot_say(components: &mut serde_json::Map<String, Value>) {
         size["anyOf"][0]["minimum"] = json!(1);
         size["anyOf"][1]["pattern"] = json!(SIZE_PATTERN);
     }
-    // The cgroup, a process in it, or a container's first process: one of the three.
-    if let Some(attach) = components.get_mut("AttachCgroupRequest") {
-        attach["oneOf"] = json!([present("cgroup"), present("pid"), present("container_pid")]);
-    }
 }
 
 /// Refusals any route can give, added where an operation does not document its own: a

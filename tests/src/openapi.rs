@@ -508,8 +508,10 @@ mod tests {
             "",
             r#"{"memory": "1G", "holder_pid": 9, "holder_cgroup": null}"#
         ));
+        // An attach body has exactly one key: a null is no target, nor beside one.
         assert!(refused(attach, "", r#"{"cgroup": null}"#));
-        assert!(!refused(attach, "", r#"{"cgroup": null, "pid": 4}"#));
+        assert!(refused(attach, "", r#"{"cgroup": null, "pid": 4}"#));
+        assert!(!refused(attach, "", r#"{"pid": 4}"#));
         assert!(refused("/paths/~1v1~1reservations/delete", "", ""));
         assert!(refused(
             reserve,

@@ -214,3 +214,31 @@ fn ids_in_paths_are_plain() {
         assert!(valid_id(bad).is_err(), "{bad}");
     }
 }
+
+#[test]
+fn an_attach_names_one_of_three() {
+    use schema::AttachCgroupRequest as To;
+    for (body, to) in [
+        (
+            r#"{"cgroup": "/kubepods/x"}"#,
+            To::Cgroup("/kubepods/x".into()),
+        ),
+        (r#"{"pid": 4242}"#, To::Pid(4242)),
+        (r#"{"container_pid": 1}"#, To::ContainerPid(1)),
+    ] {
+        assert_eq!(attach_body(body.as_bytes()).unwrap(), to, "{body}");
+    }
+    for (body, says) in [
+        ("{}", To::ONE_OF_THREE),
+        (r#"{"cgroup": "/a", "pid": 1}"#, To::ONE_OF_THREE),
+        (r#"{"cgroup": "/a", "pid": null}"#, To::ONE_OF_THREE),
+        (r#"{"cgroups": "/a"}"#, "unknown variant `cgroups`"),
+        (r#"{"pid": "1"}"#, "invalid type: string"),
+        (r#"{"pid": null}"#, "invalid type: null"),
+        ("[1]", "must be a JSON object"),
+    ] {
+        let e = attach_body(body.as_bytes()).unwrap_err();
+        assert_eq!(e.status, StatusCode::BAD_REQUEST, "{body}");
+        assert!(e.message.contains(says), "{body}: {}", e.message);
+    }
+}
