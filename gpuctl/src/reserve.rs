@@ -158,6 +158,7 @@ pub fn request(args: &ReserveArgs, holder: Holder, wait: Option<Duration>) -> Re
         compute: args.compute,
         wait_seconds: wait.map(whole_seconds),
         ttl_seconds: args.ttl.map(whole_seconds),
+        expect_seconds: args.expect.map(whole_seconds),
         holder_pid: holder.pid(),
         labels: args.labels.iter().cloned().collect(),
         policy: args.policy.map(Into::into),

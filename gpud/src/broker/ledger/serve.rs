@@ -112,11 +112,25 @@ impl Ledger {
             // The kinds of the waiters in front of the first one (and it), with how many
             // of them stay there: a kind all of whose waiters are in front has none behind.
             let mut in_front: FxHashMap<usize, (Arc<Kind>, usize)> = FxHashMap::default();
+            // A first waiter put ahead of older ones is tried before them; every other
+            // waiter is behind it.
+            let ahead = first.filter(|&f| self.queue.promoted() == Some(f));
+            if let Some(i) = ahead.and_then(|f| self.queue.position(f)) {
+                let kind = self.queue[i].kind.clone();
+                if self.serve_waiter(txn, i, None, now, &mut stay) == Outcome::Left {
+                    continue 'plan;
+                }
+                in_front.insert(Arc::as_ptr(&kind) as usize, (kind, 1));
+            }
             let mut kinds_behind = None;
             let mut i = 0;
             while i < self.queue.len() {
                 let (ticket, kind) = (self.queue[i].ticket, self.queue[i].kind.clone());
-                let behind = first.is_some_and(|f| ticket > f);
+                if ahead == Some(ticket) {
+                    i += 1;
+                    continue;
+                }
+                let behind = self.queue.is_behind(ticket, first);
                 // How many kinds wait on this side: while every one of them stays as it
                 // is, so does every waiter left. In front of a first waiter, no bound.
                 let kinds = if behind {
@@ -265,15 +279,15 @@ impl Ledger {
     fn refresh_reasons_now(&mut self, now: Millis, whole: bool) {
         // One projection serves the gate (its first entry) and the listing.
         let planned = if whole { PLANNED_AHEAD } else { 1 };
-        let projected = match self.settings.config.wait.policy {
-            QueuePolicy::Planned => self.project(now, planned),
-            QueuePolicy::Guard => Projection::default(),
-            #[cfg(feature = "sim")]
-            QueuePolicy::PackingBound => Projection::default(),
+        let projected = if self.settings.config.wait.policy.plans() {
+            self.project(now, planned)
+        } else {
+            Projection::default()
         };
         let gate = self.gate_for(now, projected.planned.first().cloned());
         let mut told = Told {
             first: gate.ticket(),
+            promoted: gate.ticket().is_some() && self.queue.promoted() == gate.ticket(),
             ..Told::default()
         };
         if !whole {
@@ -296,6 +310,7 @@ impl Ledger {
                     .queue
                     .iter()
                     .take_while(|w| w.ticket <= first)
+                    .filter(|w| !told.promoted || w.ticket == first)
                     .filter(|w| seen.insert(Arc::as_ptr(&w.kind)))
                     .map(|w| (w.kind.clone(), w.caller, w.request.clone()))
                     .collect();
@@ -406,7 +421,7 @@ impl Ledger {
                 }
                 (e, _) => e,
             })?;
-        self.went_ahead(gate, &r, now);
+        self.went_ahead(gate, &r);
         Ok(r)
     }
 }
