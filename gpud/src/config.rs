@@ -278,25 +278,10 @@ pub enum QueuePolicy {
     #[serde(skip)]
     PackingBound,
     /// Not accepted in the configuration either: `planned` without its order for requests
-    /// of several GPUs (they wait their turn in the order they came, as every other), the
-    /// simulator's reference for what that order buys. Only with the `sim` feature.
+    /// of several GPUs, the simulator's reference for what it buys. `sim` feature only.
     #[cfg(feature = "sim")]
     #[serde(skip)]
     Fifo,
-}
-
-impl QueuePolicy {
-    /// Whether the queue is planned (`planned`, and the simulator's `Fifo`).
-    pub fn plans(self) -> bool {
-        match self {
-            QueuePolicy::Planned => true,
-            QueuePolicy::Guard => false,
-            #[cfg(feature = "sim")]
-            QueuePolicy::PackingBound => false,
-            #[cfg(feature = "sim")]
-            QueuePolicy::Fifo => true,
-        }
-    }
 }
 
 /// Waiting for capacity.

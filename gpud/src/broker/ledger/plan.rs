@@ -1,13 +1,18 @@
 //! The queue's plan: when each waiter is expected to fit, and which later requests may go
 //! ahead of the first one without delaying it (`[wait] policy = "planned"`).
 //!
-//! **Expected ends.** A reservation with a lease is expected to end when its lease does
-//! (the holder may release sooner, and a renewal moves it; every decision plans anew from
-//! the ledger as it is). One without a lease (held by a process, a cgroup, a pod) is
-//! expected to last as long as its owner's recent lease-less reservations did (a moving
-//! average of their lengths, [`PastHolds::note`]), or `[wait] assumed_hold` while the
-//! owner has none. One that outlives that is expected to last twice as long, then four
-//! times, and so on: the plan follows reality instead of insisting on a past end.
+//! **Expected ends.** A reservation made with `expect_seconds` is expected to end when its
+//! holder said (scaled by how far that owner's holds outran what they said lately). One
+//! with a lease is expected to end when its lease does, or (`[wait] past_holds`) after the
+//! share of its lease its owner's leases lasted lately. One without a lease (held by a
+//! process, a cgroup, a pod) is expected to last as long as its owner's recent lease-less
+//! reservations did, or `[wait] assumed_hold` while the owner has none. An estimate that is
+//! outlived doubles, then doubles again, never past the lease: the plan follows reality
+//! instead of insisting on a past end. All of it is [`PastHolds`].
+//!
+//! **The first waiter.** The oldest waiter its quotas allow now; under `planned`, the oldest
+//! such request for several GPUs goes ahead of it unless it has waited `starvation_after`,
+//! so that the GPUs that free first are drained for the large request from when it comes.
 //!
 //! **The projection.** The machine's loads are carried forward through the expected ends,
 //! in order; each waiter, in queue order, starts at the first moment it fits (never before
@@ -17,15 +22,15 @@
 //!
 //! **The gate.** A later request (new, or further back in the queue) goes ahead of the
 //! first waiter only if it fits now and either uses no GPU the first waiter is planned on,
-//! or is expected to end by the planned start, or leaves the first waiter room at its
-//! planned start even so. What goes ahead is placed off the first waiter's GPUs where it
-//! fits there.
+//! or is bound to end by the planned start (its lease, or what it expects within it), or
+//! leaves the first waiter room at its planned start even so. What goes ahead is placed
+//! off the first waiter's GPUs where it fits there.
 //!
 //! **What keeps the plan honest.** Asking for a long lease never helps a request go ahead:
 //! its lease is its expected end, so a longer one only makes it less likely to end before
-//! the planned start. A short lease binds its holder (gpud ends it unless renewed). A hold
-//! without a lease is judged by its owner's own past holds, so overstaying makes that
-//! owner's later requests less likely to go ahead. And whatever outlives its prediction,
+//! the planned start. A short lease binds its holder (gpud ends it unless renewed). What a
+//! holder expects is checked when the hold ends, and scales that owner's later
+//! expectations. A hold without a lease never goes ahead on its estimate. And whatever outlives its prediction,
 //! the first waiter's first planned start is remembered: once it has waited
 //! `starvation_after` past it, nothing more goes on the GPUs it could use (the guard).
 
@@ -81,6 +86,18 @@ const NEWEST_HOLD_QUARTERS: u64 = 1;
 /// Past holds of each user replayed into the moving average at start: the 32nd newest
 /// weighs (3/4)^31, about 1/10 000, in it.
 pub(super) const PAST_HOLDS: u32 = 32;
+
+/// Whether `policy` plans the queue (`planned`, and the simulator's `Fifo`).
+pub(super) fn plans(policy: QueuePolicy) -> bool {
+    match policy {
+        QueuePolicy::Planned => true,
+        QueuePolicy::Guard => false,
+        #[cfg(feature = "sim")]
+        QueuePolicy::PackingBound => false,
+        #[cfg(feature = "sim")]
+        QueuePolicy::Fifo => true,
+    }
+}
 
 /// What the queue lets a request that is not its first waiter do now.
 #[derive(Debug, Clone)]
@@ -542,7 +559,7 @@ impl Ledger {
         let first = match self.settings.config.wait.policy {
             #[cfg(feature = "sim")]
             QueuePolicy::PackingBound => return Gate::Open,
-            p if p.plans() => self.project(now, 1).planned.into_iter().next(),
+            p if plans(p) => self.project(now, 1).planned.into_iter().next(),
             _ => None,
         };
         self.gate_for(now, first)

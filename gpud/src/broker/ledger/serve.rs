@@ -279,7 +279,7 @@ impl Ledger {
     fn refresh_reasons_now(&mut self, now: Millis, whole: bool) {
         // One projection serves the gate (its first entry) and the listing.
         let planned = if whole { PLANNED_AHEAD } else { 1 };
-        let projected = if self.settings.config.wait.policy.plans() {
+        let projected = if super::plan::plans(self.settings.config.wait.policy) {
             self.project(now, planned)
         } else {
             Projection::default()
