@@ -758,13 +758,14 @@ mod tests {
     fn requests_carry_every_flag() {
         let a = args(&[
             "--gpus", "2", "--mem", "12.5%", "--wait", "1500ms", "--ttl", "1h", "--label", "job=x",
-            "--policy", "spread",
+            "--policy", "spread", "--expect", "20m",
         ]);
         let r = request(&a, Holder::Lease, a.wait.flatten());
         assert_eq!(
             serde_json::to_value(&r).unwrap(),
             serde_json::json!({"gpus": 2, "memory": "12.5%", "wait_seconds": 2,
-                "ttl_seconds": 3600, "labels": {"job": "x"}, "policy": "spread"})
+                "ttl_seconds": 3600, "expect_seconds": 1200, "labels": {"job": "x"},
+                "policy": "spread"})
         );
         let r = request(
             &args(&["--exclusive", "--", "true"]),
