@@ -258,6 +258,7 @@ impl Ledger {
         for r in loaded {
             self.add_active(r);
         }
+        self.holds.retain(&self.active);
         Ok(())
     }
 

@@ -2119,3 +2119,31 @@ fn a_lease_is_expected_to_last_the_share_of_it_its_owner_held_lately() {
         }
     }
 }
+
+#[test]
+fn what_a_request_expects_lets_it_go_ahead_until_its_owner_is_found_to_outrun_it() {
+    let mut rules = Rules::plain(2);
+    let expecting = |secs| ReserveRequest {
+        expect: Some(Duration::from_secs(secs)),
+        ..lease(MemoryAsk::Exclusive, 600)
+    };
+    // Alice says 10 s and holds 100 s: her later expectations count ten times as long.
+    let r = rules.reserved(ALICE, expecting(10), 0);
+    rules.release(ALICE, &r.id, 100_000).unwrap();
+    // Bob holds GPU 0 until 500 s; Dave waits for both GPUs, planned at 500 s.
+    rules.reserved(BOB, expecting(300), 200_000);
+    let two = ReserveRequest {
+        gpus: 2,
+        ..waiting(MemoryAsk::Exclusive, 600, Duration::from_secs(3600))
+    };
+    let _dave = queued(&mut rules, DAVE, two, 200_000);
+    assert_eq!(expected(&mut rules, 200_000)[0].1, Some(500_000));
+    // 100 s from 200 s ends before 500 s, as Carol says it; not as Alice does (1000 s).
+    let e = rules
+        .reserve(ALICE, expecting(100), 200_000)
+        .map(|_| ())
+        .unwrap_err();
+    assert!(e.to_string().contains("would delay"), "{e}");
+    let carol = rules.reserved(CAROL, expecting(100), 200_000);
+    assert_eq!(carol.units[0].gpu_index, 1);
+}

@@ -261,6 +261,11 @@ impl PastHolds {
         self.expected.insert(r.id.clone(), hold.max(1));
     }
 
+    /// Forgets what was expected of reservations no longer `active` (rolled back).
+    pub fn retain(&mut self, active: &super::Reservations) {
+        self.expected.retain(|id, _| active.get(id).is_some());
+    }
+
     /// Records that `r` ended at `now`: what its owner's holds are learned from.
     pub fn ended(&mut self, r: &Reservation, now: Millis) {
         let held = now.saturating_sub(r.created_at);

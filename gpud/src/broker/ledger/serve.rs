@@ -13,7 +13,6 @@ use super::{Gate, Ledger, Served};
 use crate::broker::error::BrokerError;
 use crate::broker::ledger::queue::{Kind, Told, Waiter};
 use crate::broker::types::{Caller, ReserveRequest};
-use crate::config::QueuePolicy;
 use crate::holder::PinnedProcess;
 use crate::model::{Millis, Reservation};
 use crate::store::Txn;
@@ -80,7 +79,7 @@ impl Ledger {
 
     fn serve_in_order(&mut self, txn: &mut Txn<'_>, now: Millis) {
         #[cfg(feature = "sim")]
-        if self.settings.config.wait.policy == QueuePolicy::PackingBound {
+        if self.settings.config.wait.policy == crate::config::QueuePolicy::PackingBound {
             // Largest first (all it asks for, on the largest GPU); the sort is stable, so
             // equals keep their order.
             let largest = self.units().iter().map(|u| u.memory_total_bytes).max();
