@@ -11,7 +11,9 @@
 //!
 //! `GPUD_SIM_SEEDS`: the seeds, `1-3` (default) or `1,5,9`; `GPUD_SIM_SECONDS`: the
 //! measured virtual time (default 120, after a warm-up of 12 s); `GPUD_SIM_CLIENTS`: the
-//! clients (default 24).
+//! clients (default 24); `GPUD_SIM_MULTI_WEIGHTS`: how likely 2, 4 and 8 GPUs are among
+//! the multi-GPU requests (default `0.23,0.21,0.62`; `0.23,0.21,0` leaves out whole-node
+//! requests).
 //!
 //! The goal, per seed: the longest wait at most 1.5 × the longest hold drawn in the run, no
 //! wait that times out, and at least 92% of the node allocated (time-averaged).
@@ -109,9 +111,17 @@ fn main() {
     let seeds = seeds(&env_or("GPUD_SIM_SEEDS", "1-3".to_owned()));
     let seconds: u64 = env_or("GPUD_SIM_SECONDS", 120);
     let clients: usize = env_or("GPUD_SIM_CLIENTS", 24);
+    let weights: Vec<f64> = env_or("GPUD_SIM_MULTI_WEIGHTS", "0.23,0.21,0.62".to_owned())
+        .split(',')
+        .map(|w| {
+            w.trim()
+                .parse()
+                .expect("GPUD_SIM_MULTI_WEIGHTS: numbers, comma-separated")
+        })
+        .collect();
     println!(
-        "openb mix (Workload::openb), {clients} clients, 8 × 80 GiB; warm-up 12 s, measured \
-         {seconds} s; seeds {seeds:?}"
+        "openb mix (Workload::openb), {clients} clients, 8 × 80 GiB; 2, 4, 8 GPUs weighted \
+         {weights:?}; warm-up 12 s, measured {seconds} s; seeds {seeds:?}"
     );
     println!(
         "{:<30} {:>4} {:>9} {:>12} {:>12} {:>7} {:>9} {:>6}   longest wait: fractional / whole / multi-GPU",
@@ -127,6 +137,7 @@ fn main() {
             let params = Params {
                 workload: Workload {
                     expect: arm.expect,
+                    multi_weights: weights.clone(),
                     ..Workload::openb()
                 },
                 clients,
