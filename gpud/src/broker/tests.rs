@@ -2013,6 +2013,14 @@ fn a_request_for_several_gpus_goes_first_on_the_gpus_that_free_first() {
     let alice = id_of(&mut rules, ALICE.uid);
     rules.release(ALICE, &alice, 100_000).unwrap();
     assert_eq!(rules.tell_served(), 0);
+    // Listed first (the older), Dave is told why he waits behind Erin.
+    let why = first_reason(&mut rules, 100_000);
+    assert!(
+        why.contains(
+            "would delay the first request in line, planned to start in 3 min 20 s on GPU 0, 2"
+        ),
+        "{why}"
+    );
     let e = rules
         .reserve(DAVE, lease(MemoryAsk::Exclusive, 600), 100_000)
         .map(|_| ())

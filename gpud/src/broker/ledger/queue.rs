@@ -126,12 +126,16 @@ pub(super) struct Told {
     pub(in crate::broker::ledger) beyond: Option<(u64, Arc<str>)>,
 }
 
+/// Whether the waiter with `ticket` is behind the first waiter `first`: after it in line,
+/// or anywhere else when the first was put ahead of older waiters (`promoted`).
+fn behind(ticket: u64, first: Option<u64>, promoted: bool) -> bool {
+    first.is_some_and(|f| ticket > f || (promoted && ticket != f))
+}
+
 impl Told {
     /// Why the waiter with `ticket` and `kind` waits.
     fn why(&self, ticket: u64, kind: &Kind) -> Option<&Arc<str>> {
-        let behind = self
-            .first
-            .is_some_and(|first| ticket > first || (self.promoted && ticket != first));
+        let behind = behind(ticket, self.first, self.promoted);
         let side = if behind { &self.behind } else { &self.ahead };
         side.get(kind).or_else(|| self.ahead.get(kind))
     }
@@ -507,10 +511,9 @@ impl WaitQueue {
         self.promoted
     }
 
-    /// Whether the waiter with `ticket` is behind the first waiter `first`: after it in
-    /// line, or anywhere else when the first was put ahead of older waiters.
+    /// Whether the waiter with `ticket` is behind the first waiter `first` ([`behind`]).
     pub fn is_behind(&self, ticket: u64, first: Option<u64>) -> bool {
-        first.is_some_and(|f| ticket > f || (self.promoted == Some(f) && ticket != f))
+        behind(ticket, first, first.is_some() && self.promoted == first)
     }
 
     /// Fails every request with `error`.
