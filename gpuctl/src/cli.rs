@@ -251,6 +251,12 @@ pub struct ReserveArgs {
     #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
     pub ttl: Option<Duration>,
 
+    /// How long you expect to hold it: the queue plans on it when it drains GPUs for a
+    /// request waiting for several (instead of the lease's end). Never enforced; at most
+    /// --ttl.
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub expect: Option<Duration>,
+
     /// Process that holds the reservation (default: the calling shell). Not with -- COMMAND.
     #[arg(long, value_name = "PID", conflicts_with = "command", value_parser = clap::value_parser!(u32).range(1..))]
     pub holder_pid: Option<u32>,

@@ -43,6 +43,7 @@ pub fn parse(args: &[OsString], env_socket: Option<&OsStr>) -> Option<(PathBuf, 
         // readings are equal, without reading it (humantime) at every start.
         status_every: Duration::from_secs(30),
         ttl: None,
+        expect: None,
         holder_pid: None,
         holder_cgroup: None,
         labels: Vec::new(),

@@ -158,6 +158,7 @@ pub fn request(args: &ReserveArgs, holder: Holder, wait: Option<Duration>) -> Re
         compute: args.compute,
         wait_seconds: wait.map(whole_seconds),
         ttl_seconds: args.ttl.map(whole_seconds),
+        expect_seconds: args.expect.map(whole_seconds),
         holder_pid: holder.pid(),
         labels: args.labels.iter().cloned().collect(),
         policy: args.policy.map(Into::into),
@@ -757,13 +758,14 @@ mod tests {
     fn requests_carry_every_flag() {
         let a = args(&[
             "--gpus", "2", "--mem", "12.5%", "--wait", "1500ms", "--ttl", "1h", "--label", "job=x",
-            "--policy", "spread",
+            "--policy", "spread", "--expect", "20m",
         ]);
         let r = request(&a, Holder::Lease, a.wait.flatten());
         assert_eq!(
             serde_json::to_value(&r).unwrap(),
             serde_json::json!({"gpus": 2, "memory": "12.5%", "wait_seconds": 2,
-                "ttl_seconds": 3600, "labels": {"job": "x"}, "policy": "spread"})
+                "ttl_seconds": 3600, "expect_seconds": 1200, "labels": {"job": "x"},
+                "policy": "spread"})
         );
         let r = request(
             &args(&["--exclusive", "--", "true"]),

@@ -261,8 +261,9 @@ pub struct PlacementConfig {
 #[serde(rename_all = "kebab-case")]
 pub enum QueuePolicy {
     /// Lease-aware backfill: the first waiter gets a planned start (when enough capacity
-    /// frees, from lease ends and estimated holds); a later request goes ahead only if it
-    /// does not delay that start.
+    /// frees, from expected ends); a later request goes ahead only if it does not delay that
+    /// start. A request for several GPUs is first in line as soon as it comes (once per
+    /// waiter it passes), so that the GPUs it will get are drained for it.
     #[default]
     Planned,
     /// Anything that fits goes ahead until the first waiter has waited `starvation_after`;
@@ -276,6 +277,11 @@ pub enum QueuePolicy {
     #[cfg(feature = "sim")]
     #[serde(skip)]
     PackingBound,
+    /// Not accepted in the configuration either: `planned` without its order for requests
+    /// of several GPUs, the simulator's reference for what it buys. `sim` feature only.
+    #[cfg(feature = "sim")]
+    #[serde(skip)]
+    Fifo,
 }
 
 /// Waiting for capacity.
@@ -296,6 +302,10 @@ pub struct WaitConfig {
     /// owner's own ended reservations say otherwise.
     #[serde(deserialize_with = "duration")]
     pub assumed_hold: Duration,
+    /// `planned`: whether a reservation with a lease and no `expect_seconds` is expected to
+    /// end when its owner's recent leases did, in proportion (a holder who releases at half
+    /// its lease is expected to again), instead of when its lease runs out.
+    pub past_holds: bool,
     /// Requests one uid may have waiting at once (root excepted).
     pub max_waiting_per_user: usize,
 }
@@ -307,6 +317,7 @@ impl Default for WaitConfig {
             policy: QueuePolicy::Planned,
             starvation_after: Duration::from_secs(60),
             assumed_hold: Duration::from_secs(3600),
+            past_holds: false,
             max_waiting_per_user: 16,
         }
     }

@@ -166,6 +166,13 @@ pub struct ReservationRequest {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = 315_360_000))]
     pub ttl_seconds: Option<u64>,
+    /// How long the holder expects to hold it, in seconds: what the wait queue plans on
+    /// when it drains GPUs for a request waiting for several (instead of the lease's end, or
+    /// the holder's past holds). Never enforced: the lease still ends it. At most
+    /// `ttl_seconds`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 315_360_000))]
+    pub expect_seconds: Option<u64>,
     /// Process that holds the reservation: released when it exits. Must belong to the caller.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1))]

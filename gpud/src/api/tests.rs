@@ -142,6 +142,12 @@ fn requests_are_checked_before_they_reach_the_broker() {
         wire(r#"{"exclusive": true}"#).unwrap().memory,
         MemoryAsk::Exclusive
     );
+    assert_eq!(
+        wire(r#"{"exclusive": true, "ttl_seconds": 60, "expect_seconds": 60}"#)
+            .unwrap()
+            .expect,
+        Some(std::time::Duration::from_secs(60))
+    );
     for (body, needle) in [
         (r#"{"gpus": 0, "exclusive": true}"#, "at least 1"),
         (r#"{}"#, "how much memory"),
@@ -160,6 +166,19 @@ fn requests_are_checked_before_they_reach_the_broker() {
             "expected a whole number of bytes",
         ),
         (r#"{"memory": "4G", "holder_pid": 0}"#, "not 0"),
+        (r#"{"memory": "4G", "expect_seconds": 0}"#, "at least 1"),
+        (
+            r#"{"memory": "4G", "ttl_seconds": 60, "expect_seconds": 61}"#,
+            "longer than ttl_seconds 60",
+        ),
+        (
+            r#"{"memory": "4G", "expect_seconds": 315360001}"#,
+            "longer than ten years",
+        ),
+        (
+            r#"{"memory": "4G", "expect_seconds": "1h"}"#,
+            "invalid type",
+        ),
         (r#"{"memory": "4G", "labels": {"": "x"}}"#, "label"),
     ] {
         let e = wire(body).unwrap_err();

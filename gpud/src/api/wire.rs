@@ -182,6 +182,25 @@ pub fn to_request(wire: schema::ReservationRequest) -> Result<ReserveRequest, Ap
     if wire.holder_pid == Some(0) {
         return Err(ApiError::invalid("holder_pid must be a process id, not 0"));
     }
+    match (wire.expect_seconds, wire.ttl_seconds) {
+        (Some(0), _) => {
+            return Err(ApiError::invalid(
+                "expect_seconds is how long the holder expects to hold it: at least 1",
+            ));
+        }
+        (Some(e), Some(ttl)) if e > ttl => {
+            return Err(ApiError::invalid(format!(
+                "expect_seconds {e} is longer than ttl_seconds {ttl}: the lease would end it                  first; expect at most the lease, or ask for a longer one"
+            )));
+        }
+        (Some(e), _) if e > crate::broker::MAX_TTL_SECONDS => {
+            return Err(ApiError::invalid(format!(
+                "expect_seconds {e} is longer than ten years ({} s)",
+                crate::broker::MAX_TTL_SECONDS
+            )));
+        }
+        _ => {}
+    }
     Ok(ReserveRequest {
         gpus,
         memory,
@@ -192,6 +211,7 @@ pub fn to_request(wire: schema::ReservationRequest) -> Result<ReserveRequest, Ap
         }),
         wait: wire.wait_seconds.map(Duration::from_secs),
         ttl_seconds: wire.ttl_seconds,
+        expect: wire.expect_seconds.map(Duration::from_secs),
         holder_pid: wire.holder_pid,
         labels: wire.labels,
         id: wire.id.as_deref().map(valid_id).transpose()?,

@@ -261,6 +261,7 @@ impl Ledger {
         for r in loaded {
             self.add_active(r);
         }
+        self.holds.retain(&self.active);
         Ok(())
     }
 
@@ -587,6 +588,9 @@ impl Ledger {
             memory = %format_bytes(r.units.first().map_or(0, |u| u.memory_bytes)),
             "reserved"
         );
+        if let Some(expect) = request.expect {
+            self.holds.expect(&r, queue::millis(expect));
+        }
         self.add_active(r.clone());
         Ok(r)
     }
@@ -643,10 +647,7 @@ impl Ledger {
             if self.settings.config.cdi.enabled {
                 self.effects.cdi_removed.push(id.clone());
             }
-            if r.ttl_seconds.is_none() {
-                self.holds
-                    .note(r.owner_uid, now.saturating_sub(r.created_at));
-            }
+            self.holds.ended(&r, now);
             let mut r = Arc::unwrap_or_clone(r);
             r.state = *state;
             r.ended_at = Some(now);

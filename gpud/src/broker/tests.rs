@@ -1200,6 +1200,28 @@ const DAVE: Caller = Caller {
     gid: 100,
     pid: None,
 };
+const ERIN: Caller = Caller {
+    uid: 1004,
+    gid: 100,
+    pid: None,
+};
+const FRANK: Caller = Caller {
+    uid: 1005,
+    gid: 100,
+    pid: None,
+};
+
+/// The id of the reservation `uid` holds (the first, if several).
+fn id_of(rules: &mut Rules, uid: u32) -> String {
+    rules
+        .ledger
+        .snapshot((0, 0))
+        .reservations
+        .iter()
+        .find(|r| r.owner_uid == uid)
+        .map(|r| r.id.clone())
+        .unwrap()
+}
 
 #[test]
 fn the_first_waiter_is_planned_from_lease_ends_and_what_would_delay_it_waits() {
@@ -1369,8 +1391,9 @@ fn a_hold_without_a_lease_is_expected_to_last_as_its_owners_did_and_longer_once_
         660_000,
     );
     assert_eq!(expected(&mut rules, 700_000)[0].1, Some(1_260_000));
-    // Outlived: twice as long, then four times.
-    assert_eq!(expected(&mut rules, 1_260_000)[0].1, Some(1_860_000));
+    // Due now, it is expected at any moment; outlived, twice as long, then four times.
+    assert_eq!(expected(&mut rules, 1_260_000)[0].1, Some(1_260_001));
+    assert_eq!(expected(&mut rules, 1_260_001)[0].1, Some(1_860_000));
     assert_eq!(expected(&mut rules, 1_900_000)[0].1, Some(3_060_000));
 }
 
@@ -1961,4 +1984,186 @@ fn a_lease_s_compute_share_stays_held_by_its_daemon_as_containers_attach_and_det
     assert!(now.mps_compute, "{now:?}");
     let effects = rules.ledger.take_effects();
     assert!(effects.ended_limited.is_empty() && effects.mps_started.is_empty());
+}
+
+/// Three GPUs held exclusively for 600 s leases, each saying when it ends: GPU 0 in 100 s,
+/// GPU 1 in 500 s, GPU 2 in 300 s.
+/// Nobody waits long enough in them to be first again (`starvation_after` of an hour).
+fn three_gpus_ending_at_100_500_300_s() -> Rules {
+    let mut config = Config::default();
+    config.wait.starvation_after = Duration::from_secs(3600);
+    let mut rules = Rules::new(3, config, vec![]);
+    for (caller, expect) in [(ALICE, 100), (BOB, 500), (CAROL, 300)] {
+        let r = ReserveRequest {
+            expect: Some(Duration::from_secs(expect)),
+            ..lease(MemoryAsk::Exclusive, 600)
+        };
+        rules.reserved(caller, r, 0);
+    }
+    rules
+}
+
+#[test]
+fn a_request_for_several_gpus_goes_first_on_the_gpus_that_free_first() {
+    let mut rules = three_gpus_ending_at_100_500_300_s();
+    let one = waiting(MemoryAsk::Exclusive, 600, Duration::from_secs(3600));
+    let two = ReserveRequest {
+        gpus: 2,
+        ..one.clone()
+    };
+    let _dave = queued(&mut rules, DAVE, one.clone(), 1_000);
+    let _erin = queued(&mut rules, ERIN, two.clone(), 2_000);
+    // Erin goes first, on GPUs 0 and 2 (free at 100 and 300 s), not on 1 (500 s); Dave
+    // after her, on GPU 1.
+    let plans = expected(&mut rules, 2_000);
+    assert_eq!(plans[0].0, DAVE.uid);
+    assert_eq!(plans[0].1, Some(500_000), "{plans:?}");
+    assert_eq!(plans[1].0, ERIN.uid);
+    assert_eq!(plans[1].1, Some(300_000), "{plans:?}");
+    assert!(plans[1].2.contains("GPU 2 ends"), "{plans:?}");
+    // GPU 0 frees: drained for Erin, it is not Dave's, whose lease would outlast her start.
+    let alice = id_of(&mut rules, ALICE.uid);
+    rules.release(ALICE, &alice, 100_000).unwrap();
+    assert_eq!(rules.tell_served(), 0);
+    // Listed first (the older), Dave is told why he waits behind Erin.
+    let why = first_reason(&mut rules, 100_000);
+    assert!(
+        why.contains(
+            "would delay the first request in line, planned to start in 3 min 20 s on GPU 0, 2"
+        ),
+        "{why}"
+    );
+    let e = rules
+        .reserve(DAVE, lease(MemoryAsk::Exclusive, 600), 100_000)
+        .map(|_| ())
+        .unwrap_err();
+    assert!(e.to_string().contains("would delay"), "{e}");
+    // A lease that ends by her start goes ahead on it.
+    let short = rules.reserved(FRANK, lease(gib(4), 100), 100_000);
+    assert_eq!(short.units[0].gpu_index, 0);
+    rules.release(FRANK, &short.id, 150_000).unwrap();
+    // GPU 2 frees: Erin is served on 0 and 2.
+    let carol = id_of(&mut rules, CAROL.uid);
+    rules.release(CAROL, &carol, 300_000).unwrap();
+    assert_eq!(rules.tell_served(), 1);
+    // Dave is first again, on GPU 1.
+    let plans = expected(&mut rules, 300_000);
+    assert_eq!((plans[0].0, plans[0].1), (DAVE.uid, Some(500_000)));
+}
+
+#[test]
+fn a_request_for_several_gpus_does_not_go_ahead_of_one_that_waited_starvation_after() {
+    // Default `starvation_after`: a minute.
+    for (comes, first) in [(59_000, ERIN.uid), (60_000, DAVE.uid)] {
+        let mut rules = Rules::plain(2);
+        for (caller, expect) in [(ALICE, 100), (BOB, 500)] {
+            let r = ReserveRequest {
+                expect: Some(Duration::from_secs(expect)),
+                ..lease(MemoryAsk::Exclusive, 600)
+            };
+            rules.reserved(caller, r, 0);
+        }
+        let one = waiting(MemoryAsk::Exclusive, 600, Duration::from_secs(3600));
+        let two = ReserveRequest {
+            gpus: 2,
+            ..one.clone()
+        };
+        let _dave = queued(&mut rules, DAVE, one, 0);
+        let _erin = queued(&mut rules, ERIN, two, comes);
+        let plans = expected(&mut rules, comes);
+        let planned_first = plans.iter().min_by_key(|p| p.1).unwrap();
+        assert_eq!(planned_first.0, first, "{comes}: {plans:?}");
+    }
+}
+
+/// The simulator's reference without the order for large requests: the older waiter
+/// goes first, and Erin's GPUs are drained only once it is served.
+#[cfg(feature = "sim")]
+#[test]
+fn first_come_first_served_plans_for_the_oldest_waiter_instead() {
+    let mut rules = three_gpus_ending_at_100_500_300_s();
+    let mut config = Config::default();
+    config.wait.policy = QueuePolicy::Fifo;
+    config.wait.starvation_after = Duration::from_secs(3600);
+    let settings = BrokerSettings {
+        admin_gids: vec![],
+        config,
+        groups: GroupLookup::default(),
+    };
+    rules.run(|l, t| l.set_settings(t, settings, 0));
+    let one = waiting(MemoryAsk::Exclusive, 600, Duration::from_secs(3600));
+    let two = ReserveRequest {
+        gpus: 2,
+        ..one.clone()
+    };
+    let _dave = queued(&mut rules, DAVE, one, 1_000);
+    let _erin = queued(&mut rules, ERIN, two, 2_000);
+    let plans = expected(&mut rules, 2_000);
+    assert_eq!(plans[0].1, Some(100_000), "Dave first, on GPU 0: {plans:?}");
+    assert_eq!(
+        plans[1].1,
+        Some(500_000),
+        "then Erin, on 1 and 2: {plans:?}"
+    );
+}
+
+#[test]
+fn a_lease_is_expected_to_last_the_share_of_it_its_owner_held_lately() {
+    for (past_holds, start) in [(true, 301_000), (false, 601_000)] {
+        let config = Config {
+            wait: crate::config::WaitConfig {
+                past_holds,
+                ..crate::config::WaitConfig::default()
+            },
+            ..Config::default()
+        };
+        let mut rules = Rules::new(1, config, vec![]);
+        // Alice releases a 100 s lease after 50 s: half of it.
+        let r = rules.reserved(ALICE, lease(MemoryAsk::Exclusive, 100), 0);
+        rules.release(ALICE, &r.id, 50_000).unwrap();
+        rules.reserved(ALICE, lease(MemoryAsk::Exclusive, 600), 1_000);
+        let _bob = queued(
+            &mut rules,
+            BOB,
+            waiting(MemoryAsk::Exclusive, 60, Duration::from_secs(3600)),
+            2_000,
+        );
+        assert_eq!(
+            expected(&mut rules, 2_000)[0].1,
+            Some(start),
+            "{past_holds}"
+        );
+        if past_holds {
+            // Outlived: twice as long, but never past the lease.
+            assert_eq!(expected(&mut rules, 301_001)[0].1, Some(601_000));
+        }
+    }
+}
+
+#[test]
+fn what_a_request_expects_lets_it_go_ahead_until_its_owner_is_found_to_outrun_it() {
+    let mut rules = Rules::plain(2);
+    let expecting = |secs| ReserveRequest {
+        expect: Some(Duration::from_secs(secs)),
+        ..lease(MemoryAsk::Exclusive, 600)
+    };
+    // Alice says 10 s and holds 100 s: her later expectations count ten times as long.
+    let r = rules.reserved(ALICE, expecting(10), 0);
+    rules.release(ALICE, &r.id, 100_000).unwrap();
+    // Bob holds GPU 0 until 500 s; Dave waits for both GPUs, planned at 500 s.
+    rules.reserved(BOB, expecting(300), 200_000);
+    let two = ReserveRequest {
+        gpus: 2,
+        ..waiting(MemoryAsk::Exclusive, 600, Duration::from_secs(3600))
+    };
+    let _dave = queued(&mut rules, DAVE, two, 200_000);
+    assert_eq!(expected(&mut rules, 200_000)[0].1, Some(500_000));
+    // 100 s from 200 s ends before 500 s, as Carol says it; not as Alice does (1000 s).
+    let e = rules
+        .reserve(ALICE, expecting(100), 200_000)
+        .map(|_| ())
+        .unwrap_err();
+    assert!(e.to_string().contains("would delay"), "{e}");
+    let carol = rules.reserved(CAROL, expecting(100), 200_000);
+    assert_eq!(carol.units[0].gpu_index, 1);
 }

@@ -34,6 +34,9 @@ pub struct ReserveRequest {
     pub wait: Option<Duration>,
     /// Lease length.
     pub ttl_seconds: Option<u64>,
+    /// How long its holder expects to hold it (`expect_seconds`): what the queue plans on,
+    /// never enforced.
+    pub expect: Option<Duration>,
     /// Process whose exit releases it.
     pub holder_pid: Option<u32>,
     /// Labels.
@@ -59,6 +62,7 @@ impl ReserveRequest {
             policy: None,
             wait: None,
             ttl_seconds: Some(ttl_seconds),
+            expect: None,
             holder_pid: None,
             labels: BTreeMap::new(),
             id: None,

@@ -73,6 +73,9 @@ pub struct Ask {
     /// Its lease (`ttl_seconds`); `None`: no lease, held until its client releases it (a
     /// process, as far as the queue can tell).
     pub lease: Option<u64>,
+    /// How long it says it expects to hold what it gets (`expect_seconds`, here to the
+    /// millisecond); `None`: it does not say.
+    pub expect: Option<Millis>,
     /// How long it waits for capacity before it gives up (`wait_seconds`).
     pub wait: Duration,
 }
@@ -100,8 +103,11 @@ pub struct Workload {
     pub whole_share: f64,
     /// Share of requests for several whole GPUs; the rest are fractional.
     pub multi_share: f64,
-    /// How many GPUs a multi-GPU request asks for, each as likely.
+    /// How many GPUs a multi-GPU request asks for, each as likely unless `multi_weights`
+    /// says otherwise.
     pub multi_gpus: Vec<u32>,
+    /// How likely each of `multi_gpus` is, relatively; empty: each as likely.
+    pub multi_weights: Vec<f64>,
     /// A fractional request asks for this share of a GPU's memory at least...
     pub fraction_min: f64,
     /// ...and at most (uniformly in between).
@@ -110,10 +116,15 @@ pub struct Workload {
     pub median_hold: Duration,
     /// Hold times are log-normal: `median × e^(sigma × Z)`, `Z` standard normal.
     pub hold_sigma: f64,
+    /// No hold is longer than this (`None`: no cap).
+    pub hold_cap: Option<Duration>,
     /// A request's lease is this many times its hold (rounded up to whole seconds).
     pub lease_factor: f64,
     /// Share of requests without a lease (held until released).
     pub leaseless_share: f64,
+    /// Whether each request says how long it will be held (`expect_seconds`: its hold,
+    /// exactly), so that the queue plans on exact ends.
+    pub expect: bool,
     /// How long each request waits before it gives up.
     pub wait: Duration,
 }
@@ -130,13 +141,38 @@ impl Default for Workload {
             whole_share: 0.55,
             multi_share: 0.01,
             multi_gpus: vec![2, 4],
+            multi_weights: Vec::new(),
             fraction_min: 0.25,
             fraction_max: 0.9,
             median_hold: Duration::from_secs(600),
             hold_sigma: 1.0,
+            hold_cap: None,
             lease_factor: 2.0,
             leaseless_share: 0.0,
+            expect: false,
             wait: Duration::from_secs(60_000),
+        }
+    }
+}
+
+impl Workload {
+    /// The mix of issue #44, Alibaba's `openb` trace as it was replayed against gpud on the
+    /// `dgx-a100` fixture (8 × 80 GiB): 55.4% whole GPUs, 43.6% fractions (from a quarter
+    /// to nine tenths of a GPU), 2, 4 and 8 GPUs at 0.23%, 0.21% and 0.62%; holds compressed
+    /// to a median of 0.6 s and capped at 12 s, with the heavy tail that makes a capped hold
+    /// one of those running about 98.6% of the time (σ = 2.4); leases of twice the hold;
+    /// waits of 60 s (100 median holds).
+    pub fn openb() -> Workload {
+        Workload {
+            whole_share: 0.554,
+            multi_share: 0.0106,
+            multi_gpus: vec![2, 4, 8],
+            multi_weights: vec![0.23, 0.21, 0.62],
+            median_hold: Duration::from_millis(600),
+            hold_sigma: 2.4,
+            hold_cap: Some(Duration::from_secs(12)),
+            wait: Duration::from_secs(60),
+            ..Workload::default()
         }
     }
 }
@@ -155,6 +191,14 @@ impl Workload {
             Some("shares are between 0 and 1, and whole + multi at most 1")
         } else if self.multi_share > 0.0 && self.multi_gpus.is_empty() {
             Some("multi-GPU requests need a size (multi_gpus)")
+        } else if !self.multi_weights.is_empty()
+            && (self.multi_weights.len() != self.multi_gpus.len()
+                || self.multi_weights.iter().any(|w| w.is_nan() || *w < 0.0)
+                || self.multi_weights.iter().sum::<f64>() <= 0.0)
+        {
+            Some("multi_weights: one weight of at least 0 per size, not all 0")
+        } else if self.hold_cap.is_some_and(|c| c.is_zero()) {
+            Some("a hold cap is above 0")
         } else if self.fraction_min.is_nan()
             || self.fraction_max.is_nan()
             || self.fraction_min <= 0.0
@@ -194,7 +238,19 @@ impl Generator {
         let w = &self.workload;
         let u: f64 = self.rng.random();
         let (class, gpus, memory) = if u < w.multi_share {
-            let i = self.rng.random_range(0..w.multi_gpus.len().max(1));
+            let i = if w.multi_weights.is_empty() {
+                self.rng.random_range(0..w.multi_gpus.len().max(1))
+            } else {
+                let total: f64 = w.multi_weights.iter().sum();
+                let mut x = self.rng.random::<f64>() * total;
+                w.multi_weights
+                    .iter()
+                    .position(|p| {
+                        x -= p;
+                        x < 0.0
+                    })
+                    .unwrap_or(w.multi_weights.len() - 1)
+            };
             let gpus = w.multi_gpus.get(i).copied().unwrap_or(2);
             (Class::Multi, gpus, MemoryAsk::Exclusive)
         } else if u < w.multi_share + w.whole_share {
@@ -207,7 +263,8 @@ impl Generator {
         };
         let z = standard_normal(&mut self.rng);
         let median = as_f64(millis(w.median_hold));
-        let hold = to_u64(median * (w.hold_sigma * z).exp()).max(1);
+        let cap = w.hold_cap.map_or(Millis::MAX, millis);
+        let hold = to_u64(median * (w.hold_sigma * z).exp()).clamp(1, cap.max(1));
         let lease = if self.rng.random::<f64>() < w.leaseless_share {
             None
         } else {
@@ -220,6 +277,7 @@ impl Generator {
             memory,
             hold,
             lease,
+            expect: w.expect.then_some(hold),
             wait: w.wait,
         }
     }
@@ -376,12 +434,36 @@ pub struct Report {
     pub expired: u64,
     /// Committed transactions, the warm-up included.
     pub steps: u64,
+    /// The longest hold drawn in the run, the warm-up included.
+    pub longest_hold: Millis,
 }
 
 impl Report {
     /// The report of `class`.
     pub fn class(&self, class: Class) -> Option<&ClassReport> {
         self.classes.iter().find(|c| c.class == class)
+    }
+
+    /// The longest wait of any class (those still open at the end included).
+    pub fn longest_wait(&self) -> Millis {
+        self.classes
+            .iter()
+            .map(ClassReport::longest)
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// The requests that gave up, of any class.
+    pub fn timed_out(&self) -> u64 {
+        self.classes.iter().map(|c| c.timed_out).sum()
+    }
+
+    /// The longest wait over the longest hold drawn (0 without a hold).
+    pub fn tail_ratio(&self) -> f64 {
+        if self.longest_hold == 0 {
+            return 0.0;
+        }
+        as_f64(self.longest_wait()) / as_f64(self.longest_hold)
     }
 }
 
@@ -525,6 +607,7 @@ struct Sim {
     expired: u64,
     committed: u64,
     retry_after: Millis,
+    longest_hold: Millis,
 }
 
 impl Sim {
@@ -586,6 +669,7 @@ impl Sim {
             expired: 0,
             committed: 0,
             retry_after: millis(w.median_hold).max(1),
+            longest_hold: 0,
         };
         Ok((sim, store))
     }
@@ -709,12 +793,14 @@ impl Sim {
         t: Millis,
     ) -> Result<(), SimError> {
         let ask = source.ask(client, t);
+        self.longest_hold = self.longest_hold.max(ask.hold);
         self.next_id += 1;
         let id = format!("sim-{client}-{}", self.next_id);
         let request = ReserveRequest {
             gpus: ask.gpus,
             wait: Some(ask.wait),
             ttl_seconds: ask.lease,
+            expect: ask.expect.map(Duration::from_millis),
             // A chosen id is how a request without a lease is accepted (it is held until
             // released, as by a process), and how a served waiter is told apart.
             id: Some(id.clone()),
@@ -864,6 +950,7 @@ impl Sim {
             median_hold: self.retry_after,
             expired: self.expired,
             steps: self.committed,
+            longest_hold: self.longest_hold,
         }
     }
 }
@@ -897,6 +984,7 @@ mod tests {
             memory,
             hold: hold_s * SECOND,
             lease: Some(2 * hold_s),
+            expect: None,
             wait: Duration::from_secs(wait_s),
         }
     }
@@ -982,6 +1070,41 @@ mod tests {
         near(at(0.5) / 600_000.0, 1.0, 0.02);
         near(at(0.8413) / 600_000.0, std::f64::consts::E, 0.06);
         near(at(0.1587) / 600_000.0, 1.0 / std::f64::consts::E, 0.01);
+    }
+
+    #[test]
+    fn the_openb_mix_draws_its_shares_and_caps_its_holds() {
+        let mut g = Generator::new(Workload::openb(), 7);
+        let n = 200_000;
+        let draws: Vec<Ask> = (0..n).map(|_| g.draw()).collect();
+        let share = |f: &dyn Fn(&Ask) -> bool| {
+            as_f64(draws.iter().filter(|a| f(a)).count() as u64) / as_f64(n)
+        };
+        let near = |got: f64, want: f64, tolerance: f64| {
+            assert!(
+                (got - want).abs() <= tolerance,
+                "{got} is not {want} ± {tolerance}"
+            );
+        };
+        near(share(&|a| a.class == Class::Whole), 0.554, 0.005);
+        near(share(&|a| a.gpus == 2), 0.0023, 0.0005);
+        near(share(&|a| a.gpus == 4), 0.0021, 0.0005);
+        near(share(&|a| a.gpus == 8), 0.0062, 0.0008);
+        assert!(draws.iter().all(|a| a.hold <= 12_000 && a.expect.is_none()));
+        let mut holds: Vec<Millis> = draws.iter().map(|a| a.hold).collect();
+        holds.sort_unstable();
+        near(as_f64(holds[holds.len() / 2]), 600.0, 15.0);
+        // The heavy tail: about one hold in nine is capped.
+        near(share(&|a| a.hold == 12_000), 0.106, 0.01);
+        let told = Generator::new(
+            Workload {
+                expect: true,
+                ..Workload::openb()
+            },
+            7,
+        )
+        .draw();
+        assert_eq!(told.expect, Some(told.hold));
     }
 
     #[test]

@@ -1,13 +1,18 @@
 //! The queue's plan: when each waiter is expected to fit, and which later requests may go
 //! ahead of the first one without delaying it (`[wait] policy = "planned"`).
 //!
-//! **Expected ends.** A reservation with a lease is expected to end when its lease does
-//! (the holder may release sooner, and a renewal moves it; every decision plans anew from
-//! the ledger as it is). One without a lease (held by a process, a cgroup, a pod) is
-//! expected to last as long as its owner's recent lease-less reservations did (a moving
-//! average of their lengths, [`PastHolds::note`]), or `[wait] assumed_hold` while the
-//! owner has none. One that outlives that is expected to last twice as long, then four
-//! times, and so on: the plan follows reality instead of insisting on a past end.
+//! **Expected ends.** A reservation made with `expect_seconds` is expected to end when its
+//! holder said (scaled by how far that owner's holds outran what they said lately). One
+//! with a lease is expected to end when its lease does, or (`[wait] past_holds`) after the
+//! share of its lease its owner's leases lasted lately. One without a lease (held by a
+//! process, a cgroup, a pod) is expected to last as long as its owner's recent lease-less
+//! reservations did, or `[wait] assumed_hold` while the owner has none. An estimate that is
+//! outlived doubles, then doubles again, never past the lease: the plan follows reality
+//! instead of insisting on a past end. All of it is [`PastHolds`].
+//!
+//! **The first waiter.** The oldest waiter its quotas allow now; under `planned`, the oldest
+//! such request for several GPUs goes ahead of it unless it has waited `starvation_after`,
+//! so that the GPUs that free first are drained for the large request from when it comes.
 //!
 //! **The projection.** The machine's loads are carried forward through the expected ends,
 //! in order; each waiter, in queue order, starts at the first moment it fits (never before
@@ -17,15 +22,15 @@
 //!
 //! **The gate.** A later request (new, or further back in the queue) goes ahead of the
 //! first waiter only if it fits now and either uses no GPU the first waiter is planned on,
-//! or is expected to end by the planned start, or leaves the first waiter room at its
-//! planned start even so. What goes ahead is placed off the first waiter's GPUs where it
-//! fits there.
+//! or is bound to end by the planned start (its lease, or what it expects within it), or
+//! leaves the first waiter room at its planned start even so. What goes ahead is placed
+//! off the first waiter's GPUs where it fits there.
 //!
 //! **What keeps the plan honest.** Asking for a long lease never helps a request go ahead:
 //! its lease is its expected end, so a longer one only makes it less likely to end before
-//! the planned start. A short lease binds its holder (gpud ends it unless renewed). A hold
-//! without a lease is judged by its owner's own past holds, so overstaying makes that
-//! owner's later requests less likely to go ahead. And whatever outlives its prediction,
+//! the planned start. A short lease binds its holder (gpud ends it unless renewed). What a
+//! holder expects is checked when the hold ends, and scales that owner's later
+//! expectations. A hold without a lease never goes ahead on its estimate. And whatever outlives its prediction,
 //! the first waiter's first planned start is remembered: once it has waited
 //! `starvation_after` past it, nothing more goes on the GPUs it could use (the guard).
 
@@ -79,6 +84,18 @@ const NEWEST_HOLD_QUARTERS: u64 = 1;
 /// Past holds of each user replayed into the moving average at start: the 32nd newest
 /// weighs (3/4)^31, about 1/10 000, in it.
 pub(super) const PAST_HOLDS: u32 = 32;
+
+/// Whether `policy` plans the queue (`planned`, and the simulator's `Fifo`).
+pub(super) fn plans(policy: QueuePolicy) -> bool {
+    match policy {
+        QueuePolicy::Planned => true,
+        QueuePolicy::Guard => false,
+        #[cfg(feature = "sim")]
+        QueuePolicy::PackingBound => false,
+        #[cfg(feature = "sim")]
+        QueuePolicy::Fifo => true,
+    }
+}
 
 /// What the queue lets a request that is not its first waiter do now.
 #[derive(Debug, Clone)]
@@ -193,31 +210,99 @@ fn remove(loads: &mut [UnitLoad], units: &[(usize, u64)], exclusive: bool, compu
     }
 }
 
-/// How long each user's reservations without a lease were held lately: a moving average
-/// per uid, in ms.
+/// What the plan knows of holds beyond their leases: how long each user's reservations
+/// without a lease were held lately (a moving average per uid, in ms), how much of their
+/// leases each user's leased ones lasted (a moving average per uid, in thousandths), and
+/// how long the active reservations that said so are expected to be held
+/// (`expect_seconds`).
 #[derive(Debug, Default)]
 pub(super) struct PastHolds {
     by_uid: HashMap<u32, Millis>,
+    of_lease: HashMap<u32, u64>,
+    expected: HashMap<String, Millis>,
+    /// How far each user's holds outran what they expected, in thousandths (a moving
+    /// average of held ÷ expected, at least 1000): what their next `expect` is scaled by.
+    overran: HashMap<u32, u64>,
+}
+
+/// `old` moved a quarter of the way to `new`.
+fn moving(old: Option<u64>, new: u64) -> u64 {
+    old.map_or(new, |old| {
+        (old.saturating_mul(4 - NEWEST_HOLD_QUARTERS))
+            .saturating_add(new.saturating_mul(NEWEST_HOLD_QUARTERS))
+            / 4
+    })
 }
 
 impl PastHolds {
     /// Records that a reservation of `uid` without a lease was held for `held` ms.
     pub fn note(&mut self, uid: u32, held: Millis) {
-        let estimate = self
-            .by_uid
-            .get(&uid)
-            .map_or(held, |&old| {
-                (old.saturating_mul(4 - NEWEST_HOLD_QUARTERS))
-                    .saturating_add(held.saturating_mul(NEWEST_HOLD_QUARTERS))
-                    / 4
-            })
-            .max(1);
+        let estimate = moving(self.by_uid.get(&uid).copied(), held).max(1);
         self.by_uid.insert(uid, estimate);
     }
 
     /// The estimate for `uid`, once one of its holds ended.
     pub fn of(&self, uid: u32) -> Option<Millis> {
         self.by_uid.get(&uid).copied()
+    }
+
+    /// Notes that `r` is expected to be held `hold` ms (its `expect_seconds`).
+    pub fn expect(&mut self, r: &Reservation, hold: Millis) {
+        self.expected.insert(r.id.clone(), hold.max(1));
+    }
+
+    /// Forgets what was expected of reservations no longer `active` (rolled back).
+    pub fn retain(&mut self, active: &super::Reservations) {
+        self.expected.retain(|id, _| active.get(id).is_some());
+    }
+
+    /// Records that `r` ended at `now`: what its owner's holds are learned from.
+    pub fn ended(&mut self, r: &Reservation, now: Millis) {
+        let held = now.saturating_sub(r.created_at);
+        if let Some(expected) = self.expected.remove(&r.id) {
+            let ran = (held.saturating_mul(1000) / expected.max(1)).max(1000);
+            let old = self.overran.get(&r.owner_uid).copied();
+            self.overran.insert(r.owner_uid, moving(old, ran));
+        }
+        match r.ttl_seconds {
+            None => self.note(r.owner_uid, held),
+            Some(ttl) => {
+                let lease = ttl.saturating_mul(1000).max(1);
+                let share = (held.saturating_mul(1000) / lease).clamp(1, 1000);
+                let old = self.of_lease.get(&r.owner_uid).copied();
+                self.of_lease.insert(r.owner_uid, moving(old, share).max(1));
+            }
+        }
+    }
+
+    /// How long `r` is expected to be held in all, if anything says better than its lease:
+    /// its `expect_seconds` (scaled by how far its owner outran what they expected lately),
+    /// or (`leased`: `[wait] past_holds`) the share of its lease its owner's leases lasted
+    /// lately.
+    fn hold_of(&self, r: &Reservation, leased: bool) -> Option<Millis> {
+        if let Some(&expect) = self.expected.get(&r.id) {
+            return Some(self.expecting(r.owner_uid, expect));
+        }
+        let ttl = r.ttl_seconds?;
+        let share = self.of_lease.get(&r.owner_uid).filter(|_| leased)?;
+        Some((ttl.saturating_mul(*share)).max(1))
+    }
+
+    /// How long a request of `uid` that expects `expect` is expected to hold: what it says,
+    /// scaled by how far its owner's holds outran what they said lately.
+    fn expecting(&self, uid: u32, expect: Millis) -> Millis {
+        let overran = self.overran.get(&uid).copied().unwrap_or(1000);
+        expect.saturating_mul(overran).div_ceil(1000).max(1)
+    }
+
+    /// As [`PastHolds::hold_of`], for a request not yet placed.
+    fn hold_of_request(&self, uid: u32, request: &ReserveRequest, leased: bool) -> Option<Millis> {
+        if let Some(expect) = request.expect {
+            return Some(self.expecting(uid, crate::broker::ledger::queue::millis(expect)));
+        }
+        let ttl = request.ttl_seconds?;
+        let share = self.of_lease.get(&uid).filter(|_| leased)?;
+        Some((ttl.saturating_mul(*share)).max(1))
     }
 }
 
@@ -229,26 +314,53 @@ impl Ledger {
         })
     }
 
-    /// How long `request` of `uid` is expected to hold what it gets.
+    /// How long `request` of `uid` is expected to hold what it gets: what it expects, or
+    /// what its owner's leases lasted, or its lease, or (without one) its owner's past holds.
     pub(super) fn expected_hold(&self, uid: u32, request: &ReserveRequest) -> Millis {
+        let leased = self.settings.config.wait.past_holds;
+        if let Some(hold) = self.holds.hold_of_request(uid, request, leased) {
+            return hold;
+        }
         match request.ttl_seconds {
             Some(ttl) => ttl.saturating_mul(1000),
             None => self.assumed_hold(uid),
         }
     }
 
-    /// When `r` is expected to end, as of `now` (always later than `now`).
+    /// What binds how long `request` of `uid` holds, for going ahead of the first waiter:
+    /// its lease, or what it expects within it (scaled by how far its owner outran what
+    /// they expected lately). `None` without a lease: nothing binds it.
+    fn bound_of(&self, uid: u32, request: &ReserveRequest) -> Option<Millis> {
+        let lease = request.ttl_seconds?.saturating_mul(1000);
+        let expect = request.expect.map(|e| {
+            self.holds
+                .expecting(uid, crate::broker::ledger::queue::millis(e))
+        });
+        Some(expect.map_or(lease, |e| e.min(lease)))
+    }
+
+    /// When `r` is expected to end, as of `now` (always later than `now`): when it said it
+    /// would, or when its owner's holds say, or when its lease ends. An estimate that is
+    /// outlived doubles until it lies ahead; a lease's end is a bound it never passes.
     fn expected_end(&self, r: &Reservation, now: Millis) -> Millis {
-        if let Some(at) = r.expires_at {
-            return at.max(now.saturating_add(1));
-        }
-        let mut hold = self.assumed_hold(r.owner_uid);
+        let leased = self.settings.config.wait.past_holds;
+        let estimate = self.holds.hold_of(r, leased).or_else(|| {
+            r.expires_at
+                .is_none()
+                .then(|| self.assumed_hold(r.owner_uid))
+        });
+        let Some(mut hold) = estimate else {
+            return r.expires_at.unwrap_or(now).max(now.saturating_add(1));
+        };
         let held = now.saturating_sub(r.created_at);
         // Outlived: twice the estimate, then four times, … until it lies ahead.
-        while hold <= held && hold < Millis::MAX / 2 {
+        while hold < held && hold < Millis::MAX / 2 {
             hold = hold.saturating_mul(2);
         }
-        r.created_at.saturating_add(hold).max(now.saturating_add(1))
+        let end = r.created_at.saturating_add(hold);
+        r.expires_at
+            .map_or(end, |lease| end.min(lease))
+            .max(now.saturating_add(1))
     }
 
     /// Reserved `units` by position, with their bytes.
@@ -259,28 +371,44 @@ impl Ledger {
             .collect()
     }
 
-    /// Whether the queue's first waiter (in queue order, skipping those whose quotas do
-    /// not allow them now) is this position.
-    fn first_waiter(&mut self) -> Option<usize> {
-        for i in 0..self.queue.len() {
-            let w = &self.queue[i];
-            if w.is_gone() {
-                continue;
-            }
-            let (caller, request) = (w.caller, w.request.clone());
-            // Its quotas allow it: by the least it could add, and by where it would go now.
-            if self
-                .check_quota_of_request(&caller, &request, Counted::Held)
-                .is_ok()
-                && !matches!(
-                    self.choose(&caller, &request, None),
-                    Err(BrokerError::QuotaExceeded(_))
-                )
-            {
-                return Some(i);
-            }
+    /// The queue's first waiter at `now`: the oldest whose quotas allow it now, skipping
+    /// those they do not; or (`planned`) the oldest such request for several GPUs, put
+    /// ahead of the older ones, unless the oldest has waited `starvation_after` already.
+    /// Whether one was put ahead is kept in the queue ([`WaitQueue::promoted`]).
+    fn first_waiter(&mut self, now: Millis) -> Option<usize> {
+        let oldest = (0..self.queue.len()).find(|&i| self.allowed_now(i));
+        let wait = &self.settings.config.wait;
+        let ahead = wait.policy == QueuePolicy::Planned;
+        let starvation = crate::broker::ledger::queue::millis(wait.starvation_after);
+        let promoted = oldest
+            .filter(|&i| ahead && self.queue[i].request.gpus < 2)
+            .filter(|&i| now.saturating_sub(self.queue[i].since) < starvation)
+            .and_then(|_| {
+                let large: Vec<usize> = self
+                    .queue
+                    .large()
+                    .filter_map(|t| self.queue.position(t))
+                    .collect();
+                large.into_iter().find(|&i| self.allowed_now(i))
+            });
+        self.queue.promote(promoted.map(|i| self.queue[i].ticket));
+        promoted.or(oldest)
+    }
+
+    /// Whether waiter `i` waits for capacity alone: not gone, and its quotas allow it now
+    /// (by the least it could add, and by where it would go now).
+    fn allowed_now(&mut self, i: usize) -> bool {
+        let w = &self.queue[i];
+        if w.is_gone() {
+            return false;
         }
-        None
+        let (caller, request) = (w.caller, w.request.clone());
+        self.check_quota_of_request(&caller, &request, Counted::Held)
+            .is_ok()
+            && !matches!(
+                self.choose(&caller, &request, None),
+                Err(BrokerError::QuotaExceeded(_))
+            )
     }
 
     /// Projects the queue forward from `now` through the expected ends: each waiter whose
@@ -288,7 +416,7 @@ impl Ledger {
     /// start, those behind them are told that none is planned that far back (a change then
     /// costs placements for at most `planned` waiters, however long the queue).
     pub(in crate::broker) fn project(&mut self, now: Millis, planned: usize) -> Projection {
-        let Some(first) = self.first_waiter() else {
+        let Some(first) = self.first_waiter(now) else {
             return Projection::default();
         };
         let mut freed: Vec<Freed> = Vec::new();
@@ -313,7 +441,17 @@ impl Ledger {
         let mut last: Option<Whose> = None;
         let mut out = Vec::new();
         let mut beyond = None;
-        for i in first..self.queue.len() {
+        // The first, then the rest in order: from the first, or from the start of the queue
+        // when the first was put ahead of older waiters.
+        let from = if self.queue.promoted().is_some() {
+            0
+        } else {
+            first
+        };
+        let order: Vec<usize> = std::iter::once(first)
+            .chain((from..self.queue.len()).filter(|&i| i != first))
+            .collect();
+        for i in order {
             let w = &self.queue[i];
             if w.is_gone() {
                 continue;
@@ -324,7 +462,7 @@ impl Ledger {
                 break;
             }
             let (caller, request) = (w.caller, w.request.clone());
-            if i > first
+            if i != first
                 && self
                     .check_quota_of_request(&caller, &request, Counted::Held)
                     .is_err()
@@ -414,10 +552,10 @@ impl Ledger {
     /// What the queue lets a request that is not its first waiter do now.
     pub(in crate::broker) fn gate(&mut self, now: Millis) -> Gate {
         let first = match self.settings.config.wait.policy {
-            QueuePolicy::Planned => self.project(now, 1).planned.into_iter().next(),
-            QueuePolicy::Guard => None,
             #[cfg(feature = "sim")]
             QueuePolicy::PackingBound => return Gate::Open,
+            p if plans(p) => self.project(now, 1).planned.into_iter().next(),
+            _ => None,
         };
         self.gate_for(now, first)
     }
@@ -496,9 +634,11 @@ impl Ledger {
                     return Ok(Some(units.clone()));
                 }
                 let chosen = self.choose(caller, request, None)?;
-                // Only a lease is a bound on when it ends; an estimate could be trained.
-                if request.ttl_seconds.is_some()
-                    && now.saturating_add(self.expected_hold(caller.uid, request)) <= *start
+                // Only a lease is a bound on when it ends, or what its holder says within
+                // it; an estimate from past holds could be trained.
+                if self
+                    .bound_of(caller.uid, request)
+                    .is_some_and(|b| now.saturating_add(b) <= *start)
                 {
                     return Ok(None);
                 }
@@ -527,7 +667,7 @@ impl Ledger {
 
     /// Tells `gate` that `r` went ahead of its first waiter: what outlasts the planned
     /// start is there at the start too.
-    pub(in crate::broker) fn went_ahead(&self, gate: &mut Gate, r: &Reservation, now: Millis) {
+    pub(in crate::broker) fn went_ahead(&self, gate: &mut Gate, r: &Reservation) {
         if let Gate::Planned {
             request,
             start,
@@ -535,7 +675,7 @@ impl Ledger {
             at_start,
             ..
         } = gate
-            && self.expected_end(r, now) > *start
+            && r.expires_at.is_none_or(|end| end > *start)
         {
             add(at_start, &self.positions(&r.units), r.exclusive, r.compute);
             // It may have taken the first waiter's planned GPUs, leaving it room elsewhere

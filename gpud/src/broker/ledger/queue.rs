@@ -114,6 +114,8 @@ pub(super) struct Told {
     /// The first waiter's ticket: the waiters after it are behind it. `None`: no waiter is
     /// protected, every one is told the reason in front.
     pub(in crate::broker::ledger) first: Option<u64>,
+    /// Whether the first waiter was put ahead of older ones: then every other is behind it.
+    pub(in crate::broker::ledger) promoted: bool,
     /// The first waiter's planned start, made at every change (`planned` policy).
     pub(in crate::broker::ledger) first_planned: Option<(u64, PlannedStart)>,
     /// The planned starts of the waiters behind it, by ticket, as the last projection of
@@ -124,10 +126,16 @@ pub(super) struct Told {
     pub(in crate::broker::ledger) beyond: Option<(u64, Arc<str>)>,
 }
 
+/// Whether the waiter with `ticket` is behind the first waiter `first`: after it in line,
+/// or anywhere else when the first was put ahead of older waiters (`promoted`).
+fn behind(ticket: u64, first: Option<u64>, promoted: bool) -> bool {
+    first.is_some_and(|f| ticket > f || (promoted && ticket != f))
+}
+
 impl Told {
     /// Why the waiter with `ticket` and `kind` waits.
     fn why(&self, ticket: u64, kind: &Kind) -> Option<&Arc<str>> {
-        let behind = self.first.is_some_and(|first| ticket > first);
+        let behind = behind(ticket, self.first, self.promoted);
         let side = if behind { &self.behind } else { &self.ahead };
         side.get(kind).or_else(|| self.ahead.get(kind))
     }
@@ -236,6 +244,10 @@ pub(super) struct WaitQueue {
     /// What readers list: the waiters in order, and what they were told.
     listed: Waiting,
     next_ticket: u64,
+    /// The tickets of the waiters that ask for several GPUs, in order.
+    large: BTreeSet<u64>,
+    /// The waiter for several GPUs the plan put ahead of older waiters, if any.
+    promoted: Option<u64>,
 }
 
 /// Milliseconds in `d`, saturating.
@@ -307,6 +319,10 @@ impl WaitQueue {
         let w = self.waiters.remove(i)?;
         self.listed.entries.remove(i);
         self.give_ups.remove(&(w.gives_up_at, w.ticket));
+        self.large.remove(&w.ticket);
+        if self.promoted == Some(w.ticket) {
+            self.promoted = None;
+        }
         if let Some(k) = self.kinds.get_mut(&w.kind) {
             k.count -= 1;
             if k.count == 0 {
@@ -373,6 +389,9 @@ impl WaitQueue {
         let wait = request.wait.unwrap_or_default();
         let gives_up_at = now.saturating_add(millis(wait));
         self.give_ups.insert((gives_up_at, ticket));
+        if request.gpus >= 2 {
+            self.large.insert(ticket);
+        }
         let request = Arc::new(request);
         let kind = Kind::of(&caller, &request);
         let kind = match self.kinds.get_key_value(&kind) {
@@ -478,8 +497,30 @@ impl WaitQueue {
         out
     }
 
+    /// The tickets of the waiters for several GPUs, oldest first.
+    pub fn large(&self) -> impl Iterator<Item = u64> + '_ {
+        self.large.iter().copied()
+    }
+
+    /// Notes which waiter for several GPUs the plan put ahead of older ones, if any.
+    pub fn promote(&mut self, ticket: Option<u64>) {
+        self.promoted = ticket;
+    }
+
+    /// The waiter for several GPUs put ahead of older ones, if any.
+    pub fn promoted(&self) -> Option<u64> {
+        self.promoted
+    }
+
+    /// Whether the waiter with `ticket` is behind the first waiter `first` ([`behind`]).
+    pub fn is_behind(&self, ticket: u64, first: Option<u64>) -> bool {
+        behind(ticket, first, first.is_some() && self.promoted == first)
+    }
+
     /// Fails every request with `error`.
     pub fn fail_all(&mut self, error: &BrokerError) {
+        self.large.clear();
+        self.promoted = None;
         self.give_ups.clear();
         self.kinds.clear();
         self.per_uid.clear();

@@ -13,7 +13,6 @@ use super::{Gate, Ledger, Served};
 use crate::broker::error::{BrokerError, NoCapacity};
 use crate::broker::ledger::queue::{Kind, Told, Waiter};
 use crate::broker::types::{Caller, ReserveRequest};
-use crate::config::QueuePolicy;
 use crate::holder::PinnedProcess;
 use crate::model::{Millis, Reservation};
 use crate::store::Txn;
@@ -80,7 +79,7 @@ impl Ledger {
 
     fn serve_in_order(&mut self, txn: &mut Txn<'_>, now: Millis) {
         #[cfg(feature = "sim")]
-        if self.settings.config.wait.policy == QueuePolicy::PackingBound {
+        if self.settings.config.wait.policy == crate::config::QueuePolicy::PackingBound {
             // Largest first (all it asks for, on the largest GPU); the sort is stable, so
             // equals keep their order.
             let largest = self.units().iter().map(|u| u.memory_total_bytes).max();
@@ -112,11 +111,25 @@ impl Ledger {
             // The kinds of the waiters in front of the first one (and it), with how many
             // of them stay there: a kind all of whose waiters are in front has none behind.
             let mut in_front: FxHashMap<usize, (Arc<Kind>, usize)> = FxHashMap::default();
+            // A first waiter put ahead of older ones is tried before them; every other
+            // waiter is behind it.
+            let ahead = first.filter(|&f| self.queue.promoted() == Some(f));
+            if let Some(i) = ahead.and_then(|f| self.queue.position(f)) {
+                let kind = self.queue[i].kind.clone();
+                if self.serve_waiter(txn, i, None, now, &mut stay) == Outcome::Left {
+                    continue 'plan;
+                }
+                in_front.insert(Arc::as_ptr(&kind) as usize, (kind, 1));
+            }
             let mut kinds_behind = None;
             let mut i = 0;
             while i < self.queue.len() {
                 let (ticket, kind) = (self.queue[i].ticket, self.queue[i].kind.clone());
-                let behind = first.is_some_and(|f| ticket > f);
+                if ahead == Some(ticket) {
+                    i += 1;
+                    continue;
+                }
+                let behind = self.queue.is_behind(ticket, first);
                 // How many kinds wait on this side: while every one of them stays as it
                 // is, so does every waiter left. In front of a first waiter, no bound.
                 let kinds = if behind {
@@ -265,15 +278,15 @@ impl Ledger {
     fn refresh_reasons_now(&mut self, now: Millis, whole: bool) {
         // One projection serves the gate (its first entry) and the listing.
         let planned = if whole { PLANNED_AHEAD } else { 1 };
-        let projected = match self.settings.config.wait.policy {
-            QueuePolicy::Planned => self.project(now, planned),
-            QueuePolicy::Guard => Projection::default(),
-            #[cfg(feature = "sim")]
-            QueuePolicy::PackingBound => Projection::default(),
+        let projected = if super::plan::plans(self.settings.config.wait.policy) {
+            self.project(now, planned)
+        } else {
+            Projection::default()
         };
         let gate = self.gate_for(now, projected.planned.first().cloned());
         let mut told = Told {
             first: gate.ticket(),
+            promoted: gate.ticket().is_some() && self.queue.promoted() == gate.ticket(),
             ..Told::default()
         };
         if !whole {
@@ -296,6 +309,7 @@ impl Ledger {
                     .queue
                     .iter()
                     .take_while(|w| w.ticket <= first)
+                    .filter(|w| !told.promoted || w.ticket == first)
                     .filter(|w| seen.insert(Arc::as_ptr(&w.kind)))
                     .map(|w| (w.kind.clone(), w.caller, w.request.clone()))
                     .collect();
@@ -404,7 +418,7 @@ impl Ledger {
                 }
                 (e, _) => e,
             })?;
-        self.went_ahead(gate, &r, now);
+        self.went_ahead(gate, &r);
         Ok(r)
     }
 }
