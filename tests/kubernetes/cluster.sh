@@ -171,7 +171,7 @@ EOF
         --authorization-mode Node,RBAC --enable-admission-plugins NodeRestriction \
         --service-account-issuer https://kubernetes.default.svc \
         --service-account-key-file "$p/sa.pub" --service-account-signing-key-file "$p/sa.key" \
-        --service-cluster-ip-range 10.96.0.0/24 --allow-privileged=true \
+        --service-cluster-ip-range 10.96.0.0/24 --allow-privileged=true --endpoint-reconciler-type none \
         --audit-policy-file "$K8S_DIR/audit-policy.yaml" --audit-log-path "$K8S_DIR/log/audit.log"
     k8s_wait 120 kubectl get --raw /readyz || {
         echo "kubernetes: the API server did not become ready" >&2
@@ -183,7 +183,7 @@ EOF
         --authorization-kubeconfig "$p/controller-manager.kubeconfig" \
         --bind-address 127.0.0.1 --secure-port 20257 --leader-elect=false \
         --service-account-private-key-file "$p/sa.key" --root-ca-file "$p/ca.crt" \
-        --use-service-account-credentials=false --controllers '*'
+        --use-service-account-credentials=true --controllers '*'
     k8s_spawn kube-scheduler "$k8s_bin/kube-scheduler" --kubeconfig "$p/scheduler.kubeconfig" \
         --authentication-kubeconfig "$p/scheduler.kubeconfig" \
         --authorization-kubeconfig "$p/scheduler.kubeconfig" \
@@ -209,6 +209,10 @@ state = "$c/state"
   [plugins.'io.containerd.cri.v1.images'.pinned_images]
     sandbox = "registry.k8s.io/pause:3.10.1"
 [plugins.'io.containerd.cri.v1.runtime']
+  # These machines refuse a negative oom_score_adj (the write fails with EIO), and runc
+  # then fails every sandbox (-998: "can't get final child's PID from pipe"). Clamped to
+  # containerd's own, 0.
+  restrict_oom_score_adj = true
   enable_cdi = true
   cdi_spec_dirs = ["$K8S_DIR/cdi"]
   [plugins.'io.containerd.cri.v1.runtime'.containerd]
@@ -216,7 +220,7 @@ state = "$c/state"
     [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc]
       runtime_type = "io.containerd.runc.v2"
       [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc.options]
-        BinaryName = "$(command -v runc)"
+        BinaryName = "${K8S_RUNC:-$(command -v runc)}"
         Root = "$c/runc"
         SystemdCgroup = false
   [plugins.'io.containerd.cri.v1.runtime'.cni]
