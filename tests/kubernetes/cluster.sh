@@ -19,8 +19,10 @@
 #       kubelet (root directory DIR/kubelet, cgroupfs, cgroup v1 allowed); waits until the
 #       node is Ready. k8s_start_kubelet and k8s_stop_kubelet start and stop the kubelet alone.
 #   k8s_stop
-#       stops all of it, kills what runs in the pods' cgroups, removes those cgroups and
-#       unmounts whatever is mounted under DIR. Safe to call twice.
+#       stops all of it, kills what runs in the pods' cgroups, removes those cgroups,
+#       unmounts whatever is mounted under DIR, and removes what the daemons leave at fixed
+#       paths (shim sockets in /run/containerd/s, log links in /var/log/containers). Safe
+#       to call twice.
 #
 # Every daemon logs to DIR/log/NAME.log and runs in a session of its own, its pid in
 # DIR/run/NAME.pid. Ports are on 127.0.0.1 only: etcd 23790/23800, the API server 16443,
@@ -143,7 +145,7 @@ k8s_wait() {
     done
 }
 
-kubectl() { "$k8s_bin/kubectl" --kubeconfig "$K8S_DIR/pki/admin.kubeconfig" "$@"; }
+kubectl() { "$k8s_bin/kubectl" --kubeconfig "$K8S_DIR/pki/admin.kubeconfig" --cache-dir "$K8S_DIR/kubectl-cache" "$@"; }
 
 k8s_start_control_plane() {
     K8S_DIR=$1
@@ -183,7 +185,8 @@ EOF
         --authorization-kubeconfig "$p/controller-manager.kubeconfig" \
         --bind-address 127.0.0.1 --secure-port 20257 --leader-elect=false \
         --service-account-private-key-file "$p/sa.key" --root-ca-file "$p/ca.crt" \
-        --use-service-account-credentials=true --controllers '*'
+        --use-service-account-credentials=true --controllers '*' \
+        --flex-volume-plugin-dir "$K8S_DIR/volume-plugins"
     k8s_spawn kube-scheduler "$k8s_bin/kube-scheduler" --kubeconfig "$p/scheduler.kubeconfig" \
         --authentication-kubeconfig "$p/scheduler.kubeconfig" \
         --authorization-kubeconfig "$p/scheduler.kubeconfig" \
@@ -204,6 +207,11 @@ root = "$c/root"
 state = "$c/state"
 [grpc]
   address = "$c/containerd.sock"
+# Nothing outside the test's directory: not /opt/containerd, not NRI's /var/run/nri.
+[plugins.'io.containerd.internal.v1.opt']
+  path = "$c/opt"
+[plugins.'io.containerd.nri.v1.nri']
+  disable = true
 [plugins.'io.containerd.cri.v1.images']
   snapshotter = "${K8S_SNAPSHOTTER:-overlayfs}"
   [plugins.'io.containerd.cri.v1.images'.pinned_images]
@@ -262,6 +270,7 @@ imageGCHighThresholdPercent: 100
 imageGCLowThresholdPercent: 99
 resolvConf: /etc/resolv.conf
 podLogsDir: $K8S_DIR/pod-logs
+volumePluginDir: $K8S_DIR/volume-plugins
 EOF
     k8s_spawn kubelet "$k8s_bin/kubelet" --config "$K8S_DIR/kubelet.yaml" \
         --kubeconfig "$K8S_DIR/pki/kubelet.kubeconfig" --root-dir "$k" \
@@ -324,6 +333,14 @@ k8s_stop() {
         kill -KILL "$pid" 2>/dev/null || true
     done
     k8s_kill_pods
+    # A killed shim leaves its socket in /run/containerd/s (a fixed path, whatever
+    # containerd's state directory); containerd's log names each shim's.
+    sed -n 's|.*connecting to shim.*address="unix://\(/run/containerd/s/[0-9a-f]*\)".*|\1|p' \
+        "$K8S_DIR/log/containerd.log" 2>/dev/null | sort -u | xargs -r rm -f
+    rmdir /run/containerd/s /run/containerd 2>/dev/null || true
+    # The kubelet links each container's log into /var/log/containers, a fixed path.
+    find /var/log/containers -maxdepth 1 -lname "$K8S_DIR/*" -delete 2>/dev/null || true
+    rmdir /var/log/containers 2>/dev/null || true
     # Mounts under the directory (pods' volumes, the snapshots, the shims' rootfs): deepest first.
     awk -v d="$K8S_DIR" 'index($2, d) == 1 {print $2}' /proc/mounts | sort -r | while read -r m; do
         umount "$m" 2>/dev/null || umount -l "$m" 2>/dev/null || true
