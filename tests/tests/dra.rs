@@ -2,8 +2,9 @@
 //! (`gpud_tests::apiserver`, reached through a kubeconfig by gpud's kube-rs client) and a
 //! fake kubelet speaking the real gRPC protocol on the real sockets: the slice published
 //! and republished, a claim prepared and released, and a claim deleted while gpud was down
-//! released at its start. No kube-apiserver or kubelet runs on these machines; see
-//! docs/kubernetes.md for trying it on a real cluster.
+//! released at its start: what a real cluster cannot be made to do on demand (an API server
+//! that fails, hostile allocations). The real API server, scheduler, kubelet and containerd
+//! drive gpud in tests/kubernetes/run; see docs/kubernetes.md.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a failed step should stop with its line
 

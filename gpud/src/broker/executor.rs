@@ -394,8 +394,12 @@ impl Executor {
         for (cgroup, uuid) in std::mem::take(&mut effects.limits) {
             let (soft, hard) = self.ledger.wanted_limits(&cgroup, &uuid);
             let path = std::path::Path::new(&cgroup);
-            // A removed cgroup has no limits left to reset.
-            if soft == 0 && hard == NO_LIMIT && !path.is_dir() {
+            // A removed cgroup has no limits left to reset, and none to set: its container
+            // ended while gpud was not running (the runtime removed it), and the driver
+            // would refuse the call. The reservation is not made advisory for it: its
+            // watch, started with it, detaches the cgroup and the reservation waits for its
+            // next container.
+            if !path.is_dir() {
                 continue;
             }
             let result = match &self.isolation.limiter {

@@ -266,6 +266,55 @@ fn limits_left_by_a_failed_reset_are_reset_at_the_next_start() {
     assert!(b.read_history(|s| s.limits_pending()).unwrap().is_empty());
 }
 
+#[test]
+fn a_container_cgroup_removed_while_gpud_was_down_is_no_refused_limit() {
+    for require in [false, true] {
+        let state = tempfile::tempdir().unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let cg = dir.path().join("container");
+        std::fs::create_dir(&cg).unwrap();
+        let cg = cg.display().to_string();
+        let limiter = Arc::new(Recorder::default());
+        let b = start(
+            Store::open(state.path()).unwrap(),
+            config(require, true),
+            &limiter,
+        );
+        let lease = reserve(
+            &b,
+            ReserveRequest {
+                target: Target::awaiting_attach("no container yet"),
+                ..on(dir.path(), 2)
+            },
+        )
+        .unwrap();
+        b.attach_cgroup(ROOT, lease.id.clone(), Target::on(&cg))
+            .wait()
+            .unwrap();
+        drop(b);
+
+        // The pod was deleted while gpud was down: its runtime removed the cgroup, which
+        // the driver refuses to limit. gpud starts again.
+        std::fs::remove_dir(&cg).unwrap();
+        let limiter = Arc::new(Recorder::default());
+        limiter.refuse.lock().unwrap().push(cg.clone());
+        let b = start(
+            Store::open(state.path()).unwrap(),
+            config(require, true),
+            &limiter,
+        );
+        b.ping().wait().unwrap();
+        let after = isolation_of(&b, &lease.id);
+        assert_eq!(after.mode, IsolationMode::Driver, "{require}: {after:?}");
+        assert!(limiter.take().is_empty());
+        let events = recorded(&b);
+        assert!(
+            !events.iter().any(|e| e.message.contains("refused")),
+            "{require}: {events:?}"
+        );
+    }
+}
+
 /// A [`Config`] with `[isolation] require` and `[cdi] enabled` as given.
 fn config(require: bool, cdi: bool) -> Config {
     Config {
