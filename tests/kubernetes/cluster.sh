@@ -52,6 +52,12 @@ k8s_build() {
         return 0
     fi
     t0=$SECONDS
+    # Go 1.26 or newer; where it is installed but not on PATH, at its usual place.
+    command -v go >/dev/null || PATH=/usr/local/go/bin:$PATH
+    if ! command -v go >/dev/null; then
+        echo "kubernetes: no Go to build Kubernetes with: install Go 1.26 or newer (https://go.dev/dl), or put it on PATH" >&2
+        return 1
+    fi
     mkdir -p "$k8s_bin"
     (
         export GOMODCACHE=$k8s_root/target/kubernetes/gomod GOCACHE=$k8s_root/target/kubernetes/gocache
