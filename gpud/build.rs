@@ -18,6 +18,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         root.join("podresources/v1/api.proto"),
         root.join("dra/v1/api.proto"),
         root.join("dra/v1beta1/api.proto"),
+        root.join("dra-health/v1alpha1/api.proto"),
         root.join("pluginregistration/v1/api.proto"),
     ];
     for proto in &protos {

@@ -1,6 +1,7 @@
 //! The kubelet's gRPC APIs, generated at build time (`gpud/build.rs`) from the protos vendored
 //! in `gpud/proto/`: the device plugin API (`v1beta1`), the pod-resources API (`v1`), the
-//! DRA plugin API (`v1`, `v1beta1`) and plugin registration.
+//! DRA plugin API (`v1`, `v1beta1`), the DRA resource health API (`v1alpha1`) and plugin
+//! registration.
 //!
 //! Public so that the integration tests' fake kubelet speaks exactly the same wire types.
 //! prost names: `deviceIDs` → `device_i_ds`, `available_deviceIDs` → `available_device_i_ds`,
@@ -52,6 +53,13 @@ generated!(
     /// DRA plugin API v1beta1: the same messages as v1, in the package older kubelets call.
     dra_v1beta1,
     "k8s.io.kubelet.pkg.apis.dra.v1beta1"
+);
+
+generated!(
+    /// DRA resource health v1alpha1: `DRAResourceHealth` (served by a DRA driver beside
+    /// `DRAPlugin`; gpud's `dra::health`).
+    dra_health_v1alpha1,
+    "v1alpha1"
 );
 
 generated!(

@@ -19,6 +19,8 @@
 //! - [`driver`]: the driver in `gpud run`: the sockets, the slice kept in step with the
 //!   machine, and the release of reservations whose claim is gone.
 //! - [`view`] (pure): the cluster-wide view `kubectl gpud` prints.
+//! - [`health`]: the kubelet's `DRAResourceHealth` stream, each device's health, served on
+//!   the DRA endpoint beside [`plugin`].
 //! - [`registration`]: the plugin registration socket the kubelet's plugin watcher finds,
 //!   and the DRA endpoint it then calls.
 //!
@@ -57,6 +59,7 @@
 
 pub mod claims;
 pub mod driver;
+pub mod health;
 pub mod kube;
 pub mod plugin;
 pub mod quantity;

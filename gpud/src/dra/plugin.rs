@@ -44,6 +44,16 @@ impl Plugin {
         }
     }
 
+    /// The broker the plugin reserves through.
+    pub(super) fn broker(&self) -> &Arc<Broker> {
+        &self.broker
+    }
+
+    /// This node's pool.
+    pub(super) fn pool(&self) -> &str {
+        &self.pool
+    }
+
     /// Reads `claim`'s allocation from the API server (the call bounded by the source), or
     /// why it cannot be prepared.
     async fn read(&self, claim: &ClaimRef) -> Result<ClaimAllocation, String> {

@@ -11,6 +11,7 @@ use tonic::{Request, Response, Status};
 use super::plugin::Plugin;
 use super::{DRIVER, SUPPORTED_VERSIONS};
 use crate::kubelet::authority::incoming;
+use crate::proto::dra_health_v1alpha1::dra_resource_health_server::DraResourceHealthServer;
 use crate::proto::dra_v1::dra_plugin_server::DraPluginServer;
 use crate::proto::pluginregistration::registration_server::{Registration, RegistrationServer};
 use crate::proto::pluginregistration::{
@@ -98,7 +99,10 @@ pub async fn serve(
     };
     let dra = tonic::transport::Server::builder()
         .add_service(DraPluginServer::new(plugin.clone()))
-        .add_service(crate::proto::dra_v1beta1::dra_plugin_server::DraPluginServer::new(plugin))
+        .add_service(
+            crate::proto::dra_v1beta1::dra_plugin_server::DraPluginServer::new(plugin.clone()),
+        )
+        .add_service(DraResourceHealthServer::new(plugin))
         .serve_with_incoming_shutdown(incoming(endpoint), wait(stopped.clone()));
     let registrar = Registrar {
         endpoint: sockets.endpoint.clone(),

@@ -420,3 +420,66 @@ async fn a_kubelet_speaking_v1beta1_gets_the_same_answers() {
     assert_eq!(unprepared.claims["uid-1"].error, "");
     assert!(b.snapshot().reservations.is_empty());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_health_stream_tells_each_device_at_once_and_a_gpu_turning_unhealthy_within_seconds() {
+    use crate::broker::AuditFindings;
+    use crate::proto::dra_health_v1alpha1::dra_resource_health_client::DraResourceHealthClient;
+    use crate::proto::dra_health_v1alpha1::dra_resource_health_server::DraResourceHealth as _;
+    use crate::proto::dra_health_v1alpha1::{HealthStatus, NodeWatchResourcesRequest};
+
+    let dir = tempfile::tempdir().unwrap();
+    let b = broker(dir.path(), true);
+    let (sockets, _stop) = start(dir.path(), b.clone(), Arc::default());
+    let mut client = DraResourceHealthClient::new(dial(&sockets.endpoint).await);
+    let mut stream = client
+        .node_watch_resources(NodeWatchResourcesRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    let health = |r: crate::proto::dra_health_v1alpha1::NodeWatchResourcesResponse| {
+        r.devices
+            .iter()
+            .map(|d| {
+                let id = d.device.clone().unwrap();
+                assert_eq!(id.pool_name, POOL);
+                (id.device_name, d.health())
+            })
+            .collect::<Vec<_>>()
+    };
+    let first = stream.message().await.unwrap().unwrap();
+    assert_eq!(
+        health(first),
+        [
+            ("gpu-0".to_owned(), HealthStatus::Healthy),
+            ("gpu-1".to_owned(), HealthStatus::Healthy)
+        ]
+    );
+    let findings = AuditFindings {
+        health: vec![(1, false)],
+        ..AuditFindings::default()
+    };
+    tokio::task::block_in_place(|| b.apply_audit(findings).wait().unwrap());
+    let next = tokio::time::timeout(std::time::Duration::from_secs(5), stream.message())
+        .await
+        .expect("no news of the unhealthy GPU within 5 s")
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        health(next),
+        [
+            ("gpu-0".to_owned(), HealthStatus::Healthy),
+            ("gpu-1".to_owned(), HealthStatus::Unhealthy)
+        ]
+    );
+    // A plugin built without a slice's sockets answers the same way.
+    let plugin = Plugin::new(b, Arc::new(ApiServer::default()), POOL.to_owned());
+    let mut direct = plugin
+        .node_watch_resources(tonic::Request::new(NodeWatchResourcesRequest {}))
+        .await
+        .unwrap()
+        .into_inner();
+    use tokio_stream::StreamExt as _;
+    let again = direct.next().await.unwrap().unwrap();
+    assert_eq!(health(again)[1].1, HealthStatus::Unhealthy);
+}
