@@ -24,17 +24,7 @@
 use std::time::{Duration, Instant};
 
 use gpud::config::{QueuePolicy, WaitConfig};
-use gpud_sim::{self as sim, Class, ClassReport, Params, Report};
-
-fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
-    match std::env::var(name) {
-        Ok(v) => v
-            .trim()
-            .parse()
-            .unwrap_or_else(|_| panic!("{name}={v:?} is not a valid value")),
-        Err(_) => default,
-    }
-}
+use gpud_sim::{self as sim, Class, ClassReport, Params, Report, env_or};
 
 fn main() {
     let holds: u32 = env_or("GPUD_SIM_HOLDS", 500);

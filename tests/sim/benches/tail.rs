@@ -26,17 +26,7 @@
 use std::time::{Duration, Instant};
 
 use gpud::config::{QueuePolicy, WaitConfig};
-use gpud_sim::{self as sim, Class, Params, Report, Workload};
-
-fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
-    match std::env::var(name) {
-        Ok(v) => v
-            .trim()
-            .parse()
-            .unwrap_or_else(|_| panic!("{name}={v:?} is not a valid value")),
-        Err(_) => default,
-    }
-}
+use gpud_sim::{self as sim, Class, Params, Report, Workload, env_or};
 
 /// `1-3` or `1,5,9`.
 fn seeds(text: &str) -> Vec<u64> {

@@ -489,6 +489,19 @@ pub enum SimError {
     Stuck(Millis),
 }
 
+/// The benchmarks' settings: environment variable `name` parsed, or `default` when it is
+/// not set; a value that does not parse stops the run.
+#[allow(clippy::panic)]
+pub fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
+    match std::env::var(name) {
+        Ok(v) => v
+            .trim()
+            .parse()
+            .unwrap_or_else(|_| panic!("{name}={v:?} is not a valid value")),
+        Err(_) => default,
+    }
+}
+
 /// The node's inventory: `gpus` GPUs of `memory` bytes, every pair joined by NVLink (an
 /// NVSwitch machine), so that topology plays no part in who waits.
 pub fn node(gpus: u32, memory: u64) -> GpuInventory {
