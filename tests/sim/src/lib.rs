@@ -1025,6 +1025,19 @@ mod tests {
         c.waits.iter().map(|w| w / SECOND).collect()
     }
 
+    /// The share of `draws` that `f` holds for.
+    fn share_of(draws: &[Ask], f: &dyn Fn(&Ask) -> bool) -> f64 {
+        as_f64(draws.iter().filter(|a| f(a)).count() as u64) / as_f64(draws.len() as u64)
+    }
+
+    /// Asserts that `got` is `want` within `tolerance`.
+    fn near(got: f64, want: f64, tolerance: f64) {
+        assert!(
+            (got - want).abs() <= tolerance,
+            "{got} is not {want} ± {tolerance}"
+        );
+    }
+
     #[test]
     fn the_generator_draws_the_shares_and_sizes_it_is_given() {
         let workload = Workload {
@@ -1034,15 +1047,7 @@ mod tests {
         let mut g = Generator::new(workload.clone(), 7);
         let n = 100_000;
         let draws: Vec<Ask> = (0..n).map(|_| g.draw()).collect();
-        let share = |f: &dyn Fn(&Ask) -> bool| {
-            as_f64(draws.iter().filter(|a| f(a)).count() as u64) / as_f64(n)
-        };
-        let near = |got: f64, want: f64, tolerance: f64| {
-            assert!(
-                (got - want).abs() <= tolerance,
-                "{got} is not {want} ± {tolerance}"
-            );
-        };
+        let share = |f: &dyn Fn(&Ask) -> bool| share_of(&draws, f);
         near(share(&|a| a.class == Class::Whole), 0.55, 0.01);
         near(share(&|a| a.class == Class::Multi), 0.01, 0.002);
         near(share(&|a| a.class == Class::Fractional), 0.44, 0.01);
@@ -1090,15 +1095,7 @@ mod tests {
         let mut g = Generator::new(Workload::openb(), 7);
         let n = 200_000;
         let draws: Vec<Ask> = (0..n).map(|_| g.draw()).collect();
-        let share = |f: &dyn Fn(&Ask) -> bool| {
-            as_f64(draws.iter().filter(|a| f(a)).count() as u64) / as_f64(n)
-        };
-        let near = |got: f64, want: f64, tolerance: f64| {
-            assert!(
-                (got - want).abs() <= tolerance,
-                "{got} is not {want} ± {tolerance}"
-            );
-        };
+        let share = |f: &dyn Fn(&Ask) -> bool| share_of(&draws, f);
         near(share(&|a| a.class == Class::Whole), 0.554, 0.005);
         near(share(&|a| a.gpus == 2), 0.0023, 0.0005);
         near(share(&|a| a.gpus == 4), 0.0021, 0.0005);
