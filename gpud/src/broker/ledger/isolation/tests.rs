@@ -99,6 +99,14 @@ fn on(cgroup: &Path, gib: u64) -> ReserveRequest {
     }
 }
 
+/// A lease of `gib` that waits for its container's cgroup (as a CDI hook attaches it).
+fn awaiting(cgroup: &Path, gib: u64) -> ReserveRequest {
+    ReserveRequest {
+        target: Target::awaiting_attach("no container yet"),
+        ..on(cgroup, gib)
+    }
+}
+
 /// Reservation `id`'s isolation as the broker's snapshot has it.
 fn isolation_of(b: &Broker, id: &str) -> crate::model::ReservationIsolation {
     b.snapshot()
@@ -280,14 +288,7 @@ fn a_container_cgroup_removed_while_gpud_was_down_is_no_refused_limit() {
             config(require, true),
             &limiter,
         );
-        let lease = reserve(
-            &b,
-            ReserveRequest {
-                target: Target::awaiting_attach("no container yet"),
-                ..on(dir.path(), 2)
-            },
-        )
-        .unwrap();
+        let lease = reserve(&b, awaiting(dir.path(), 2)).unwrap();
         b.attach_cgroup(ROOT, lease.id.clone(), Target::on(&cg))
             .wait()
             .unwrap();
@@ -341,14 +342,7 @@ fn a_lease_waits_for_its_container_is_limited_while_it_runs_and_waits_again_afte
             config(require, false),
             &limiter,
         );
-        let lease = reserve(
-            &b,
-            ReserveRequest {
-                target: Target::awaiting_attach("no container yet"),
-                ..on(dir.path(), 2)
-            },
-        )
-        .unwrap();
+        let lease = reserve(&b, awaiting(dir.path(), 2)).unwrap();
         assert_eq!(lease.isolation.mode, IsolationMode::Pending, "{require}");
         assert_eq!(lease.isolation.reason.as_deref(), Some("no container yet"));
         assert!(limiter.take().is_empty());
@@ -433,14 +427,7 @@ fn an_advisory_reservation_s_recorded_cgroup_does_not_hold_back_the_next_contain
         &limiter,
     );
     let (first, second) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let lease = reserve(
-        &b,
-        ReserveRequest {
-            target: Target::awaiting_attach("no container yet"),
-            ..on(first.path(), 1)
-        },
-    )
-    .unwrap();
+    let lease = reserve(&b, awaiting(first.path(), 1)).unwrap();
     assert_eq!(lease.isolation.mode, IsolationMode::Advisory);
     for dir in [first.path(), second.path()] {
         let r = b
