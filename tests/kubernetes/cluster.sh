@@ -28,6 +28,10 @@
 # DIR/run/NAME.pid. Ports are on 127.0.0.1 only: etcd 23790/23800, the API server 16443,
 # the kubelet 20250/20248, the scheduler 20259, the controller-manager 20257.
 
+# Go 1.26 or newer builds the binaries; where it is installed but not on PATH, at its usual
+# place.
+command -v go >/dev/null || PATH=/usr/local/go/bin:$PATH
+
 K8S_NODE=${K8S_NODE:-gpud-node}
 K8S_API=https://127.0.0.1:16443
 k8s_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -52,8 +56,6 @@ k8s_build() {
         return 0
     fi
     t0=$SECONDS
-    # Go 1.26 or newer; where it is installed but not on PATH, at its usual place.
-    command -v go >/dev/null || PATH=/usr/local/go/bin:$PATH
     if ! command -v go >/dev/null; then
         echo "kubernetes: no Go to build Kubernetes with: install Go 1.26 or newer (https://go.dev/dl), or put it on PATH" >&2
         return 1
