@@ -101,6 +101,11 @@ fn a_whole_node_request_waits_for_the_holds_running_when_it_came_not_for_the_que
         c.join().unwrap();
     }
     assert_eq!(r.gpu_indices(), (0..8).collect::<Vec<u64>>());
+    // Shown with `--nocapture`: the figure docs/queue.md gives.
+    eprintln!(
+        "whole node granted after {waited:?} ({waiting} waiting in front); longest hold \
+         running when it came: {longest:?}"
+    );
     assert!(
         waited.as_secs_f64() <= 1.5 * longest.as_secs_f64(),
         "the whole node was granted after {waited:?}, with {waiting} requests waiting in \

@@ -114,8 +114,16 @@ fn main() {
          {weights:?}; warm-up 12 s, measured {seconds} s; seeds {seeds:?}"
     );
     println!(
-        "{:<30} {:>4} {:>9} {:>12} {:>12} {:>7} {:>9} {:>6}   longest wait: fractional / whole / multi-GPU",
-        "policy", "seed", "allocated", "longest wait", "longest hold", "ratio", "timed out", "goal"
+        "{:<30} {:>4} {:>9} {:>11} {:>12} {:>12} {:>7} {:>9} {:>6}   longest wait: fractional / whole / multi-GPU",
+        "policy",
+        "seed",
+        "allocated",
+        "empty GPUs",
+        "longest wait",
+        "longest hold",
+        "ratio",
+        "timed out",
+        "goal"
     );
     let started = Instant::now();
     for arm in &ARMS {
@@ -148,10 +156,11 @@ fn main() {
             timeouts += r.timed_out();
             let class = |c| r.class(c).map_or(0.0, |c| c.longest() as f64 / 1000.0);
             println!(
-                "{:<30} {:>4} {:>8.1}% {:>11.1}s {:>11.1}s {:>7.2} {:>9} {:>6}   {:.1} / {:.1} / {:.1} s",
+                "{:<30} {:>4} {:>8.1}% {:>10.1}% {:>11.1}s {:>11.1}s {:>7.2} {:>9} {:>6}   {:.1} / {:.1} / {:.1} s",
                 arm.name,
                 seed,
                 r.allocated * 100.0,
+                r.idle[0] * 100.0,
                 r.longest_wait() as f64 / 1000.0,
                 r.longest_hold as f64 / 1000.0,
                 r.tail_ratio(),

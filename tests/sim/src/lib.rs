@@ -32,6 +32,8 @@ use gpud::model::{Gpu, GpuInventory, Link, MemoryAsk, Millis, PcieLevel, Reserva
 use gpud::placement::{self, PlacementRequest, PlacementState};
 use gpud::store::{Store, StoreError};
 
+pub mod openb;
+
 const GIB: u64 = 1 << 30;
 
 /// The kinds of request, reported apart.
@@ -110,12 +112,20 @@ pub struct Workload {
     pub multi_weights: Vec<f64>,
     /// A fractional request asks for this share of a GPU's memory at least...
     pub fraction_min: f64,
-    /// ...and at most (uniformly in between).
+    /// ...and at most (uniformly in between), unless `fractions` says otherwise.
     pub fraction_max: f64,
+    /// The shares of a GPU fractional requests ask for, each with its relative weight;
+    /// empty: uniform between `fraction_min` and `fraction_max`.
+    pub fractions: Vec<(f64, f64)>,
     /// Median hold time.
     pub median_hold: Duration,
-    /// Hold times are log-normal: `median × e^(sigma × Z)`, `Z` standard normal.
+    /// Hold times are log-normal: `median × e^(sigma × Z)`, `Z` standard normal, unless
+    /// `hold_percentiles` says otherwise.
     pub hold_sigma: f64,
+    /// Hold times at evenly spaced probabilities from 0 to 1 (any unit, at least three,
+    /// ascending), scaled so that the middle one is `median_hold`; a hold is drawn between
+    /// two neighbours, linearly. Empty: log-normal.
+    pub hold_percentiles: Vec<f64>,
     /// No hold is longer than this (`None`: no cap).
     pub hold_cap: Option<Duration>,
     /// A request's lease is this many times its hold (rounded up to whole seconds).
@@ -144,8 +154,10 @@ impl Default for Workload {
             multi_weights: Vec::new(),
             fraction_min: 0.25,
             fraction_max: 0.9,
+            fractions: Vec::new(),
             median_hold: Duration::from_secs(600),
             hold_sigma: 1.0,
+            hold_percentiles: Vec::new(),
             hold_cap: None,
             lease_factor: 2.0,
             leaseless_share: 0.0,
@@ -157,23 +169,39 @@ impl Default for Workload {
 
 impl Workload {
     /// The mix of issue #44, Alibaba's `openb` trace as it was replayed against gpud on the
-    /// `dgx-a100` fixture (8 × 80 GiB): 55.4% whole GPUs, 43.6% fractions (from a quarter
-    /// to nine tenths of a GPU), 2, 4 and 8 GPUs at 0.23%, 0.21% and 0.62%; holds compressed
-    /// to a median of 0.6 s and capped at 12 s, with the heavy tail that makes a capped hold
-    /// one of those running about 98.6% of the time (σ = 2.4); leases of twice the hold;
-    /// waits of 60 s (100 median holds).
+    /// `dgx-a100` fixture (8 × 80 GiB): 55.4% whole GPUs, 43.6% fractions, 2, 4 and 8 GPUs
+    /// at 0.23%, 0.21% and 0.62%. The fractions are the trace's own ([`openb::FRACTIONS`]),
+    /// and so are the holds' percentiles ([`openb::HOLD_PERCENTILES`]), compressed to a
+    /// median of 0.6 s and capped at 12 s (about 6% of holds reach the cap); leases of
+    /// twice the hold; waits of 60 s (100 median holds).
     pub fn openb() -> Workload {
         Workload {
             whole_share: 0.554,
             multi_share: 0.0106,
             multi_gpus: vec![2, 4, 8],
             multi_weights: vec![0.23, 0.21, 0.62],
+            fractions: openb::FRACTIONS
+                .iter()
+                .map(|&(milli, pods)| (f64::from(milli) / 1000.0, f64::from(pods)))
+                .collect(),
             median_hold: Duration::from_millis(600),
-            hold_sigma: 2.4,
+            hold_percentiles: openb::HOLD_PERCENTILES
+                .iter()
+                .map(|&s| f64::from(s))
+                .collect(),
             hold_cap: Some(Duration::from_secs(12)),
             wait: Duration::from_secs(60),
             ..Workload::default()
         }
+    }
+
+    /// The smallest share of a GPU a fractional request asks for.
+    fn smallest_fraction(&self) -> f64 {
+        self.fractions
+            .iter()
+            .map(|&(f, _)| f)
+            .reduce(f64::min)
+            .unwrap_or(self.fraction_min)
     }
 }
 
@@ -206,8 +234,25 @@ impl Workload {
             || self.fraction_max > 1.0
         {
             Some("fractions are 0 < min ≤ max ≤ 1")
+        } else if self
+            .fractions
+            .iter()
+            .any(|&(f, w)| !(f > 0.0 && f <= 1.0) || w.is_nan() || w < 0.0)
+            || (!self.fractions.is_empty()
+                && self.fractions.iter().map(|f| f.1).sum::<f64>() <= 0.0)
+        {
+            Some("fractions: shares 0 < f ≤ 1, weights of at least 0, not all 0")
         } else if self.median_hold.is_zero() || self.hold_sigma.is_nan() || self.hold_sigma < 0.0 {
             Some("holds need a median above 0 and σ ≥ 0")
+        } else if !self.hold_percentiles.is_empty()
+            && (self.hold_percentiles.len() < 3
+                || self
+                    .hold_percentiles
+                    .iter()
+                    .any(|h| !(*h > 0.0 && h.is_finite()))
+                || self.hold_percentiles.windows(2).any(|w| w[0] > w[1]))
+        {
+            Some("hold_percentiles: at least three, above 0, ascending")
         } else if self.lease_factor.is_nan() || self.lease_factor <= 0.0 {
             Some("the lease factor is above 0")
         } else {
@@ -241,30 +286,35 @@ impl Generator {
             let i = if w.multi_weights.is_empty() {
                 self.rng.random_range(0..w.multi_gpus.len().max(1))
             } else {
-                let total: f64 = w.multi_weights.iter().sum();
-                let mut x = self.rng.random::<f64>() * total;
-                w.multi_weights
-                    .iter()
-                    .position(|p| {
-                        x -= p;
-                        x < 0.0
-                    })
-                    .unwrap_or(w.multi_weights.len() - 1)
+                pick(&mut self.rng, w.multi_weights.iter().copied())
             };
             let gpus = w.multi_gpus.get(i).copied().unwrap_or(2);
             (Class::Multi, gpus, MemoryAsk::Exclusive)
         } else if u < w.multi_share + w.whole_share {
             (Class::Whole, 1, MemoryAsk::Exclusive)
         } else {
-            let f = w.fraction_min + (w.fraction_max - w.fraction_min) * self.rng.random::<f64>();
+            let f = if w.fractions.is_empty() {
+                w.fraction_min + (w.fraction_max - w.fraction_min) * self.rng.random::<f64>()
+            } else {
+                w.fractions[pick(&mut self.rng, w.fractions.iter().map(|f| f.1))].0
+            };
             // Whole MiB, as people ask.
             let bytes = (to_u64(f * as_f64(w.gpu_memory)) >> 20).max(1) << 20;
             (Class::Fractional, 1, MemoryAsk::Bytes(bytes))
         };
-        let z = standard_normal(&mut self.rng);
         let median = as_f64(millis(w.median_hold));
+        let relative = if w.hold_percentiles.is_empty() {
+            (w.hold_sigma * standard_normal(&mut self.rng)).exp()
+        } else {
+            let p = &w.hold_percentiles;
+            let at = self.rng.random::<f64>() * as_f64(p.len() as u64 - 1);
+            #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+            let i = (at.floor() as usize).min(p.len() - 2);
+            let between = p[i] + (p[i + 1] - p[i]) * (at - as_f64(i as u64));
+            between / p[p.len() / 2]
+        };
         let cap = w.hold_cap.map_or(Millis::MAX, millis);
-        let hold = to_u64(median * (w.hold_sigma * z).exp()).clamp(1, cap.max(1));
+        let hold = to_u64(median * relative).clamp(1, cap.max(1));
         let lease = if self.rng.random::<f64>() < w.leaseless_share {
             None
         } else {
@@ -287,6 +337,20 @@ impl Source for Generator {
     fn ask(&mut self, _client: usize, _now: Millis) -> Ask {
         self.draw()
     }
+}
+
+/// An index drawn in proportion to `weights` (at least one above 0).
+fn pick(rng: &mut Xoshiro256PlusPlus, weights: impl Iterator<Item = f64> + Clone) -> usize {
+    let total: f64 = weights.clone().sum();
+    let mut x = rng.random::<f64>() * total;
+    let last = weights.clone().count() - 1;
+    weights
+        .into_iter()
+        .position(|w| {
+            x -= w;
+            x < 0.0
+        })
+        .unwrap_or(last)
 }
 
 /// One draw of a standard normal variable (Box–Muller; `rand_distr` is not a dependency).
@@ -552,7 +616,7 @@ fn smallest_request(w: &Workload) -> u64 {
         clippy::cast_sign_loss,
         clippy::cast_precision_loss
     )]
-    let mib = ((w.gpu_memory >> 20) as f64 * w.fraction_min).floor() as u64;
+    let mib = ((w.gpu_memory >> 20) as f64 * w.smallest_fraction()).floor() as u64;
     mib << 20
 }
 
@@ -1103,9 +1167,21 @@ mod tests {
         assert!(draws.iter().all(|a| a.hold <= 12_000 && a.expect.is_none()));
         let mut holds: Vec<Millis> = draws.iter().map(|a| a.hold).collect();
         holds.sort_unstable();
-        near(as_f64(holds[holds.len() / 2]), 600.0, 15.0);
-        // The heavy tail: about one hold in nine is capped.
-        near(share(&|a| a.hold == 12_000), 0.106, 0.01);
+        let at = |q: f64| as_f64(holds[usize::try_from(to_u64(q * as_f64(n))).unwrap()]);
+        near(at(0.5), 600.0, 15.0);
+        // The trace's shape, scaled by 0.6 s ÷ 655 s: its 25th and 75th percentiles
+        // (183 s, 2 303 s), and the 6.1% of its pods that ran past 20 medians, capped.
+        near(at(0.25), 168.0, 6.0);
+        near(at(0.75), 2110.0, 60.0);
+        near(share(&|a| a.hold == 12_000), 0.061, 0.005);
+        // The trace's fractions: 35% of them ask for 0.81 of a GPU, 24% for 0.47.
+        let fraction = |f: f64| {
+            let bytes = (to_u64(f * as_f64(80 * GIB)) >> 20) << 20;
+            move |a: &Ask| a.memory == MemoryAsk::Bytes(bytes)
+        };
+        let fractional = share(&|a| a.class == Class::Fractional);
+        near(share(&fraction(0.81)) / fractional, 1078.0 / 3078.0, 0.01);
+        near(share(&fraction(0.47)) / fractional, 750.0 / 3078.0, 0.01);
         let told = Generator::new(
             Workload {
                 expect: true,
@@ -1256,15 +1332,37 @@ mod tests {
 
     #[test]
     fn nonsense_parameters_are_refused() {
-        let bad = Workload {
-            whole_share: 0.8,
-            multi_share: 0.3,
-            ..Workload::default()
-        };
-        let params = Params {
-            workload: bad,
-            ..Params::new(8, WaitConfig::default())
-        };
-        assert!(matches!(run(&params), Err(SimError::Invalid(_))));
+        let bad = [
+            Workload {
+                whole_share: 0.8,
+                multi_share: 0.3,
+                ..Workload::default()
+            },
+            Workload {
+                fractions: vec![(1.5, 1.0)],
+                ..Workload::default()
+            },
+            Workload {
+                fractions: vec![(0.5, 0.0)],
+                ..Workload::default()
+            },
+            Workload {
+                hold_percentiles: vec![1.0, 2.0],
+                ..Workload::default()
+            },
+            Workload {
+                hold_percentiles: vec![1.0, 3.0, 2.0],
+                ..Workload::default()
+            },
+        ];
+        for workload in bad {
+            let why = format!("{workload:?}");
+            let params = Params {
+                workload,
+                ..Params::new(8, WaitConfig::default())
+            };
+            assert!(matches!(run(&params), Err(SimError::Invalid(_))), "{why}");
+        }
+        assert!(Workload::openb().check().is_ok());
     }
 }
