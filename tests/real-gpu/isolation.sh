@@ -64,7 +64,10 @@ for _ in $(seq 100); do [ -S "$work/gpud.sock" ] && break; sleep 0.1; done
 "$bin/gpuctl" gpus || fail "gpud did not answer"
 json() { python3 -c "import json,sys; d=json.load(sys.stdin); print($1)"; }
 mode0=$("$bin/gpuctl" gpus -o json | json 'd["gpus"][0]["isolation"]["mode"]')
-[ "$mode0" = driver ] || fail "GPU 0 is $mode0: $("$bin/gpuctl" gpus -o json | json 'd["gpus"][0]["isolation"].get("reason")')"
+if [ "$mode0" != driver ]; then
+    why=$("$bin/gpuctl" gpus -o json | json 'd["gpus"][0]["isolation"].get("reason") or ""')
+    fail "GPU 0's isolation is $mode0, not driver: this script checks per-cgroup limits, which need NVIDIA driver R615 or later${why:+ ($why)}"
+fi
 uuid=$("$bin/gpuctl" gpus -o json | json 'd["gpus"][0]["uuid"]')
 
 # The workload: its view of the card, then it waits on its stdin (a fifo this script holds).
