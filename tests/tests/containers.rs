@@ -395,6 +395,8 @@ fn under_require_an_r615_container_runs_limited_and_an_old_driver_one_is_refused
     assert_eq!(limits_left(d), json!({}));
     let out = run_container(None, &["--rm", "--device", &device(&id)], &["true"]);
     assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(d.delete(&format!("/v1/reservations/{id}")).status, 200);
+    assert!(!spec(&id).exists(), "a released lease's spec is removed");
     drop(iso);
 
     // An old driver (550): a lease made before `require` was turned on stays advisory, and
@@ -423,6 +425,9 @@ fn under_require_an_r615_container_runs_limited_and_an_old_driver_one_is_refused
     );
     assert!(stderr.contains("R615"), "{stderr}");
     assert!(stderr.contains("[isolation] require"), "{stderr}");
+    // Nothing left in the runtime's spec directory, which outlives the test.
+    assert_eq!(old.d.delete(&format!("/v1/reservations/{id}")).status, 200);
+    assert!(!spec(&id).exists(), "a released lease's spec is removed");
 }
 
 #[test]
