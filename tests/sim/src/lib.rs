@@ -341,16 +341,16 @@ impl Source for Generator {
 
 /// An index drawn in proportion to `weights` (at least one above 0).
 fn pick(rng: &mut Xoshiro256PlusPlus, weights: impl Iterator<Item = f64> + Clone) -> usize {
-    let total: f64 = weights.clone().sum();
-    let mut x = rng.random::<f64>() * total;
-    let last = weights.clone().count() - 1;
-    weights
-        .into_iter()
-        .position(|w| {
-            x -= w;
-            x < 0.0
-        })
-        .unwrap_or(last)
+    let mut x = rng.random::<f64>() * weights.clone().sum::<f64>();
+    let mut last = 0;
+    for (i, w) in weights.enumerate() {
+        x -= w;
+        if x < 0.0 {
+            return i;
+        }
+        last = i;
+    }
+    last
 }
 
 /// One draw of a standard normal variable (Box–Muller; `rand_distr` is not a dependency).
